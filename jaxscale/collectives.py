@@ -1,0 +1,104 @@
+"""Per-shard collectives with quantized payloads, for use inside `jax.shard_map` bodies.
+
+Each function sees local blocks. `axis_name` is one mesh axis (`NODE`, `LOCAL`) or a tuple of them
+(`(NODE, LOCAL)` = every device); S below is the size of that axis group. The payload is quantized per
+row (last axis), bitcast to unsigned ints and moved by ONE collective (fp8 scales ride inside it, see
+`quantization.encode`), then dequantized back to the input dtype.
+
+`all_to_all` / `all_gather` are forward-only for precisions other than 'fp32' (their bitcasts have no
+gradient); use `quantized_all_to_all` where gradients must flow.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale.quantization import check_fp8_format, check_precision, decode, encode
+
+AxisName = str | tuple[str, ...]
+
+
+def _axis(axis_name: str | Sequence[str]) -> AxisName:
+    """Lists are not hashable (custom_vjp needs hashable static args): normalise to str or tuple."""
+    return axis_name if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _check_float(x: jax.Array, fn: str) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn} quantizes float payloads; got {x.dtype}. Move ids with all_to_all_ids.")
+
+
+def _a2a(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    # split_axis = concat_axis = 0, tiled: block i goes to peer i; the op is its own transpose.
+    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+
+
+def _quantized_a2a(x: jax.Array, axis_name: AxisName, precision: str, fp8_format: str) -> jax.Array:
+    wire = _a2a(encode(x, precision, fp8_format), axis_name)
+    return decode(wire, precision, fp8_format, x.dtype)
+
+
+def all_to_all(x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32",
+               fp8_format: str = "e4m3") -> jax.Array:
+    """Tiled all_to_all of float rows x: [S*k, ..., d] -> same shape, block i of axis 0 sent to peer i.
+
+    The payload crosses the wire in `precision` ('fp32' is a plain all_to_all); the result is x.dtype.
+    """
+    _check_float(x, "all_to_all")
+    return _quantized_a2a(x, _axis(axis_name), check_precision(precision), check_fp8_format(fp8_format))
+
+
+def all_to_all_ids(x: jax.Array, axis_name: str | Sequence[str]) -> jax.Array:
+    """Tiled all_to_all of integer ids (never quantized: a rounded id is a different row)."""
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"all_to_all_ids moves integer ids; got {x.dtype}. Use all_to_all for float rows.")
+    return _a2a(x, _axis(axis_name))
+
+
+def all_gather(x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32",
+               fp8_format: str = "e4m3") -> jax.Array:
+    """Tiled all_gather along axis 0 ([k, ..., d] -> [S*k, ..., d]) with the payload in `precision`.
+
+    Used for the sparse replica sync: each replica gathers the touched rows' updates of its peers.
+    """
+    _check_float(x, "all_gather")
+    check_precision(precision)
+    check_fp8_format(fp8_format)
+    wire = jax.lax.all_gather(encode(x, precision, fp8_format), _axis(axis_name), axis=0, tiled=True)
+    return decode(wire, precision, fp8_format, x.dtype)
+
+
+def quantized_all_to_all(x: jax.Array, axis_name: str | Sequence[str], forward: str = "fp32",
+                         backward: str = "fp32", fp8_forward_format: str = "e4m3",
+                         fp8_backward_format: str = "e5m2") -> jax.Array:
+    """Differentiable `all_to_all`: rows travel in `forward` precision, their cotangents in `backward`.
+
+    The cotangent of a tiled split=concat=0 all_to_all is the same all_to_all of the cotangent, so the
+    backward pass is one more quantized all_to_all. Keyword names match `CommConfig`'s fields.
+    """
+    _check_float(x, "quantized_all_to_all")
+    check_precision(forward, "forward")
+    check_precision(backward, "backward")
+    check_fp8_format(fp8_forward_format, "fp8_forward_format")
+    check_fp8_format(fp8_backward_format, "fp8_backward_format")
+    return _qa2a(x, _axis(axis_name), forward, backward, fp8_forward_format, fp8_backward_format)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _qa2a(x, axis_name, forward, backward, fp8_forward_format, fp8_backward_format):
+    return _quantized_a2a(x, axis_name, forward, fp8_forward_format)
+
+
+def _qa2a_fwd(x, axis_name, forward, backward, fp8_forward_format, fp8_backward_format):
+    return _quantized_a2a(x, axis_name, forward, fp8_forward_format), None
+
+
+def _qa2a_bwd(axis_name, forward, backward, fp8_forward_format, fp8_backward_format, _, g):
+    return (_quantized_a2a(g, axis_name, backward, fp8_backward_format),)
+
+
+_qa2a.defvjp(_qa2a_fwd, _qa2a_bwd)

@@ -1,0 +1,352 @@
+"""The trainer's configuration: a tree of frozen, typed dataclasses loaded from YAML plus dotted overrides.
+
+    cfg = load_config("experiments/configs/foundation_smoke.yaml", ["train.steps=50", "mesh.nodes=2"])
+
+Values are type-checked against the field annotations (int, float, str, bool, Literal choices, Optional,
+unions, tuples/lists, dicts, nested dataclasses). Every error is a `ConfigError` naming the full dotted
+key. YAML is parsed with `yaml.safe_load` only: tags such as `!!python/object` are refused.
+The defaults are the smoke foundation run on 8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from jaxscale.plan import SHARDING_TYPES
+from models.dlrm import DLRMConfig
+from models.foundation import FoundationConfig
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message starts with the offending dotted key."""
+
+
+def _err(key: str, message: str) -> ConfigError:
+    err = ConfigError(f"{key}: {message}")
+    err.key = key
+    return err
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    nodes: int = 1
+    """Size of the 'node' axis (one process per node in a multi-process run)."""
+    local: int = 8
+    """Devices per node (the 'local' axis)."""
+
+    def __post_init__(self):
+        for f in ("nodes", "local"):
+            if getattr(self, f) < 1:
+                raise _err(f, f"must be >= 1, got {getattr(self, f)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig:
+    """Arguments of `EmbeddingCollection` (see its docstring)."""
+
+    topology: Literal["1d", "2d_ar", "2d_a2a"] = "1d"
+    sharding: str | dict[str, str] = "row_wise"
+    """One sharding type for every table, or {table name: type}."""
+    optimizer: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
+    learning_rate: float = 0.05
+    eps: float = 1e-8
+    capacity_factor: float | None = None
+    """None = exact worst-case all-to-all capacity (never overflows)."""
+    replica_sync: Literal["exact", "periodic"] = "exact"
+    sync_every: int = 1
+    comm_forward: Precision = "fp32"
+    comm_backward: Precision = "fp32"
+    plan_file: str | None = None
+    """A JSON ShardingPlan; overrides `sharding` when set."""
+
+    def __post_init__(self):
+        shardings = [self.sharding] if isinstance(self.sharding, str) else list(self.sharding.values())
+        bad = [s for s in shardings if s not in SHARDING_TYPES]
+        if bad:
+            raise _err("sharding", f"unknown sharding types {bad}; choose from {SHARDING_TYPES}")
+        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
+            raise _err("learning_rate", f"must be a finite number >= 0, got {self.learning_rate}")
+        if not self.eps >= 0:
+            raise _err("eps", f"must be >= 0, got {self.eps}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise _err("capacity_factor", f"must be null or > 0, got {self.capacity_factor}")
+        if self.sync_every < 1:
+            raise _err("sync_every", f"must be >= 1, got {self.sync_every}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    kind: Literal["foundation", "dlrm"] = "foundation"
+    foundation: FoundationConfig = dataclasses.field(default_factory=FoundationConfig)
+    dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["synthetic", "parquet"] = "synthetic"
+    path: str | None = None
+    """Parquet file of training examples (source='parquet')."""
+    eval_path: str | None = None
+    """Parquet file of held-out examples; None = no parquet eval."""
+    zipf_exponent: float = 1.1
+    scramble_ids: bool = False
+    """Synthetic ids: False keeps hot ids at low ids (the worst case for contiguous row sharding)."""
+    num_clusters: int = 32
+    """Synthetic foundation data: hidden item clusters that drive next-item transitions."""
+    seed: int = 0
+    eval_batches: int = 4
+    """Batches of the held-out split per evaluation."""
+
+    def __post_init__(self):
+        if self.source == "parquet" and not self.path:
+            raise _err("path", "is required when source='parquet'")
+        if not (self.zipf_exponent >= 0 and math.isfinite(self.zipf_exponent)):
+            raise _err("zipf_exponent", f"must be a finite number >= 0, got {self.zipf_exponent}")
+        if self.num_clusters < 1:
+            raise _err("num_clusters", f"must be >= 1, got {self.num_clusters}")
+        if self.eval_batches < 0:
+            raise _err("eval_batches", f"must be >= 0, got {self.eval_batches}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 64
+    """Global batch (all processes together); must divide evenly over the mesh."""
+    learning_rate: float = 3e-3
+    """Dense (optax adamw) peak learning rate."""
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    grad_clip_norm: float | None = 1.0
+    eval_every: int = 50
+    checkpoint_every: int = 0
+    """0 = no checkpoints."""
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    workdir: str = "runs/foundation_smoke"
+    nonfinite_policy: Literal["skip", "raise"] = "skip"
+    """A non-finite loss/gradient: skip the update (and count it) or raise."""
+    overflow_policy: Literal["error", "grow"] = "error"
+    """An all-to-all capacity overflow (capacity_factor set): raise, or grow the capacity and recompile."""
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "log_every", "keep_checkpoints"):
+            if getattr(self, f) < 1:
+                raise _err(f, f"must be >= 1, got {getattr(self, f)}")
+        for f in ("warmup_steps", "eval_every", "checkpoint_every"):
+            if getattr(self, f) < 0:
+                raise _err(f, f"must be >= 0, got {getattr(self, f)}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise _err("learning_rate", f"must be a finite number > 0, got {self.learning_rate}")
+        if not self.weight_decay >= 0:
+            raise _err("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise _err("grad_clip_norm", f"must be null or > 0, got {self.grad_clip_norm}")
+        if not self.workdir:
+            raise _err("workdir", "must be a non-empty path")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    embedding: EmbeddingConfig = dataclasses.field(default_factory=EmbeddingConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        devices = self.mesh.nodes * self.mesh.local
+        if self.train.batch_size % devices:
+            raise _err("train.batch_size", f"{self.train.batch_size} is not divisible by the "
+                                           f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh")
+        if self.embedding.replica_sync == "periodic" and self.embedding.topology == "1d":
+            raise _err("embedding.replica_sync", "'periodic' needs replicas: use topology '2d_ar' or '2d_a2a'")
+
+    @property
+    def local_batch_size(self) -> int:
+        """Rows each process (node) feeds per step."""
+        return self.train.batch_size // self.mesh.nodes
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp, value, key: str):
+    """Checks `value` against annotation `tp` and returns it in canonical form (tuples, floats)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, {} if value is None else value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise _err(key, f"must be one of {list(choices)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _err(key, f"is required (expected {_type_name(tp)}), got null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[1])
+        raise _err(key, " or ".join(errors) if len(errors) > 1 else errors[0])
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _err(key, f"must be null, got {value!r}")
+    if value is None:
+        raise _err(key, f"is required (expected {_type_name(tp)}), got null")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (tuple, list, Sequence):
+        if isinstance(value, (list, tuple)):
+            args = typing.get_args(tp)
+            if origin is tuple and args and args[-1] is not Ellipsis:
+                if len(value) != len(args):
+                    raise _err(key, f"must have {len(args)} entries, got {len(value)}")
+                items = [_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+            else:
+                elem = args[0] if args else Any
+                items = [_coerce(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+            return list(items) if origin is list else tuple(items)
+        raise _err(key, f"must be a list, got {type(value).__name__} {value!r}")
+    elif origin in (dict, Mapping):
+        if isinstance(value, dict):
+            kt, vt = typing.get_args(tp) or (Any, Any)
+            return {_coerce(kt, k, f"{key}.{k}"): _coerce(vt, v, f"{key}.{k}") for k, v in value.items()}
+        raise _err(key, f"must be a mapping, got {type(value).__name__} {value!r}")
+    else:
+        raise _err(key, f"unsupported annotation {tp!r}")
+    raise _err(key, f"must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls, data, prefix: str):
+    """Builds dataclass `cls` from a mapping; `prefix` is its dotted key ('' at the root)."""
+    where = prefix or "<root>"
+    if not isinstance(data, Mapping):
+        raise _err(where, f"must be a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    dotted = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: str(k))
+    for k in data:
+        if k not in fields:
+            close = difflib.get_close_matches(str(k), list(fields), n=1)
+            hint = f" (did you mean {dotted(close[0])!r}?)" if close else ""
+            raise _err(dotted(k), f"unknown key{hint}; {cls.__name__} has {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], dotted(name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _err(dotted(name), "is required")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # raised by __post_init__ with the key relative to `cls`
+        key = getattr(e, "key", None)
+        raise _err(dotted(key) if key else where, str(e).split(": ", 1)[1] if key else str(e)) from None
+    except ValueError as e:
+        field = getattr(e, "field", None)
+        raise _err(dotted(field) if field else where, str(e)) from None
+
+
+def _apply_override(tree: dict, item: str) -> None:
+    if "=" not in item:
+        raise _err(item, "override must look like dotted.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise _err(key or item, "override key must be a dotted path like train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise _err(key, f"cannot parse override value {raw!r}: {e}") from None
+    node = tree
+    for i, p in enumerate(parts[:-1]):
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise _err(".".join(parts[: i + 1]), f"is {child!r}, not a section; cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Config from a YAML file (None: defaults) and `dotted.key=value` overrides (values parsed as YAML)."""
+    tree: Any = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f)
+        except yaml.YAMLError as e:  # includes ConstructorError for !!python/* tags
+            raise ConfigError(f"{path}: not a valid (safe) YAML config: {e}") from None
+        if tree is None:
+            tree = {}
+        if not isinstance(tree, dict):
+            raise _err("<root>", f"{path} must hold a mapping, got {type(tree).__name__}")
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    for item in overrides:
+        _apply_override(tree, item)
+    return _build(Config, tree, "")
+
+
+def config_from_dict(tree: Mapping) -> Config:
+    """A Config from a plain nested dict (the inverse of `config_to_dict`)."""
+    return _build(Config, dict(tree), "")
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain nested dict (lists for tuples) that `load_config` reads back to an equal Config."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, Mapping):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+    return plain(cfg)
+
+
+def dump_config(cfg) -> str:
+    """YAML text of a Config (safe_dump: plain types only)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)

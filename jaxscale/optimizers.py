@@ -1,0 +1,71 @@
+"""Sparse row-wise optimizers for embedding tables (FBGEMM's fused-optimizer semantics).
+
+They are applied only to rows that were looked up, after duplicate ids have been summed, so a step costs
+O(touched rows) whatever the table size. The math is that of FBGEMM's TBE (`EXACT_SGD`,
+`EXACT_ROWWISE_ADAGRAD`), which is what TorchRec's fused optimizers run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+def _check_positive(owner: str, field: str, value, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ValueError(f"{owner}.{field} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """w_r -= lr * g_r for every touched row r (g_r: the row's summed gradient)."""
+
+    learning_rate: float
+
+    slots: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
+
+    def __post_init__(self):
+        _check_positive("SGD", "learning_rate", self.learning_rate, allow_zero=True)
+
+    def row_update(self, rows_w, rows_slots, g):
+        """(delta for the rows' weights, new slot values) given the rows' summed gradients g [n, d]."""
+        del rows_w
+        return -self.learning_rate * g, rows_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdagrad:
+    """Exact row-wise AdaGrad, as FBGEMM defines it.
+
+    Per touched row r with summed gradient g: acc_r += mean(g**2 over the dim);
+    w_r -= lr * g / (sqrt(acc_r) + eps). One float of state per row.
+    """
+
+    learning_rate: float
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+
+    slots: tuple[str, ...] = dataclasses.field(default=("accumulator",), init=False, repr=False)
+
+    def __post_init__(self):
+        _check_positive("RowWiseAdagrad", "learning_rate", self.learning_rate, allow_zero=True)
+        _check_positive("RowWiseAdagrad", "eps", self.eps, allow_zero=True)
+        _check_positive("RowWiseAdagrad", "initial_accumulator_value", self.initial_accumulator_value, allow_zero=True)
+
+    def row_update(self, rows_w, rows_slots, g):
+        del rows_w
+        acc = rows_slots["accumulator"] + jnp.mean(g * g, axis=-1)
+        delta = -(self.learning_rate * g / (jnp.sqrt(acc)[:, None] + self.eps))
+        return delta, {"accumulator": acc}
+
+    def initial_slot(self, name: str) -> float:
+        return self.initial_accumulator_value
+
+
+def slot_initial_value(optimizer, name: str) -> float:
+    return optimizer.initial_slot(name) if hasattr(optimizer, "initial_slot") else 0.0
+
+
+OPTIMIZERS = (SGD, RowWiseAdagrad)

@@ -1,0 +1,396 @@
+"""A PinFM-style user-sequence foundation model: a causal GPT-2-style transformer over activity events.
+
+An event is (timestamp, action, surface, item). The item ids are the only large vocabulary: they live in
+sharded `EmbeddingCollection` sequence tables (pooling=None) and reach this module as looked-up vectors.
+Actions and surfaces have tens of values, so they are plain `nnx.Embed` params inside the model
+(replicated, data-parallel like the rest of the dense model): routing a 4-row table through the
+all-to-all would cost a collective and buy nothing.
+
+Data flow (the trainer's job; this module never sees the tables):
+
+    ids = foundation_ids(cfg, batch)            # {item feature: int32 [B, L]}, -1 = padding
+    emb = ec.lookup(state, ids)                 # {item feature: f32 [B, L, item_dim]}
+    loss, metrics = foundation_loss(model, emb, batch)
+
+`batch` keys (see `jaxscale.data.SyntheticFoundationData`): item_ids int32 [B, L] (raw ids, -1 padded),
+timestamps int32 [B, L] (unix seconds), actions int32 [B, L], surfaces int32 [B, L], engaged f32 [B, L]
+(label: did the user engage with this event's item), mask bool [B, L] (item_ids >= 0).
+
+Heads, both causal (position t sees events <= t only):
+  * next-item retrieval: the query at t is scored against the item embedding of event t+1 with an InfoNCE
+    loss over in-batch negatives (the other events' next items). The candidates are the looked-up item
+    embeddings themselves, so the retrieval gradient reaches the item tables on both sides.
+  * engagement: from the history at t and the item of event t+1, predict whether event t+1 was engaged.
+    Predicting the *next* event's label keeps the label out of the inputs (event t's action encodes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxscale.tables import TableConfig
+
+TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
+ITEM_COMBINES = ("sum", "concat")
+DTYPES = ("float32", "bfloat16")
+
+
+def field_error(owner: str, field: str, message: str) -> ValueError:
+    """A ValueError that names `owner.field` and carries `.field`, so config loading can report the full key."""
+    err = ValueError(f"{owner}.{field} {message}")
+    err.field = field
+    return err
+
+
+def check_int(owner: str, obj, field: str, minimum: int = 1) -> None:
+    value = getattr(obj, field)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise field_error(owner, field, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def check_float(owner: str, obj, field: str, low: float, high: float = math.inf,
+                low_open: bool = False) -> None:
+    value = getattr(obj, field)
+    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low}, {high}]"
+        raise field_error(owner, field, f"must be a number in {bound}, got {value!r}")
+
+
+def check_choice(owner: str, obj, field: str, choices) -> None:
+    value = getattr(obj, field)
+    if value not in choices:
+        raise field_error(owner, field, f"must be one of {choices}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FoundationConfig:
+    """Shape of the foundation model and its item tables. Defaults are the CPU smoke size."""
+
+    item_rows: int = 20_000
+    """Rows of each item table. Raw item ids beyond this are hashed into it (see `item_vocab`)."""
+    item_dim: int = 32
+    """Embedding dim of each item table (the all-to-all payload per event is item_dim floats per table)."""
+    item_vocab: int | None = None
+    """Range of raw item ids; None = item_rows (ids index the single table directly)."""
+    num_item_tables: int = 1
+    """Items are hashed into this many tables with independent hashes (fewer harmful collisions)."""
+    item_combine: Literal["sum", "concat"] = "sum"
+    """How the per-table item vectors are combined into one item vector."""
+    item_reshape: Literal["half_dim"] | None = None
+    """TableConfig.reshape for the item tables (bandwidth-aware embeddings)."""
+    num_actions: int = 4
+    num_surfaces: int = 4
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    max_seq_len: int = 32
+    dropout: float = 0.0
+    time_encoding: Literal["log_bucket", "sinusoidal", "none"] = "log_bucket"
+    """Encoding of the gap to the previous event: log-spaced buckets, log-gap sinusoids, or nothing."""
+    time_buckets: int = 32
+    time_max_seconds: float = 3.0e7
+    """Gaps are clipped here (about a year) before encoding."""
+    temperature: float = 0.1
+    """InfoNCE temperature on cosine similarities."""
+    max_negatives: int = 0
+    """In-batch candidate pool size (a strided subset of the next items); 0 = every next item in the batch."""
+    recall_k: int = 10
+    retrieval_weight: float = 1.0
+    engage_weight: float = 1.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Activation dtype of the transformer; params, softmax and losses stay float32."""
+
+    def __post_init__(self):
+        o = "FoundationConfig"
+        for f in ("item_rows", "item_dim", "num_item_tables", "num_actions", "num_surfaces", "d_model",
+                  "num_layers", "num_heads", "mlp_ratio", "time_buckets", "recall_k"):
+            check_int(o, self, f, 1)
+        check_int(o, self, "max_seq_len", 2)
+        check_int(o, self, "max_negatives", 0)
+        if self.item_vocab is not None:
+            check_int(o, self, "item_vocab", 1)
+            if self.item_vocab > 2**31 - 1:
+                raise field_error(o, "item_vocab", f"must fit int32, got {self.item_vocab}")
+        if self.item_rows > 2**31 - 1:
+            raise field_error(o, "item_rows", f"must fit int32, got {self.item_rows}")
+        check_choice(o, self, "item_combine", ITEM_COMBINES)
+        check_choice(o, self, "item_reshape", (None, "half_dim"))
+        if self.item_reshape == "half_dim" and self.item_dim % 2:
+            raise field_error(o, "item_dim", f"must be even with item_reshape='half_dim', got {self.item_dim}")
+        check_choice(o, self, "time_encoding", TIME_ENCODINGS)
+        check_choice(o, self, "dtype", DTYPES)
+        if self.d_model % self.num_heads:
+            raise field_error(o, "num_heads", f"must divide d_model={self.d_model}, got {self.num_heads}")
+        if self.time_encoding == "sinusoidal" and self.d_model % 2:
+            raise field_error(o, "d_model", f"must be even for sinusoidal time encoding, got {self.d_model}")
+        check_float(o, self, "dropout", 0.0, 1.0)
+        if self.dropout >= 1.0:
+            raise field_error(o, "dropout", f"must be < 1, got {self.dropout}")
+        check_float(o, self, "time_max_seconds", 1.0)
+        check_float(o, self, "temperature", 0.0, low_open=True)
+        check_float(o, self, "retrieval_weight", 0.0)
+        check_float(o, self, "engage_weight", 0.0)
+
+    @property
+    def vocab(self) -> int:
+        return self.item_vocab if self.item_vocab is not None else self.item_rows
+
+    @property
+    def item_out_dim(self) -> int:
+        """Dim of the combined item vector (the retrieval space)."""
+        return self.item_dim * (self.num_item_tables if self.item_combine == "concat" else 1)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.num_item_tables * self.item_rows * self.item_dim
+
+    @classmethod
+    def smoke(cls, **overrides) -> "FoundationConfig":
+        """Trains on 8 simulated CPU devices in seconds (20k x 32 item table, 2 layers, d_model 64)."""
+        return cls(**overrides)
+
+    @classmethod
+    def large(cls, **overrides) -> "FoundationConfig":
+        """Production-like: 2 hashed item tables of 100M x 64 (12.8B embedding params), 2k-event
+        sequences, a 12-layer d_model-1024 transformer (~150M dense params). Sized for 8x8 H100s."""
+        base = dict(item_rows=100_000_000, item_dim=64, item_vocab=2_000_000_000, num_item_tables=2,
+                    item_combine="concat", num_actions=16, num_surfaces=8, d_model=1024, num_layers=12,
+                    num_heads=16, mlp_ratio=4, max_seq_len=2048, dropout=0.1, time_buckets=64,
+                    max_negatives=8192, recall_k=100, dtype="bfloat16")
+        return cls(**(base | overrides))
+
+
+def item_features(cfg: FoundationConfig) -> tuple[str, ...]:
+    """Engine feature names of the item tables, one per hashed table."""
+    return tuple(f"item_h{j}" for j in range(cfg.num_item_tables))
+
+
+def foundation_tables(cfg: FoundationConfig) -> list[TableConfig]:
+    """The sharded tables: only the item tables (sequence lookups). Actions/surfaces are nnx.Embed."""
+    return [TableConfig(name=f, rows=cfg.item_rows, dim=cfg.item_dim, pooling=None, features=(f,),
+                        reshape=cfg.item_reshape) for f in item_features(cfg)]
+
+
+def _fmix32(h, xp):
+    """murmur3's 32-bit finaliser; identical in numpy and jax.numpy (uint32 wraps in both)."""
+    h = h ^ (h >> 16)
+    h = h * xp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * xp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def hash_ids(ids, table: int, rows: int, *, num_tables: int = 1, vocab: int | None = None):
+    """Maps raw ids to rows of hashed table `table`; -1 stays -1. numpy in -> numpy out, jax -> jax.
+
+    One table over a vocab that fits is the identity, so its rows are the raw ids (and Zipf-hot ids stay
+    hot rows, which the sharding planner should see). Otherwise table j uses hash_j(id) % rows.
+    """
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    valid = ids >= 0
+    if num_tables == 1 and vocab is not None and vocab <= rows:
+        return ids.astype(xp.int32) if xp is np else ids.astype(jnp.int32)
+    with np.errstate(over="ignore"):
+        h = ids.astype(xp.uint32) ^ xp.uint32((0x9E3779B9 * (table + 1)) & 0xFFFFFFFF)
+        h = _fmix32(h, xp) % xp.uint32(rows)
+    return xp.where(valid, h.astype(xp.int32), xp.int32(-1))
+
+
+def foundation_ids(cfg: FoundationConfig, batch: Mapping) -> dict:
+    """The engine's input: {item feature: int32 [B, L]} from batch['item_ids'] (numpy or jax)."""
+    ids = batch["item_ids"]
+    return {f: hash_ids(ids, j, cfg.item_rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
+            for j, f in enumerate(item_features(cfg))}
+
+
+def combine_items(cfg: FoundationConfig, embeddings: Mapping) -> jax.Array:
+    """Per-table item vectors -> one [B, L, item_out_dim] vector (sum or concat)."""
+    parts = [jnp.asarray(embeddings[f], jnp.float32) for f in item_features(cfg)]
+    return sum(parts[1:], parts[0]) if cfg.item_combine == "sum" else jnp.concatenate(parts, axis=-1)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head self-attention; position t attends to valid positions <= t (and always to itself, so a
+    row is never fully masked and padded rows stay finite)."""
+
+    def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
+        d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
+        self.num_heads = cfg.num_heads
+        self.qkv = nnx.Linear(d, 3 * d, dtype=dt, rngs=rngs)
+        # GPT-2 scales residual projections by 1/sqrt(2 * layers) so depth doesn't blow up the stream.
+        init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        self.out = nnx.Linear(d, d, dtype=dt, kernel_init=init, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+    def __call__(self, x, mask):
+        b, l, d = x.shape
+        h = self.num_heads
+        q, k, v = jnp.split(self.qkv(x).reshape(b, l, 3, h, d // h), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
+        causal = jnp.tril(jnp.ones((l, l), bool))
+        allowed = (causal[None] & mask[:, None, :]) | jnp.eye(l, dtype=bool)[None]
+        logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
+        probs = self.dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, l, d))
+
+
+class Block(nnx.Module):
+    """Pre-LN GPT-2 block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
+        d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
+        self.ln1 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.attn = CausalSelfAttention(cfg, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, dtype=dt, rngs=rngs)
+        init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        self.proj = nnx.Linear(cfg.mlp_ratio * d, d, dtype=dt, kernel_init=init, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.dropout(self.attn(self.ln1(x), mask))
+        return x + self.dropout(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
+
+
+class FoundationModel(nnx.Module):
+    """The dense part of the foundation model. Call: `model(embeddings, batch) -> dict` with
+
+      hidden        [B, L, d_model]  final-LN transformer output (the user representation at each event)
+      query         [B, L, E]        retrieval query (E = cfg.item_out_dim), L2-normalised
+      item          [B, L, E]        item vector of each event (combined lookups), L2-normalised
+      engage_logits [B, L-1]         logit that event t+1 is engaged, from history <= t and item t+1
+
+    Dropout follows nnx's train/eval switch (`model.train()` / `model.eval()`); it is a no-op at rate 0.
+    """
+
+    def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, e, dt = cfg.d_model, cfg.item_out_dim, jnp.dtype(cfg.dtype)
+        # LayerNorm first: table rows start tiny (TorchRec init, ~1/sqrt(rows)) and their scale drifts with
+        # the sparse optimizer; the transformer should see the item's direction, not its scale.
+        self.item_ln = nnx.LayerNorm(e, rngs=rngs)
+        self.item_in = nnx.Linear(e, d, dtype=dt, rngs=rngs)
+        emb_init = nnx.initializers.normal(0.02)
+        self.action_emb = nnx.Embed(cfg.num_actions, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
+        self.surface_emb = nnx.Embed(cfg.num_surfaces, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
+        self.pos_emb = nnx.Embed(cfg.max_seq_len, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
+        if cfg.time_encoding == "log_bucket":
+            self.time_emb = nnx.Embed(cfg.time_buckets, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
+        elif cfg.time_encoding == "sinusoidal":
+            self.time_proj = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.ln_f = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.query = nnx.Linear(d, e, rngs=rngs)
+        self.engage_item = nnx.Linear(e, d, rngs=rngs)
+        self.engage_hidden = nnx.Linear(2 * d, d, rngs=rngs)
+        self.engage_out = nnx.Linear(d, 1, rngs=rngs)
+
+    def time_features(self, timestamps, mask):
+        """Encodes the gap (seconds) since the previous valid event; 0 for the first event."""
+        cfg = self.cfg
+        ts = jnp.where(mask, timestamps, 0)
+        prev = jnp.concatenate([ts[:, :1], ts[:, :-1]], axis=1)
+        gap = jnp.clip((ts - prev).astype(jnp.float32), 0.0, cfg.time_max_seconds)
+        log_gap = jnp.log1p(gap)
+        if cfg.time_encoding == "log_bucket":
+            bucket = jnp.floor(log_gap / math.log1p(cfg.time_max_seconds) * (cfg.time_buckets - 1))
+            return self.time_emb(jnp.clip(bucket.astype(jnp.int32), 0, cfg.time_buckets - 1))
+        half = cfg.d_model // 2
+        freqs = jnp.exp(jnp.linspace(0.0, math.log(100.0), half))  # log-gap scale: one cycle ~ x e^(2pi)
+        angles = log_gap[..., None] * freqs
+        return self.time_proj(jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1))
+
+    def __call__(self, embeddings: Mapping, batch: Mapping) -> dict:
+        cfg = self.cfg
+        mask = jnp.asarray(batch["mask"], bool)
+        b, l = mask.shape
+        if l > cfg.max_seq_len:
+            raise ValueError(f"sequence length {l} exceeds FoundationConfig.max_seq_len={cfg.max_seq_len}")
+        items = jnp.where(mask[..., None], combine_items(cfg, embeddings), 0.0)
+        actions = jnp.clip(jnp.where(mask, batch["actions"], 0), 0, cfg.num_actions - 1)
+        surfaces = jnp.clip(jnp.where(mask, batch["surfaces"], 0), 0, cfg.num_surfaces - 1)
+        x = (self.item_in(self.item_ln(items)) + self.action_emb(actions) + self.surface_emb(surfaces)
+             + self.pos_emb(jnp.arange(l))[None])
+        if cfg.time_encoding != "none":
+            x = x + self.time_features(batch["timestamps"], mask)
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x, mask)
+        hidden = self.ln_f(x).astype(jnp.float32)
+        query = _l2norm(self.query(hidden))
+        item_n = _l2norm(items)
+        nxt = self.engage_item(item_n[:, 1:])
+        z = jax.nn.gelu(self.engage_hidden(jnp.concatenate([hidden[:, :-1], nxt], axis=-1)))
+        return {"hidden": hidden, "query": query, "item": item_n, "engage_logits": self.engage_out(z)[..., 0]}
+
+
+def _l2norm(x, eps: float = 1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def info_nce(query, target, valid, target_ids, *, temperature: float, max_negatives: int = 0, k: int = 10):
+    """InfoNCE with in-batch negatives and accidental-hit removal.
+
+    Args:
+      query: [N, E] queries; target: [N, E] their positives; valid: [N] bool; target_ids: [N] raw item ids.
+      The candidate pool is every target (or a strided `max_negatives` subset). Pool entries whose item
+      id equals the query's target (including the positive itself) are removed from the negatives, so
+      popular items are not pushed away from themselves.
+    Returns (mean loss over valid rows, recall@k over valid rows, number of valid rows).
+    """
+    n = query.shape[0]
+    idx = np.arange(n) if not max_negatives or max_negatives >= n else (
+        np.arange(max_negatives) * n // max_negatives)
+    pool, pool_valid, pool_ids = target[idx], valid[idx], target_ids[idx]
+    pos = jnp.sum(query * target, axis=-1) / temperature                     # [N]
+    neg = query @ pool.T / temperature                                        # [N, M]
+    neg_ok = pool_valid[None, :] & (pool_ids[None, :] != target_ids[:, None])
+    neg = jnp.where(neg_ok, neg, -jnp.inf)
+    lse = jnp.logaddexp(pos, jax.nn.logsumexp(neg, axis=-1))
+    count = jnp.maximum(jnp.sum(valid), 1)
+    loss = jnp.sum(jnp.where(valid, lse - pos, 0.0)) / count
+    rank = jnp.sum(neg_ok & (neg > pos[:, None]), axis=-1)
+    recall = jnp.sum(valid & (rank < k)) / count
+    return loss, recall, jnp.sum(valid)
+
+
+def foundation_loss(model: FoundationModel, embeddings: Mapping, batch: Mapping):
+    """(loss, metrics). Loss = retrieval_weight * InfoNCE + engage_weight * BCE, both over the pairs
+    (t, t+1) where both events are real. Scalar metrics are 0-d; engage_probs/engage_labels/engage_weights
+    ([B, L-1]) are returned for AUC."""
+    cfg = model.cfg
+    out = model(embeddings, batch)
+    mask = jnp.asarray(batch["mask"], bool)
+    pair = mask[:, :-1] & mask[:, 1:]
+    e = out["query"].shape[-1]
+    ids = jnp.asarray(batch["item_ids"])
+    retrieval, recall, pairs = info_nce(
+        out["query"][:, :-1].reshape(-1, e), out["item"][:, 1:].reshape(-1, e), pair.reshape(-1),
+        ids[:, 1:].reshape(-1), temperature=cfg.temperature, max_negatives=cfg.max_negatives, k=cfg.recall_k)
+    logits = out["engage_logits"]
+    labels = jnp.asarray(batch["engaged"], jnp.float32)[:, 1:]
+    w = pair.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(w), 1.0)
+    bce = jnp.sum(w * _bce(logits, labels)) / count
+    acc = jnp.sum(w * ((logits > 0) == (labels > 0.5))) / count
+    loss = cfg.retrieval_weight * retrieval + cfg.engage_weight * bce
+    metrics = {"loss": loss, "retrieval_loss": retrieval, f"recall@{cfg.recall_k}": recall,
+               "engage_loss": bce, "engage_accuracy": acc, "pairs": pairs,
+               "engage_probs": jax.nn.sigmoid(logits), "engage_labels": labels, "engage_weights": w}
+    return loss, metrics
+
+
+def _bce(logits, labels):
+    return jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))

@@ -1,0 +1,193 @@
+"""EmbeddingCollection against a single-device NumPy reference, on every mesh/topology/sharding."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale
+from conftest import MESH_IDS, MESH_SHAPES
+from embedding_reference import adagrad_step, lookup as ref_lookup, sgd_step
+
+TABLES = [
+    jaxscale.TableConfig("items", rows=200, dim=16, pooling=None, features=("seq_a", "seq_b")),
+    jaxscale.TableConfig("cat", rows=50, dim=8, pooling="sum"),
+    jaxscale.TableConfig("user", rows=37, dim=32, pooling="mean", features=("user_hist",)),
+]
+B, L = 16, 5
+
+SHARDINGS = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+CASES = [
+    pytest.param(shape, topo, sh, id=f"{mid}-{topo}-{sh}")
+    for (shape, mid), topo, sh in itertools.product(zip(MESH_SHAPES, MESH_IDS), jaxscale.TOPOLOGIES, SHARDINGS)
+    if not (sh == "table_row_wise" and topo != "1d")
+]
+
+
+def make_ids(rng, with_padding=True):
+    ids = {}
+    for t in TABLES:
+        for f in t.features:
+            hi = min(t.rows, 12)  # few distinct ids -> many duplicates
+            x = rng.integers(0, hi, size=(B, L)).astype(np.int32)
+            x[rng.random((B, L)) < 0.25] = t.rows - 1  # the last row too
+            if with_padding:
+                x[rng.random((B, L)) < 0.3] = -1
+                x[0] = -1  # an all-padding bag
+            ids[f] = x
+    return ids
+
+
+def dense_tables(rng):
+    return {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in TABLES}
+
+
+def out_shape(f):
+    t = next(t for t in TABLES if f in t.features)
+    return (B, L, t.dim) if t.pooling is None else (B, t.dim)
+
+
+@pytest.mark.parametrize("shape,topology,sharding", CASES)
+def test_lookup_and_update_match_reference(shape, topology, sharding):
+    mesh = jaxscale.make_mesh(*shape)
+    rng = np.random.default_rng(0)
+    w0 = dense_tables(rng)
+    lr, eps = 0.05, 1e-8
+    results = {}
+    for opt in ("sgd", "adagrad"):
+        optimizer = jaxscale.SGD(lr) if opt == "sgd" else jaxscale.RowWiseAdagrad(lr, eps=eps)
+        ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology=topology, sharding=sharding, optimizer=optimizer)
+        state = ec.from_dense(w0)
+        ref_w = {k: v.copy() for k, v in w0.items()}
+        col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
+        ref_acc = {k: np.zeros((v.shape[0],) + ((col_parts[k],) if col_parts[k] > 1 else ()), np.float32)
+                   for k, v in w0.items()}
+        for step in range(5):
+            ids = make_ids(rng)
+            out = ec.lookup(state, ids)
+            ref_out = ref_lookup(ref_w, TABLES, ids)
+            for f in ids:
+                assert out[f].shape == out_shape(f)
+                np.testing.assert_allclose(np.asarray(out[f]), ref_out[f], rtol=1e-5, atol=1e-6, err_msg=f"{opt} step {step} {f}")
+            grads = {f: rng.normal(size=out_shape(f)).astype(np.float32) for f in ids}
+            state = ec.update(state, ids, {f: jnp.asarray(g) for f, g in grads.items()})
+            if opt == "sgd":
+                ref_w = sgd_step(ref_w, TABLES, ids, grads, lr)
+            else:
+                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, TABLES, ids, grads, lr, eps, col_parts)
+        got = ec.to_dense(state)
+        for name in ref_w:
+            np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=f"{opt} table {name}")
+            # rows never looked up are untouched, bit for bit
+            touched = np.abs(ref_w[name] - w0[name]).sum(-1) > 0
+            np.testing.assert_array_equal(got[name][~touched], w0[name][~touched])
+        if opt == "adagrad":
+            acc = ec.slots_to_dense(state)["accumulator"]
+            for name in ref_acc:
+                np.testing.assert_allclose(acc[name], ref_acc[name], rtol=1e-5, atol=1e-7)
+        for r in range(1, ec.num_replicas):  # replicas are bit-identical under exact sync
+            other = ec.to_dense(state, replica=r)
+            for name in got:
+                np.testing.assert_array_equal(other[name], got[name])
+        assert int(state["step"]) == 5
+        results[opt] = got
+    assert any(not np.allclose(results["sgd"][n], w0[n]) for n in w0)
+
+
+@pytest.mark.parametrize("topology", jaxscale.TOPOLOGIES)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_dense_round_trip_and_init_is_layout_independent(topology, sharding):
+    rng = np.random.default_rng(1)
+    w = dense_tables(rng)
+    inits = []
+    for shape in MESH_SHAPES:
+        mesh = jaxscale.make_mesh(*shape)
+        ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology=topology, sharding=sharding)
+        back = ec.to_dense(ec.from_dense(w))
+        for name in w:
+            np.testing.assert_array_equal(back[name], w[name])
+        inits.append(ec.to_dense(ec.init(jax.random.key(7))))
+    for name in w:
+        t = next(t for t in TABLES if t.name == name)
+        assert np.all(np.abs(inits[0][name]) <= t.scale) and np.std(inits[0][name]) > t.scale / 4
+        for other in inits[1:]:
+            np.testing.assert_array_equal(other[name], inits[0][name])
+
+
+def test_lookup_and_update_inside_user_jit(mesh):
+    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="2d_a2a" if mesh.shape["node"] > 1 else "1d",
+                                      optimizer=jaxscale.RowWiseAdagrad(0.1))
+    rng = np.random.default_rng(2)
+    w0 = dense_tables(rng)
+    state = ec.from_dense(w0)
+    ids = ec.shard_batch(make_ids(rng))
+
+    @jax.jit
+    def step(state, ids):
+        def loss_fn(emb):
+            return sum(jnp.sum(v ** 2) for v in emb.values())
+
+        emb = ec.lookup(state, ids)
+        loss, g = jax.value_and_grad(loss_fn)(emb)
+        return ec.update(state, ids, g), loss
+
+    losses = []
+    for _ in range(3):
+        state, loss = step(state, ids)
+        losses.append(float(loss))
+    assert losses[2] < losses[0]
+
+
+def test_periodic_sync_averages_replicas():
+    mesh = jaxscale.make_mesh(2, 4)
+    rng = np.random.default_rng(3)
+    w0 = dense_tables(rng)
+    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="2d_a2a", optimizer=jaxscale.SGD(0.1),
+                                      replica_sync="periodic", sync_every=2)
+    state = ec.from_dense(w0)
+    ids = make_ids(rng)
+    grads = {f: jnp.asarray(rng.normal(size=out_shape(f)).astype(np.float32)) for f in ids}
+    state = ec.update(state, ids, grads)  # step 1: replicas diverge (each saw its half of the batch)
+    r0, r1 = ec.to_dense(state, 0), ec.to_dense(state, 1)
+    assert any(not np.array_equal(r0[n], r1[n]) for n in r0)
+    # SGD is linear: the average of the replicas after one unsynced step equals half the full-batch update
+    full = sgd_step(w0, TABLES, ids, {f: np.asarray(g) for f, g in grads.items()}, 0.1)
+    for n in r0:
+        np.testing.assert_allclose((r0[n] + r1[n]) / 2, w0[n] + (full[n] - w0[n]) / 2, rtol=1e-5, atol=1e-6)
+    state = ec.update(state, ids, grads)  # step 2: synced
+    r0, r1 = ec.to_dense(state, 0), ec.to_dense(state, 1)
+    for n in r0:
+        np.testing.assert_allclose(r0[n], r1[n], rtol=1e-6, atol=1e-7)
+
+
+def test_overflow_is_counted_not_silent():
+    mesh = jaxscale.make_mesh(1, 8)
+    t = jaxscale.TableConfig("t", rows=64, dim=8, pooling=None)
+    ec = jaxscale.EmbeddingCollection([t], mesh, sharding="row_wise", capacity_factor=1.0, optimizer=jaxscale.SGD(1.0))
+    w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    state = ec.from_dense({"t": w})
+    # every device asks for 8 distinct rows all owned by shard 0 (row % 8 == 0): capacity 1 per shard
+    ids = np.tile((np.arange(8) * 8).astype(np.int32), (8, 1))
+    out, stats = ec.lookup(state, {"t": ids}, return_stats=True)
+    assert int(stats["overflow"]) == 8 * 7
+    # exact capacity (the default) never overflows and returns the right rows
+    ec_exact = jaxscale.EmbeddingCollection([t], mesh, sharding="row_wise")
+    out, stats = ec_exact.lookup(ec_exact.from_dense({"t": w}), {"t": ids}, return_stats=True)
+    assert int(stats["overflow"]) == 0
+    np.testing.assert_array_equal(np.asarray(out["t"]), w[ids])
+
+
+def test_update_can_be_skipped_without_touching_state():
+    mesh = jaxscale.make_mesh(2, 4)
+    rng = np.random.default_rng(4)
+    w0 = dense_tables(rng)
+    ec = jaxscale.EmbeddingCollection(TABLES, mesh, optimizer=jaxscale.RowWiseAdagrad(0.1))
+    ids = make_ids(rng)
+    grads = {f: jnp.ones(out_shape(f), jnp.float32) for f in ids}
+    state = ec.update(ec.from_dense(w0), ids, grads, apply=jnp.array(False))
+    got = ec.to_dense(state)
+    for n in w0:
+        np.testing.assert_array_equal(got[n], w0[n])
+    assert float(sum(v.sum() for v in ec.slots_to_dense(state)["accumulator"].values())) == 0.0

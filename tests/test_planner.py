@@ -1,0 +1,320 @@
+"""Balanced sharding planner: exact placements, overrides, memory, JSON, balance and skew (numpy only)."""
+
+import ast
+import inspect
+import json
+
+import numpy as np
+import pytest
+
+import jaxscale.mesh
+import jaxscale.plan
+import jaxscale.tables
+from jaxscale import planner
+from jaxscale.plan import ShardingPlan, TableShards, num_shards, resolve_plan
+from jaxscale.planner import (
+    CostParams,
+    FeatureStats,
+    ShardingOption,
+    Topology,
+    distinct_ids_per_part,
+    enumerate_options,
+    estimate_option,
+    measure_feature_stats,
+    plan_sharding,
+    report,
+)
+from jaxscale.tables import TableConfig
+
+GB = 1e9
+BATCH = 512
+
+
+def uniform(rows, ids_per_example):
+    """Stats of uniformly random ids: no hot ids, flat tail."""
+    return FeatureStats(rows, float(ids_per_example))
+
+
+def synthetic(num_tables, seed, max_log_rows=7.0):
+    """Skewed sizes (log-uniform rows), dims in {16, 32, 64, 128}, Zipf(1.1) ids with the low ids hot."""
+    rng = np.random.default_rng(seed)
+    tables, stats = [], {}
+    for i in range(num_tables):
+        rows = int(round(10 ** rng.uniform(3, max_log_rows)))
+        table = TableConfig(f"t{i:02d}", rows, int(rng.choice([16, 32, 64, 128])))
+        tables.append(table)
+        stats[table.name] = FeatureStats.zipf(rows, int(rng.integers(1, 33)), 1.1, top_k=256)
+    return tables, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact placements on tiny cases.
+
+
+def test_tiny_case_places_largest_first_onto_least_loaded_shard():
+    # Lookups per table are ~4:3:2:1 units; the only balanced split of 10 units over 2 shards is
+    # {a, d} and {b, c}; greedy largest-first gives a->0, b->1, c->1, d->0 and it is already balanced.
+    rows = 10**9  # uniform ids over so many rows: distinct ids == lookups
+    tables = [TableConfig(n, rows, 128) for n in "abcd"]
+    stats = {n: uniform(rows, k) for n, k in zip("abcd", (4, 3, 2, 1))}
+    topology = Topology(1, 2, 10**15)
+    plan = plan_sharding(tables, stats, topology, BATCH)
+    assert {n: (ts.sharding, ts.shards) for n, ts in plan.tables.items()} == {
+        "a": ("table_wise", (0,)), "b": ("table_wise", (1,)), "c": ("table_wise", (1,)), "d": ("table_wise", (0,))}
+    rep = report(plan, tables, stats, topology, BATCH)
+    assert rep.lookup_imbalance == pytest.approx(1.0, abs=1e-3)
+    assert rep.lookups[0] == pytest.approx(2 * 5 * BATCH, rel=1e-3)  # 2 sources x 5 ids/example x batch
+
+
+def test_local_search_fixes_what_greedy_cannot():
+    # Loads 3, 3, 2, 2, 2 on 2 shards: greedy gives {3, 2, 2} vs {3, 2} (7 vs 5); the optimum is 6 vs 6.
+    rows = 10**9
+    names, loads = ["a", "b", "c", "d", "e"], [3, 3, 2, 2, 2]
+    tables = [TableConfig(n, rows, 128) for n in names]
+    stats = {n: uniform(rows, k) for n, k in zip(names, loads)}
+    topology = Topology(1, 2, 10**15)
+    cost = CostParams(piece_overhead_s=0.0)  # whole vs split then ties on time; fewer pieces wins
+    plan = plan_sharding(tables, stats, topology, BATCH, cost=cost)
+    assert all(ts.sharding == "table_wise" for ts in plan.tables.values())
+    units = {s: sum(k for n, k in zip(names, loads) if plan.tables[n].shards == (s,)) for s in (0, 1)}
+    assert units == {0: 6, 1: 6}
+    # greedy alone (no local search) really is stuck at 7 vs 5
+    whole = {t.name: [estimate_option(t, ShardingOption(t.name, "table_wise", 1, 1), stats, topology, BATCH, cost)]
+             for t in tables}
+    greedy = planner._place_all(whole, {}, topology, local_search_steps=0)
+    assert sorted(np.round(greedy.lookups / greedy.lookups.sum() * 12)) == [5, 7]
+    assert report(plan, tables, stats, topology, BATCH).lookup_imbalance == pytest.approx(1.0, abs=1e-3)
+
+
+def test_one_dominant_table_is_split_row_wise():
+    # One table carries 30x the others' lookups: whole, it would make its shard 4x slower than the mean.
+    rows = 10**9
+    tables = [TableConfig("big", rows, 128)] + [TableConfig(f"s{i}", rows, 128) for i in range(3)]
+    stats = {"big": uniform(rows, 30)} | {f"s{i}": uniform(rows, 1) for i in range(3)}
+    topology = Topology(1, 4, 10**15)
+    plan = plan_sharding(tables, stats, topology, BATCH)
+    assert plan.tables["big"].sharding == "row_wise"
+    assert sorted(plan.tables["big"].shards) == [0, 1, 2, 3]
+    assert report(plan, tables, stats, topology, BATCH).cost_imbalance <= 1.05
+
+
+def test_plan_is_deterministic():
+    tables, stats = synthetic(20, seed=3)
+    topology = Topology(2, 4, 80 * GB)
+    assert plan_sharding(tables, stats, topology, BATCH) == plan_sharding(tables, stats, topology, BATCH)
+
+
+# ------------------------------------------------------------------------------------------------
+# Overrides, memory, topologies.
+
+
+def test_overrides_are_honoured():
+    tables, stats = synthetic(12, seed=1)
+    pinned = TableShards("table_wise", 1, 1, (3,))
+    overrides = {"t00": "row_wise", "t01": "column_wise", "t02": pinned, "t03": "table_row_wise"}
+    tables = [TableConfig(t.name, max(t.rows, 64), 128 if t.name == "t01" else t.dim) for t in tables]
+    stats = {t.name: FeatureStats.zipf(t.rows, 4, 1.1, top_k=64) for t in tables}
+    topology = Topology(2, 4, 80 * GB)
+    plan = plan_sharding(tables, stats, topology, BATCH, overrides=overrides)
+    assert plan.tables["t00"].sharding == "row_wise" and sorted(plan.tables["t00"].shards) == list(range(8))
+    assert plan.tables["t01"].sharding == "column_wise" and plan.tables["t01"].col_parts > 1
+    assert len(set(plan.tables["t01"].shards)) == plan.tables["t01"].col_parts  # one column block per shard
+    assert plan.tables["t02"] == pinned
+    twrw = plan.tables["t03"]
+    assert twrw.sharding == "table_row_wise" and twrw.row_parts == 4
+    assert len({s // 4 for s in twrw.shards}) == 1 and len(set(twrw.shards)) == 4  # one node, all its devices
+
+
+def test_impossible_override_names_the_table():
+    tables = [TableConfig("tiny", 3, 16)]
+    with pytest.raises(ValueError, match="tiny"):
+        plan_sharding(tables, {"tiny": uniform(3, 1)}, Topology(1, 8, GB), BATCH, overrides={"tiny": "row_wise"})
+    with pytest.raises(ValueError, match="nosuch"):
+        plan_sharding(tables, {"tiny": uniform(3, 1)}, Topology(1, 8, GB), BATCH, overrides={"nosuch": "row_wise"})
+
+
+def test_memory_limit_forces_split_and_is_respected():
+    # 'big' needs 10M x (64 x 4 + 4) B = 2.6 GB whole; each device has 1 GB, so it must be split.
+    tables = [TableConfig("big", 10_000_000, 64)] + [TableConfig(f"s{i}", 100_000, 64) for i in range(6)]
+    stats = {t.name: FeatureStats.zipf(t.rows, 2, 1.1, top_k=64) for t in tables}
+    topology = Topology(1, 4, 1 * GB)
+    plan = plan_sharding(tables, stats, topology, BATCH)
+    assert plan.tables["big"].row_parts * plan.tables["big"].col_parts >= 3
+    rep = report(plan, tables, stats, topology, BATCH)
+    assert max(rep.memory_bytes) <= topology.device_memory_bytes
+    assert rep.over_memory == ()
+    # the same table whole (the naive plan) is flagged by the report
+    whole = ShardingPlan("1d", 4, {t.name: TableShards("table_wise", 1, 1, (0,)) for t in tables})
+    assert report(whole, tables, stats, topology, BATCH).over_memory == (0,)
+
+
+def test_nothing_fits_raises_value_error_naming_the_table():
+    tables = [TableConfig("small", 1000, 16), TableConfig("huge_table", 100_000_000, 128)]
+    stats = {t.name: uniform(t.rows, 1) for t in tables}
+    with pytest.raises(ValueError, match="huge_table"):
+        plan_sharding(tables, stats, Topology(1, 8, 1 * GB), BATCH)
+
+
+def test_missing_stats_name_the_table():
+    with pytest.raises(ValueError, match="'t'"):
+        plan_sharding([TableConfig("t", 100, 16)], {}, Topology(1, 2, GB), BATCH)
+
+
+@pytest.mark.parametrize("name", ["1d", "2d_ar", "2d_a2a"])
+def test_json_round_trip_feeds_resolve_plan(name):
+    tables, stats = synthetic(16, seed=2)
+    nodes, local = 2, 4
+    topology = Topology(nodes, local, 80 * GB, name=name)
+    plan = plan_sharding(tables, stats, topology, BATCH)
+    assert plan.num_shards == num_shards(name, nodes, local)
+    restored = ShardingPlan.from_json(plan.to_json())
+    assert restored == plan
+    assert resolve_plan(tables, name, nodes, local, restored) == plan
+    assert resolve_plan(tables, name, nodes, local, json.loads(plan.to_json())) == plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Balance and skew.
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 8), (2, 8)], ids=["8dev", "16dev"])
+def test_balance_bound_on_sixty_tables(nodes, local):
+    tables, stats = synthetic(60, seed=0)
+    topology = Topology(nodes, local, 80 * GB)
+    plan = plan_sharding(tables, stats, topology, 4096)
+    rep = report(plan, tables, stats, topology, 4096)
+    assert rep.lookup_imbalance <= 1.05, rep.to_text()
+    assert rep.cost_imbalance <= 1.05, rep.to_text()
+    # and it beats both naive baselines on the slowest shard
+    n = topology.num_shards
+    row_wise = ShardingPlan("1d", n, {t.name: TableShards("row_wise", n, 1, tuple(range(n))) for t in tables})
+    contiguous = report(row_wise, tables, stats, topology, 4096, row_assignment="contiguous")
+    round_robin = ShardingPlan(
+        "1d", n, {t.name: TableShards("table_wise", 1, 1, (i % n,)) for i, t in enumerate(tables)})
+    assert rep.max_cost_s < contiguous.max_cost_s
+    assert rep.max_cost_s < report(round_robin, tables, stats, topology, 4096).max_cost_s
+
+
+def test_zipf_row_wise_modulo_spreads_better_than_contiguous():
+    table = TableConfig("items", 1_000_000, 64)
+    stats = {"items": FeatureStats.zipf(table.rows, 20, 1.1)}
+    topology = Topology(1, 8, 80 * GB)
+    plan = ShardingPlan("1d", 8, {"items": TableShards("row_wise", 8, 1, tuple(range(8)))})
+    modulo = report(plan, [table], stats, topology, 4096)
+    contiguous = report(plan, [table], stats, topology, 4096, row_assignment="contiguous")
+    assert modulo.lookup_imbalance < 1.05
+    assert contiguous.lookup_imbalance > 1.3
+    assert int(np.argmax(contiguous.lookups)) == 0  # the hot (low) ids pile onto the first block
+    assert sum(modulo.lookups) == pytest.approx(sum(contiguous.lookups), rel=1e-6)  # same work, spread differently
+
+
+def test_distinct_estimate_matches_simulated_batches():
+    # Zipf ids over 50k rows, 4096 draws per source batch: estimated distinct ids per modulo part vs simulated.
+    rng = np.random.default_rng(0)
+    rows, draws, parts = 50_000, 4096, 4
+    p = np.arange(1, rows + 1, dtype=np.float64) ** -1.1
+    p /= p.sum()
+    sample = rng.choice(rows, size=(20_000, 4), p=p)
+    sample[::3, 3] = -1  # padding is ignored
+    table = TableConfig("f", rows, 32)
+    stats = measure_feature_stats({"f": sample}, [table], top_k=512)["f"]
+    assert stats.mean_ids_per_example == pytest.approx(4 - 1 / 3, abs=1e-3)
+    assert stats.hot_ids[:3] == (0, 1, 2)
+    assert stats.zipf_exponent == pytest.approx(1.1, abs=0.15)
+    est = distinct_ids_per_part(stats, draws, parts)
+    sims = []
+    for _ in range(30):
+        ids = np.unique(rng.choice(rows, size=draws, p=p))
+        sims.append(np.bincount(ids % parts, minlength=parts))
+    assert np.allclose(est, np.mean(sims, axis=0), rtol=0.06), (est, np.mean(sims, axis=0))
+
+
+def test_measure_rejects_ids_outside_the_table():
+    with pytest.raises(ValueError, match="f"):
+        measure_feature_stats({"f": np.array([[0, 10]])}, [TableConfig("f", 10, 8)])
+    with pytest.raises(ValueError, match="g"):
+        measure_feature_stats({"g": np.array([[0]])}, [TableConfig("f", 10, 8)])
+
+
+def test_column_wise_pieces_each_see_all_ids_and_small_dims_pay_penalty():
+    table = TableConfig("t", 100_000, 128)
+    stats = {"t": uniform(table.rows, 8)}
+    topology = Topology(1, 4, 80 * GB)
+    cost = CostParams(piece_overhead_s=0.0, index_bytes_per_lookup=0.0)
+    whole = estimate_option(table, ShardingOption("t", "table_wise", 1, 1), stats, topology, BATCH, cost)
+    cols = estimate_option(table, ShardingOption("t", "column_wise", 1, 4), stats, topology, BATCH, cost)
+    assert np.allclose(cols.lookups, whole.lookups[0])  # every column block looks up every distinct id
+    assert cols.bytes_intra.sum() == pytest.approx(whole.bytes_intra[0])  # bytes split across blocks
+    assert cols.compute_s.sum() == pytest.approx(whole.compute_s[0] * 1.75)  # 32-dim blocks: 1.75x penalty
+    bf16 = estimate_option(table, ShardingOption("t", "table_wise", 1, 1), stats, topology, BATCH,
+                           CostParams(comm_bytes_per_element=2.0))
+    assert bf16.bytes_intra[0] == pytest.approx(whole.bytes_intra[0] / 2)
+
+
+def test_link_classes_follow_the_topology():
+    table = TableConfig("t", 100_000, 64)
+    stats = {"t": uniform(table.rows, 4)}
+    option = ShardingOption("t", "table_wise", 1, 1)
+    one_d = estimate_option(table, option, stats, Topology(2, 4, GB, name="1d"), BATCH)
+    ar = estimate_option(table, option, stats, Topology(2, 4, GB, name="2d_ar"), BATCH)
+    a2a = estimate_option(table, option, stats, Topology(2, 4, GB, name="2d_a2a"), BATCH)
+    per_source = one_d.bytes_intra[0] / 3  # 1d: 3 peers in the node, 4 in the other node
+    assert one_d.bytes_inter[0] == pytest.approx(4 * per_source, rel=1e-3)
+    assert ar.bytes_intra[0] == 0 and ar.bytes_inter[0] > 0
+    assert a2a.bytes_inter[0] == 0 and a2a.bytes_intra[0] > 0
+
+
+def test_enumerate_options_prefers_fewest_pieces():
+    options = enumerate_options([TableConfig("t", 10_000, 256)], Topology(2, 4, GB))["t"]
+    assert [o.sharding for o in options] == ["table_wise", "table_row_wise", "row_wise", "column_wise"]
+    assert options[-1].col_parts == 2  # 256 / 2 = 128 is the narrowest default column block
+
+
+# ------------------------------------------------------------------------------------------------
+# Report, validation, purity.
+
+
+def test_report_text_and_dict():
+    tables, stats = synthetic(8, seed=5)
+    topology = Topology(1, 4, 80 * GB)
+    rep = report(plan_sharding(tables, stats, topology, BATCH), tables, stats, topology, BATCH)
+    text = str(rep)
+    assert text == rep.to_text() and "lookups" in text and "max/mean" in text
+    assert len(text.splitlines()) == 2 + topology.num_shards + 1
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["num_shards"] == 4 and len(d["lookups"]) == 4 and d["cost_imbalance"] >= 1.0
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(nodes=0, devices_per_node=8, device_memory_bytes=GB), "nodes"),
+    (dict(nodes=1, devices_per_node=8, device_memory_bytes=-1), "device_memory_bytes"),
+    (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, inter_node_bandwidth=0), "inter_node_bandwidth"),
+    (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, name="3d"), "name"),
+])
+def test_topology_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Topology(**kwargs)
+
+
+def test_feature_stats_validation():
+    with pytest.raises(ValueError, match="hot_freqs"):
+        FeatureStats(10, 1.0, hot_ids=(1, 2), hot_freqs=(0.5,))
+    with pytest.raises(ValueError, match="hot_ids"):
+        FeatureStats(10, 1.0, hot_ids=(10,), hot_freqs=(0.5,))
+    with pytest.raises(ValueError, match="comm_bytes_per_element"):
+        CostParams(comm_bytes_per_element=0)
+
+
+def test_planner_does_not_import_jax():
+    # The package __init__ imports the JAX engine, so check the planner's own imports (and those of
+    # the plan modules it uses) rather than sys.modules.
+    allowed = {"__future__", "dataclasses", "json", "math", "pathlib", "typing", "numpy",
+               "jaxscale.mesh", "jaxscale.plan", "jaxscale.tables"}
+    for module in (planner, jaxscale.plan, jaxscale.tables, jaxscale.mesh):
+        tree = ast.parse(inspect.getsource(module))
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top_level if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in top_level if isinstance(n, ast.ImportFrom)}
+        assert names <= allowed, (module.__name__, names - allowed)
+    assert "jax" not in {a.name.split(".")[0] for n in ast.walk(ast.parse(inspect.getsource(planner)))
+                         if isinstance(n, ast.Import) for a in n.names}
