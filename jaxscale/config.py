@@ -210,8 +210,11 @@ def _coerce(tp, value, key: str):
             try:
                 return _coerce(arg, value, key)
             except ConfigError as e:
-                errors.append(str(e).split(": ", 1)[1])
-        raise _err(key, " or ".join(errors) if len(errors) > 1 else errors[0])
+                errors.append(e)
+        deeper = [e for e in errors if e.key != key]  # the arm whose shape matched failed inside: report it
+        if len(deeper) == 1:
+            raise deeper[0]
+        raise _err(key, " or ".join(str(e).split(": ", 1)[1] for e in errors))
     if tp is type(None):
         if value is None:
             return None

@@ -523,3 +523,49 @@ class ParquetData:
     def __iter__(self):
         for step in range(len(self)):
             yield self.batch(step)
+
+
+class _Bound:
+    """A synthetic generator bound to one process: `batch(step)` -> this process's slice."""
+
+    def __init__(self, source, process_index: int, process_count: int):
+        _slice(source.global_batch, process_index, process_count)
+        self.source, self.process_index, self.process_count = source, process_index, process_count
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        return self.source.batch(step, self.process_index, self.process_count)
+
+
+def make_data(config, *, split: str = "train", process_index: int = 0, process_count: int = 1):
+    """The data source a `jaxscale.config.Config` describes, bound to this process: `.batch(step)` returns
+    this process's rows (config.train.batch_size // process_count of them) of step `step`.
+
+    Synthetic: the eval split is the held-out stream. Parquet: data.path (train) or data.eval_path (eval);
+    returns None for an eval split without eval_path.
+    """
+    _check_split(split)
+    model, data = config.model, config.data
+    mcfg = model.foundation if model.kind == "foundation" else model.dlrm
+    if data.source == "synthetic":
+        if model.kind == "foundation":
+            source = SyntheticFoundationData(mcfg, config.train.batch_size, data.seed, split=split,
+                                             zipf_exponent=data.zipf_exponent, num_clusters=data.num_clusters,
+                                             scramble=data.scramble_ids)
+        else:
+            source = SyntheticDLRMData(mcfg, config.train.batch_size, data.seed, split=split,
+                                       zipf_exponent=data.zipf_exponent, scramble=data.scramble_ids)
+        return _Bound(source, process_index, process_count)
+    path = data.path if split == "train" else data.eval_path
+    if path is None:
+        return None
+    if config.train.batch_size % process_count:
+        raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by {process_count} processes")
+    if model.kind == "foundation":
+        columns = list(SyntheticFoundationData.columns)
+        seq_len: int | dict = mcfg.max_seq_len
+    else:
+        names = [f"sparse_{i}" for i in range(mcfg.num_sparse_features)]
+        columns = ["dense", "label", *names]
+        seq_len = dict(zip(names, mcfg.hotness()))
+    return ParquetData(path, columns, batch_size=config.train.batch_size // process_count, seq_len=seq_len,
+                       process_index=process_index, process_count=process_count)

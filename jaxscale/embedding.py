@@ -470,8 +470,9 @@ class EmbeddingCollection:
             do_sync = (step + 1) % self.sync_every == 0
             n = self.num_replicas
 
-            def average(tree):
-                return jax.tree.map(lambda a: jax.lax.psum(a, self.replica_axes) / n, tree)
+            def average(tree):  # pcast: the mean is replica-invariant; the state is typed replica-varying
+                return jax.tree.map(
+                    lambda a: jax.lax.pcast(jax.lax.psum(a, self.replica_axes) / n, self.replica_axes, to="varying"), tree)
 
             weights, slot_state = jax.lax.cond(do_sync, average, lambda tr: tr, (weights, slot_state))
         stats = {"overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,

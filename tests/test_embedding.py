@@ -1,5 +1,6 @@
 """EmbeddingCollection against a single-device NumPy reference, on every mesh/topology/sharding."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -16,6 +17,9 @@ TABLES = [
     jaxscale.TableConfig("cat", rows=50, dim=8, pooling="sum"),
     jaxscale.TableConfig("user", rows=37, dim=32, pooling="mean", features=("user_hist",)),
 ]
+# The grid test uses one dim so each case compiles one stack (compile time dominates on 2 cores);
+# mixed dims (several stacks) are covered by the other tests.
+GRID_TABLES = [dataclasses.replace(t, dim=16) for t in TABLES]
 B, L = 16, 5
 
 SHARDINGS = ["table_wise", "row_wise", "column_wise", "table_row_wise"]
@@ -26,9 +30,9 @@ CASES = [
 ]
 
 
-def make_ids(rng, with_padding=True):
+def make_ids(rng, with_padding=True, tables=TABLES):
     ids = {}
-    for t in TABLES:
+    for t in tables:
         for f in t.features:
             hi = min(t.rows, 12)  # few distinct ids -> many duplicates
             x = rng.integers(0, hi, size=(B, L)).astype(np.int32)
@@ -40,48 +44,50 @@ def make_ids(rng, with_padding=True):
     return ids
 
 
-def dense_tables(rng):
-    return {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in TABLES}
+def dense_tables(rng, tables=TABLES):
+    return {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in tables}
 
 
-def out_shape(f):
-    t = next(t for t in TABLES if f in t.features)
+def out_shape(f, tables=TABLES):
+    t = next(t for t in tables if f in t.features)
     return (B, L, t.dim) if t.pooling is None else (B, t.dim)
 
 
 @pytest.mark.parametrize("shape,topology,sharding", CASES)
 def test_lookup_and_update_match_reference(shape, topology, sharding):
+    """Lookups and 5 sparse updates equal the NumPy reference; row-wise AdaGrad on every case, SGD on 2x4."""
     mesh = jaxscale.make_mesh(*shape)
     rng = np.random.default_rng(0)
-    w0 = dense_tables(rng)
+    tables = GRID_TABLES
+    w0 = dense_tables(rng, tables)
     lr, eps = 0.05, 1e-8
-    results = {}
-    for opt in ("sgd", "adagrad"):
+    for opt in ("adagrad", "sgd") if shape == (2, 4) else ("adagrad",):
         optimizer = jaxscale.SGD(lr) if opt == "sgd" else jaxscale.RowWiseAdagrad(lr, eps=eps)
-        ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology=topology, sharding=sharding, optimizer=optimizer)
+        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, optimizer=optimizer)
         state = ec.from_dense(w0)
         ref_w = {k: v.copy() for k, v in w0.items()}
         col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
         ref_acc = {k: np.zeros((v.shape[0],) + ((col_parts[k],) if col_parts[k] > 1 else ()), np.float32)
                    for k, v in w0.items()}
         for step in range(5):
-            ids = make_ids(rng)
+            ids = make_ids(rng, tables=tables)
             out = ec.lookup(state, ids)
-            ref_out = ref_lookup(ref_w, TABLES, ids)
+            ref_out = ref_lookup(ref_w, tables, ids)
             for f in ids:
-                assert out[f].shape == out_shape(f)
+                assert out[f].shape == out_shape(f, tables)
                 np.testing.assert_allclose(np.asarray(out[f]), ref_out[f], rtol=1e-5, atol=1e-6, err_msg=f"{opt} step {step} {f}")
-            grads = {f: rng.normal(size=out_shape(f)).astype(np.float32) for f in ids}
+            grads = {f: rng.normal(size=out_shape(f, tables)).astype(np.float32) for f in ids}
             state = ec.update(state, ids, {f: jnp.asarray(g) for f, g in grads.items()})
             if opt == "sgd":
-                ref_w = sgd_step(ref_w, TABLES, ids, grads, lr)
+                ref_w = sgd_step(ref_w, tables, ids, grads, lr)
             else:
-                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, TABLES, ids, grads, lr, eps, col_parts)
+                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps, col_parts)
         got = ec.to_dense(state)
         for name in ref_w:
             np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=f"{opt} table {name}")
             # rows never looked up are untouched, bit for bit
             touched = np.abs(ref_w[name] - w0[name]).sum(-1) > 0
+            assert touched.any() and not touched.all()
             np.testing.assert_array_equal(got[name][~touched], w0[name][~touched])
         if opt == "adagrad":
             acc = ec.slots_to_dense(state)["accumulator"]
@@ -92,28 +98,32 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
             for name in got:
                 np.testing.assert_array_equal(other[name], got[name])
         assert int(state["step"]) == 5
-        results[opt] = got
-    assert any(not np.allclose(results["sgd"][n], w0[n]) for n in w0)
 
 
-@pytest.mark.parametrize("topology", jaxscale.TOPOLOGIES)
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
-def test_dense_round_trip_and_init_is_layout_independent(topology, sharding):
+@pytest.mark.parametrize("topology,sharding", [(t, s) for t in jaxscale.TOPOLOGIES for s in SHARDINGS
+                                               if not (s == "table_row_wise" and t != "1d")])
+def test_dense_round_trip_is_exact(topology, sharding):
     rng = np.random.default_rng(1)
     w = dense_tables(rng)
-    inits = []
     for shape in MESH_SHAPES:
-        mesh = jaxscale.make_mesh(*shape)
-        ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology=topology, sharding=sharding)
+        ec = jaxscale.EmbeddingCollection(TABLES, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
         back = ec.to_dense(ec.from_dense(w))
         for name in w:
             np.testing.assert_array_equal(back[name], w[name])
+
+
+def test_init_does_not_depend_on_mesh_or_layout():
+    layouts = [((1, 8), "1d", "row_wise"), ((2, 4), "2d_a2a", "column_wise"), ((4, 2), "2d_ar", "table_wise")]
+    inits = []
+    for shape, topology, sharding in layouts:
+        ec = jaxscale.EmbeddingCollection(TABLES, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
         inits.append(ec.to_dense(ec.init(jax.random.key(7))))
-    for name in w:
-        t = next(t for t in TABLES if t.name == name)
-        assert np.all(np.abs(inits[0][name]) <= t.scale) and np.std(inits[0][name]) > t.scale / 4
+    for t in TABLES:
+        first = inits[0][t.name]
+        assert np.all(np.abs(first) <= t.scale) and np.std(first) > t.scale / 4
+        assert len(np.unique(first[:, 0])) == t.rows  # every row drawn independently
         for other in inits[1:]:
-            np.testing.assert_array_equal(other[name], inits[0][name])
+            np.testing.assert_array_equal(other[t.name], first)
 
 
 def test_lookup_and_update_inside_user_jit(mesh):

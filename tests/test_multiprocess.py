@@ -1,0 +1,136 @@
+"""A real 2-process run ('node' = process, 4 CPU devices each) against the 1-process 8-device run and
+the NumPy reference. Each process feeds only its half of the batch."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxscale
+import mp_embedding_worker as scenario
+from embedding_reference import adagrad_step, lookup as ref_lookup
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 45  # the whole 2-process run; a hang fails here with the workers' stderr
+KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    # conftest's 8 simulated devices must not leak in: each worker sets jax_num_cpu_devices=4 itself.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    # XLA:CPU compile time dominates this test (two processes compile the same programs on few cores);
+    # LLVM optimisation level 0 cuts it by about a third and does not change fp32 results here.
+    flags.append("--xla_backend_optimization_level=0")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(KILL_AFTER_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run_two_processes(tmp_path) -> dict:
+    out = tmp_path / "mp.npz"
+    port, env = _free_port(), _worker_env()
+    procs, logs = [], []
+    try:
+        for pid in range(2):
+            log = open(tmp_path / f"worker{pid}.log", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / "mp_embedding_worker.py"), str(pid), "2", str(port), str(out)],
+                cwd=HERE.parent, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # one worker failed: the other would wait for it forever
+            time.sleep(0.1)
+        timed_out = any(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            _stop(p)
+
+    def report():
+        text = []
+        for pid, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            lines = [ln for ln in log.read().splitlines() if not ln.startswith("[Gloo]")]
+            text.append(f"--- worker {pid} (exit {p.returncode}) ---\n" + "\n".join(lines[-40:]))
+        return "\n".join(text)
+
+    try:
+        if timed_out:
+            pytest.fail(f"2-process run did not finish within {TIMEOUT_S} s (killed)\n{report()}")
+        if any(p.returncode != 0 for p in procs):
+            pytest.fail(f"2-process run failed\n{report()}")
+        assert out.exists(), report()
+        with np.load(out) as z:
+            return dict(z)
+    finally:
+        for log in logs:
+            log.close()
+
+
+def _reference() -> dict:
+    """The NumPy reference of the scenario (independent of topology and sharding)."""
+    cfgs = scenario.tables()
+    w = {k: v.copy() for k, v in scenario.dense_tables().items()}
+    acc = {k: np.zeros(v.shape[0], np.float32) for k, v in w.items()}
+    res = {}
+    for step, (ids, targets) in enumerate(scenario.global_batches()):
+        out = ref_lookup(w, cfgs, ids)
+        for f, v in out.items():
+            res[f"out/{step}/{f}"] = v
+        grads = {f: out[f] - targets[f] for f in ids}
+        w, acc = adagrad_step(w, acc, cfgs, ids, grads, scenario.LR, scenario.EPS)
+    for name in w:
+        res[f"table/{name}"], res[f"acc/{name}"] = w[name], acc[name]
+    return res
+
+
+def test_two_processes_match_single_process_and_reference(tmp_path):
+    start = time.monotonic()
+    multi = _run_two_processes(tmp_path)
+    assert int(multi.pop("meta/process_count")) == 2 and int(multi.pop("meta/device_count")) == 8
+
+    single = scenario.run_scenario(jaxscale.make_mesh(2, 4))
+    assert sorted(multi) == sorted(single)
+    expected_keys = {f"{scenario.key(*c)}/{kind}" for c in scenario.CONFIGS for kind in ("out", "table", "acc")}
+    assert {k.rsplit("/", 2)[0] if "/out/" in k else k.rsplit("/", 1)[0] for k in single} == expected_keys
+    for k in sorted(single):
+        assert multi[k].shape == single[k].shape, k
+        np.testing.assert_allclose(multi[k], single[k], rtol=1e-6, atol=1e-7, err_msg=f"2-process vs 1-process: {k}")
+
+    ref = _reference()
+    w0 = scenario.dense_tables()
+    for topology, sharding in scenario.CONFIGS:
+        prefix = scenario.key(topology, sharding)
+        for k, v in ref.items():
+            np.testing.assert_allclose(multi[f"{prefix}/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=f"vs reference: {prefix}/{k}")
+        for name, w in w0.items():  # training really moved the tables, and only the looked-up rows
+            got = multi[f"{prefix}/table/{name}"]
+            changed = np.any(got != w, axis=-1)
+            assert changed.any(), (prefix, name)
+            np.testing.assert_array_equal(changed, np.any(ref[f"table/{name}"] != w, axis=-1))
+    assert time.monotonic() - start < 60
