@@ -356,7 +356,7 @@ def info_nce(query, target, valid, target_ids, *, temperature: float, max_negati
     pool, pool_valid, pool_ids = target[idx], valid[idx], target_ids[idx]
     pos = jnp.sum(query * target, axis=-1) / temperature                     # [N]
     neg = query @ pool.T / temperature                                        # [N, M]
-    neg_ok = pool_valid[None, :] & (jnp.arange(pool_ids.shape[0])[None, :] != jnp.arange(target_ids.shape[0])[:, None])
+    neg_ok = pool_valid[None, :] & (pool_ids[None, :] != target_ids[:, None])
     neg = jnp.where(neg_ok, neg, -jnp.inf)
     lse = jnp.logaddexp(pos, jax.nn.logsumexp(neg, axis=-1))
     count = jnp.maximum(jnp.sum(valid), 1)

@@ -53,7 +53,7 @@ def _stop(proc):
 def _run_two_processes(tmp_path) -> dict:
     out = tmp_path / "mp.npz"
     port, env = _free_port(), _worker_env()
-    procs, logs = [], []
+    procs, logs, alive = [], [], []
     try:
         for pid in range(2):
             log = open(tmp_path / f"worker{pid}.log", "w+")
@@ -66,7 +66,8 @@ def _run_two_processes(tmp_path) -> dict:
             if any(p.poll() not in (None, 0) for p in procs):
                 break  # one worker failed: the other would wait for it forever
             time.sleep(0.1)
-        timed_out = any(p.poll() is None for p in procs)
+        alive = [p.poll() is None for p in procs]
+        timed_out = any(alive)
     finally:
         for p in procs:
             _stop(p)
@@ -76,7 +77,8 @@ def _run_two_processes(tmp_path) -> dict:
         for pid, (p, log) in enumerate(zip(procs, logs)):
             log.seek(0)
             lines = [ln for ln in log.read().splitlines() if not ln.startswith("[Gloo]")]
-            text.append(f"--- worker {pid} (exit {p.returncode}) ---\n" + "\n".join(lines[-40:]))
+            how = "still running at the deadline, killed" if pid < len(alive) and alive[pid] else f"exit {p.returncode}"
+            text.append(f"--- worker {pid} ({how}) ---\n" + "\n".join(lines[-40:]))
         return "\n".join(text)
 
     try:
