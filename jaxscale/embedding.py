@@ -260,37 +260,45 @@ class EmbeddingCollection:
 
     def to_dense(self, state, replica: int = 0) -> dict[str, np.ndarray]:
         """The tables of `state` as dense host arrays {name: [rows, dim]}, read from one replica."""
-        out = {t.name: np.zeros((t.stored_rows, t.stored_dim), np.float32) for t in self.tables}
-        for k, st in self._stacks.items():
-            host = _to_host(state["weights"][k])[replica]
-            for s, pieces in enumerate(st.pieces):
-                for pc in pieces:
-                    t = self.tables[pc.table]
-                    cols = slice(pc.col_part * st.width, (pc.col_part + 1) * st.width)
-                    out[t.name][pc.row_part::pc.row_parts, cols] = host[s, pc.offset:pc.offset + pc.rows]
-        return out
+        host = {k: _to_host(v)[replica] for k, v in state["weights"].items()}
+        return stacks_to_dense(self.tables, self.plan, host)
 
     def slots_to_dense(self, state, replica: int = 0) -> dict[str, dict[str, np.ndarray]]:
         """Per-row optimizer state as {slot: {table: [rows]}}, or [rows, col_parts] for a column-wise
         table (each column shard keeps its own row-wise state, as in TorchRec/FBGEMM)."""
-        out = {}
+        return {slot: slots_to_dense(self.tables, self.plan, {k: _to_host(v)[replica] for k, v in state[slot].items()})
+                for slot in self.optimizer.slots}
+
+    def load_dense(self, tables: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+                   step: int = 0):
+        """Like `from_dense`, also setting the optimizer state ({slot: {table: [rows] | [rows, col_parts]}}).
+
+        Used to move a checkpoint between layouts (another mesh, topology or plan). A column-wise slot
+        saved with a different number of column shards is reset to the mean of its blocks, per row.
+        """
+        state = self.from_dense(tables)
+        sh = self.state_shardings()
         for slot in self.optimizer.slots:
-            out[slot] = {}
-            for t in self.tables:
-                cp = self.plan.tables[t.name].col_parts
-                out[slot][t.name] = np.zeros((t.stored_rows, cp) if cp > 1 else (t.stored_rows,), np.float32)
+            if not slots or slot not in slots:
+                continue
+            host = {k: np.zeros((self.num_shards, st.rows), np.float32) for k, st in self._stacks.items()}
             for k, st in self._stacks.items():
-                host = _to_host(state[slot][k])[replica]
                 for s, pieces in enumerate(st.pieces):
                     for pc in pieces:
-                        t = self.tables[pc.table]
-                        dst = out[slot][t.name]
-                        vals = host[s, pc.offset:pc.offset + pc.rows]
-                        if dst.ndim == 2:
-                            dst[pc.row_part::pc.row_parts, pc.col_part] = vals
-                        else:
-                            dst[pc.row_part::pc.row_parts] = vals
-        return out
+                        v = np.asarray(slots[slot][self.tables[pc.table].name], np.float32)
+                        cp = self.plan.tables[self.tables[pc.table].name].col_parts
+                        if v.ndim == 2:
+                            v = v[:, pc.col_part] if v.shape[1] == cp else v.mean(axis=1)
+                        host[k][s, pc.offset:pc.offset + pc.rows] = v[pc.row_part::pc.row_parts]
+            state[slot] = {k: _put(np.broadcast_to(v[None], (self.num_replicas,) + v.shape), sh[slot][k])
+                           for k, v in host.items()}
+        state["step"] = _put(np.asarray(step, np.int32), sh["step"])
+        return state
+
+    def layout_signature(self) -> dict:
+        """What the stored arrays' layout depends on; equal signatures mean a state can be reused as is."""
+        return {"plan": self.plan.to_dict(), "num_replicas": self.num_replicas,
+                "stacks": {k: [st.rows, st.width] for k, st in self._stacks.items()}}
 
     # ------------------------------------------------------------------ ids
 
@@ -609,6 +617,37 @@ class EmbeddingCollection:
             ts = self.plan.tables[t.name]
             lines.append(f"  table {t.name}: {t.rows}x{t.dim} {ts.sharding} shards={list(ts.shards)}")
         return "\n".join(lines)
+
+
+def stacks_to_dense(tables, plan: ShardingPlan, stacks: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host stacks {key: [shards, R, w]} of one replica -> dense tables {name: [rows, dim]} (pure, no devices)."""
+    layout, _ = _layout(tables, plan)
+    out = {t.name: np.zeros((t.stored_rows, t.stored_dim), np.float32) for t in tables}
+    for k, st in layout.items():
+        for s, pieces in enumerate(st.pieces):
+            for pc in pieces:
+                cols = slice(pc.col_part * st.width, (pc.col_part + 1) * st.width)
+                out[tables[pc.table].name][pc.row_part::pc.row_parts, cols] = stacks[k][s, pc.offset:pc.offset + pc.rows]
+    return out
+
+
+def slots_to_dense(tables, plan: ShardingPlan, stacks: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host slot stacks {key: [shards, R]} -> {name: [rows]} ([rows, col_parts] for column-wise tables)."""
+    layout, _ = _layout(tables, plan)
+    out = {}
+    for t in tables:
+        cp = plan.tables[t.name].col_parts
+        out[t.name] = np.zeros((t.stored_rows, cp) if cp > 1 else (t.stored_rows,), np.float32)
+    for k, st in layout.items():
+        for s, pieces in enumerate(st.pieces):
+            for pc in pieces:
+                dst = out[tables[pc.table].name]
+                vals = stacks[k][s, pc.offset:pc.offset + pc.rows]
+                if dst.ndim == 2:
+                    dst[pc.row_part::pc.row_parts, pc.col_part] = vals
+                else:
+                    dst[pc.row_part::pc.row_parts] = vals
+    return out
 
 
 def _pool(emb, valid, pooling):

@@ -1,0 +1,70 @@
+"""Multi-host start-up: `jax.distributed.initialize` from flags, environment or cluster auto-detection.
+
+Must run before anything touches a JAX backend. JAX reads JAX_COORDINATOR_ADDRESS itself but not
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, so those (and JAXSCALE_* equivalents) are read here and passed on.
+"""
+
+from __future__ import annotations
+
+import os
+
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _env(*names):
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None):
+    """(coordinator, num_processes, process_id, how) with flags taking precedence over the environment.
+
+    `how` is 'single' (no distributed start-up), 'explicit' or 'auto' (a cluster JAX detects itself).
+    """
+    coordinator = coordinator or _env("JAXSCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS")
+    n = num_processes if num_processes is not None else _env("JAXSCALE_NUM_PROCESSES", "JAX_NUM_PROCESSES")
+    i = process_id if process_id is not None else _env("JAXSCALE_PROCESS_ID", "JAX_PROCESS_ID")
+    n = int(n) if n is not None else None
+    i = int(i) if i is not None else None
+    if n is not None and n < 1:
+        raise ValueError(f"number of processes must be >= 1, got {n}")
+    if n is not None and i is not None and not 0 <= i < n:
+        raise ValueError(f"process id {i} is outside [0, {n})")
+    if n == 1 and not coordinator:
+        return None, 1, 0, "single"
+    if coordinator or n is not None or i is not None:
+        missing = [name for name, v in (("coordinator address", coordinator), ("number of processes", n),
+                                        ("process id", i)) if v is None]
+        if missing:
+            raise ValueError(
+                f"multi-process launch needs {', '.join(missing)}: pass --coordinator HOST:PORT, "
+                f"--num-processes N and --process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                f"JAX_PROCESS_ID)")
+        return coordinator, n, i, "explicit"
+    if all(v in os.environ for v in SLURM_VARS) and int(os.environ["SLURM_NTASKS"]) > 1:
+        return None, None, None, "auto"
+    return None, 1, 0, "single"
+
+
+def initialize(coordinator=None, num_processes=None, process_id=None, *, local_devices: int | None = None,
+               timeout_s: int = 300, heartbeat_timeout_s: int = 30) -> tuple[int, int]:
+    """Starts JAX (multi-process when asked); returns (process_index, process_count).
+
+    `local_devices` sets the number of simulated CPU devices per process (no effect on GPUs).
+    `heartbeat_timeout_s` bounds how long the survivors wait when a process dies: they then exit with
+    an error instead of hanging in a collective.
+    """
+    import jax
+
+    if local_devices is not None:
+        jax.config.update("jax_num_cpu_devices", int(local_devices))
+    coordinator, n, i, how = resolve(coordinator, num_processes, process_id)
+    if how == "explicit":
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i,
+                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    elif how == "auto":
+        jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    return jax.process_index(), jax.process_count()
