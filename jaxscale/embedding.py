@@ -337,12 +337,12 @@ class EmbeddingCollection:
                 batch = (f, x.shape[0])
             elif x.shape[0] != batch[1]:
                 raise ValueError(f"feature {f!r} has batch size {x.shape[0]} but feature {batch[0]!r} has {batch[1]}")
-            bad = (x < PADDING_ID) | (x >= t.rows)
+            bad = (x < PADDING_ID) | (x >= t.stored_rows)
             if bad.any():
                 v = x[bad][0]
                 raise ValueError(
-                    f"feature {f!r} (table {t.name!r}, {t.rows} rows): id {int(v)} is out of range; ids must be "
-                    f"in [0, {t.rows}) or {PADDING_ID} for padding ({int(bad.sum())} bad ids)")
+                    f"feature {f!r} (table {t.name!r}, {t.stored_rows} rows): id {int(v)} is out of range; ids must be "
+                    f"in [0, {t.stored_rows}) or {PADDING_ID} for padding ({int(bad.sum())} bad ids)")
             out[f] = x
         if batch is not None and global_batch:
             devices = self.nodes * self.local
@@ -405,7 +405,7 @@ class EmbeddingCollection:
             t = self.tables[self.feature_table[f]]
             b, L = ids[f].shape
             x = ids[f]
-            valid = (x >= 0) & (x < t.rows)
+            valid = (x >= 0) & (x < t.stored_rows)
             invalid += jnp.sum((x != PADDING_ID) & ~valid, dtype=jnp.int32)
             parts = outputs[f]
             emb = jnp.concatenate([parts[c] for c in range(len(parts))], axis=-1).reshape(b, L, t.stored_dim)
@@ -450,7 +450,7 @@ class EmbeddingCollection:
         for f in feats:
             t = self.tables[self.feature_table[f]]
             x = ids[f]
-            invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.rows)), dtype=jnp.int32)
+            invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
         for key, st in self._stacks.items():
             reqs = self._requests(key, feats, ids)
             if reqs is None:
@@ -535,8 +535,8 @@ class EmbeddingCollection:
                 continue
             t = self.tables[t_idx]
             x = ids[f].reshape(-1)
-            valid = (x >= 0) & (x < t.rows)
-            sid = _stored_id(jnp.where(valid, x, 0), t)
+            valid = (x >= 0) & (x < t.stored_rows)
+            sid = jnp.where(valid, x, 0)
             part = sid % route.row_parts if route.row_parts > 1 else jnp.zeros_like(sid)
             local = sid // route.row_parts
             for c in range(route.col_parts):
@@ -595,7 +595,7 @@ class EmbeddingCollection:
         """Per-request gradient [b*L, width] of column block c of feature f (zero for padding)."""
         t = self.tables[self.feature_table[f]]
         b, L = x.shape
-        valid = ((x >= 0) & (x < t.rows)).astype(jnp.float32)
+        valid = ((x >= 0) & (x < t.stored_rows)).astype(jnp.float32)
         g = g[..., c * width:(c + 1) * width]
         if t.pooling is None:
             per = g * valid[..., None]
@@ -657,16 +657,6 @@ def _pool(emb, valid, pooling):
     if pooling == "mean":
         s = s / jnp.maximum(valid.sum(-1, keepdims=True), 1).astype(s.dtype)
     return s
-
-
-def _stored_id(x, t: TableConfig):
-    """Maps an id into the stored row space (identity, or a hash into the doubled rows of 'half_dim')."""
-    if t.reshape != "half_dim":
-        return x
-    h = x.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    return (h % jnp.uint32(t.stored_rows)).astype(jnp.int32)
 
 
 def _axis_index(axes):

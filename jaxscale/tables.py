@@ -22,8 +22,11 @@ class TableConfig:
         that returns [L, dim] per example (padding -> zeros).
       features: names of the input features that look this table up (default: the table's name).
         Several features may share one table.
-      reshape: None, or 'half_dim': store the table bandwidth-aware as rows*2 x dim/2 (same parameter
-        count, half the bytes per all-to-all); ids are hashed deterministically into the doubled rows.
+      reshape: None, or 'half_dim': store the table bandwidth-aware as (2*rows) x (dim/2): the same
+        parameter count, half the bytes per all-to-all. Ids then index the doubled row space
+        [0, 2*rows) (`stored_rows`): a hashed-id model hashes its raw ids into `stored_rows` buckets, so
+        the doubled rows halve hash collisions while each lookup moves half the bytes; a local
+        projection after the all-to-all can restore the model dim without communication.
       init_scale: rows are initialised uniform(-init_scale, init_scale); default sqrt(1/rows), as in
         TorchRec.
     """

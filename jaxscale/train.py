@@ -35,7 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--process-id", type=int, help="this process's index")
     p.add_argument("--stop-at", type=int, help="stop (with a checkpoint) at this step, as SIGTERM would")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    # Intermixed: overrides may come before, between or after the options (plain parse_args refuses
+    # `--steps 5 mesh.nodes=2` once an option has ended the positional run).
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:

@@ -209,7 +209,8 @@ def hash_ids(ids, table: int, rows: int, *, num_tables: int = 1, vocab: int | No
 def foundation_ids(cfg: FoundationConfig, batch: Mapping) -> dict:
     """The engine's input: {item feature: int32 [B, L]} from batch['item_ids'] (numpy or jax)."""
     ids = batch["item_ids"]
-    return {f: hash_ids(ids, j, cfg.item_rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
+    rows = cfg.item_rows * 2 if cfg.item_reshape == "half_dim" else cfg.item_rows  # the tables' stored_rows
+    return {f: hash_ids(ids, j, rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
             for j, f in enumerate(item_features(cfg))}
 
 

@@ -191,7 +191,7 @@ def bench_gather(rng):
 
 # ---------------------------------------------------------------- (c) where the time goes
 
-def timeit(fn, reps=15):
+def timeit(fn, reps=31):
     fn()
     ts = []
     for _ in range(reps):
@@ -236,6 +236,12 @@ def breakdown(ec, state, ids):
         return holder["w"]
 
     sort_only = jax.jit(lambda rows: jnp.argsort(jnp.where(rows >= 0, rows, st.rows)))
+    reqs = jax.jit(lambda ids: ec._requests(key, feats, ids))(ids)
+    iota = jnp.arange(n, dtype=jnp.int32)
+    # the route's 3-operand, 2-key sort vs one packed uint32 key (dest * R_w + row < 2**31 by _layout)
+    sort3 = jax.jit(lambda d, r: jax.lax.sort((d, r, iota), num_keys=2))
+    sort_packed = jax.jit(lambda d, r: jax.lax.sort((d.astype(jnp.uint32) * jnp.uint32(st.rows) + r.astype(jnp.uint32), iota),
+                                                    num_keys=1))
     out = {
         "shapes": {"requests_n": n, "send_buffer": [S, C, st.width], "unique_rows": int(jnp.sum(r["send_rows"] >= 0))},
         "full_lookup_ms": timeit(lambda: ec.lookup(state, ids)["f"]),  # before apply_once donates the table
@@ -245,6 +251,8 @@ def breakdown(ec, state, ids):
         "grad_scatter_to_send_buffer_ms": timeit(lambda: req_grads_j(r, g)),
         "apply_rows_sort_segsum_scatter_ms": timeit(apply_once),
         "  of_which_argsort_ms": timeit(lambda: sort_only(rows_flat)),
+        "route_sort_3_operands_2_keys_ms": timeit(lambda: sort3(reqs["dest"], reqs["row"])),
+        "alternative_packed_1_key_sort_ms": timeit(lambda: sort_packed(reqs["dest"], reqs["row"])),
     }
     return out
 
