@@ -1,14 +1,38 @@
-"""jaxscale: sharded embeddings and near-linear multi-node training for recommendation models in JAX."""
+"""jaxscale: sharded embeddings and near-linear multi-node training for recommendation models in JAX.
 
-from jaxscale.embedding import EmbeddingCollection
-from jaxscale.mesh import AXES, LOCAL, NODE, TOPOLOGIES, make_mesh
-from jaxscale.optimizers import SGD, RowWiseAdagrad
-from jaxscale.plan import SHARDING_TYPES, ShardingPlan, TableShards, resolve_plan
-from jaxscale.quantization import CommConfig
-from jaxscale.tables import TableConfig
+Names are imported lazily, so device-free modules (`jaxscale.planner`, `jaxscale.plan`, `jaxscale.tables`)
+can be used without importing JAX.
+"""
 
-__all__ = [
-    "EmbeddingCollection", "TableConfig", "SGD", "RowWiseAdagrad", "CommConfig",
-    "AXES", "LOCAL", "NODE", "TOPOLOGIES", "make_mesh",
-    "SHARDING_TYPES", "ShardingPlan", "TableShards", "resolve_plan",
-]
+import importlib
+
+_EXPORTS = {
+    "EmbeddingCollection": "jaxscale.embedding",
+    "TableConfig": "jaxscale.tables",
+    "SGD": "jaxscale.optimizers",
+    "RowWiseAdagrad": "jaxscale.optimizers",
+    "CommConfig": "jaxscale.quantization",
+    "AXES": "jaxscale.mesh",
+    "LOCAL": "jaxscale.mesh",
+    "NODE": "jaxscale.mesh",
+    "TOPOLOGIES": "jaxscale.mesh",
+    "make_mesh": "jaxscale.mesh",
+    "SHARDING_TYPES": "jaxscale.plan",
+    "ShardingPlan": "jaxscale.plan",
+    "TableShards": "jaxscale.plan",
+    "resolve_plan": "jaxscale.plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -17,7 +17,7 @@ import mp_embedding_worker as scenario
 from embedding_reference import adagrad_step, lookup as ref_lookup
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 45  # the whole 2-process run; a hang fails here with the workers' stderr
+TIMEOUT_S = 50  # the whole 2-process run (~15-30 s here); a hang fails here with the workers' stderr
 KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
 
 
@@ -112,7 +112,6 @@ def _reference() -> dict:
 
 
 def test_two_processes_match_single_process_and_reference(tmp_path):
-    start = time.monotonic()
     multi = _run_two_processes(tmp_path)
     assert int(multi.pop("meta/process_count")) == 2 and int(multi.pop("meta/device_count")) == 8
 
@@ -135,4 +134,3 @@ def test_two_processes_match_single_process_and_reference(tmp_path):
             changed = np.any(got != w, axis=-1)
             assert changed.any(), (prefix, name)
             np.testing.assert_array_equal(changed, np.any(ref[f"table/{name}"] != w, axis=-1))
-    assert time.monotonic() - start < 60
