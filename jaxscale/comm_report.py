@@ -23,8 +23,9 @@ parts always add up to comm_inspect's bytes per device (ring byte model), so tot
 Categories (used by experiments/scaling): 'emb_ids' (integer all-to-alls: row ids to the owners),
 'emb_rows' (float/bitcast all-to-alls: looked-up rows forward, their gradients backward),
 'replica_sync' (collectives over the replica axes of a 2D topology: exact sparse sync or periodic
-averaging), 'dense_grad' (data-parallel gradient all-reduce over every device), 'model_gather'
-(all-gathers the model/loss needs, e.g. in-batch negatives), 'scalars' (metrics and counters, < 1 KiB).
+averaging), 'dense_grad' (the largest all-reduce: data-parallel dense gradients; XLA combines into it whatever else
+is all-reduced in the backward pass), 'model_gather' (other all-gathers/all-reduces of float arrays the
+model needs, e.g. the in-batch negative pool), 'scalars' (metrics and counters).
 """
 
 from __future__ import annotations
@@ -99,20 +100,21 @@ def split_bytes(c, mesh_shape) -> tuple[float, float]:
     return max(best[0], 0.0), best[1]
 
 
-def categorize(c, replica_groups: set) -> str:
-    """The category of a collective (see module doc)."""
-    if c.result_bytes < SCALAR_BYTES and c.kind != "all-to-all":
-        return "scalars"
+def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = None) -> str:
+    """The category of a collective (see module doc). `largest_all_reduce` names the dense-gradient one."""
     groups = frozenset(frozenset(g) for g in c.groups)
     if c.kind in ("all-to-all", "ragged-all-to-all"):
-        integer = all(dt.startswith("s") for dt in c.dtypes)
+        integer = all(dt.startswith("s") or dt == "pred" for dt in c.dtypes)
         return "emb_ids" if integer else "emb_rows"
     if replica_groups and groups == replica_groups:
         return "replica_sync"
-    if c.kind == "all-reduce":
+    if c.kind == "all-reduce" and c.name == largest_all_reduce and c.result_bytes >= SCALAR_BYTES:
         return "dense_grad"
-    if c.kind == "all-gather":
-        return "model_gather"
+    has_array = any(len(s) >= 1 and dt.startswith(("f", "bf")) for dt, s in zip(c.dtypes, c.shapes))
+    if c.kind in ("all-gather", "all-reduce") and has_array:
+        return "model_gather"  # e.g. the in-batch negative pool (GSPMD all-gather or masked all-reduce)
+    if c.result_bytes < SCALAR_BYTES:
+        return "scalars"
     return "other"
 
 
@@ -151,9 +153,11 @@ def comm_report(cfg) -> dict:
     mesh_shape = tuple(trainer.mesh.devices.shape)
     reps = _replica_groups(trainer.mesh, cfg.embedding.topology)
     rows, by_cat = [], defaultdict(lambda: {"intra_node": 0.0, "inter_node": 0.0, "count": 0})
+    reduces = [c for c in collectives if c.kind == "all-reduce"]
+    largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None
     for c in collectives:
         intra, inter = split_bytes(c, mesh_shape)
-        cat = categorize(c, reps)
+        cat = categorize(c, reps, largest)
         where = "intra" if inter == 0 else ("inter" if intra == 0 else "mixed")
         rows.append({"name": c.name, "kind": c.kind, "dtypes": list(c.dtypes), "shapes": [list(s) for s in c.shapes],
                      "group_size": c.group_size, "result_bytes": c.result_bytes,

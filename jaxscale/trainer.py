@@ -169,7 +169,7 @@ class Trainer:
         self.tx = make_optimizer(cfg)
         model = self.task.make_model(nnx.Rngs(cfg.train.seed))
         self.graphdef, dense, rest = nnx.split(model, nnx.Param, ...)
-        self._dense_host, self._rest_host = dense, rest
+        self._dense_host, self._rest_host = _host_tree(dense), _host_tree(rest)  # numpy: see init_state
         self.replicated = NamedSharding(self.mesh, P())
         self.data = make_data(cfg, split="train", process_index=self.process_index, process_count=self.process_count)
         self.eval_data = make_data(cfg, split="eval", process_index=self.process_index, process_count=self.process_count)
@@ -181,8 +181,10 @@ class Trainer:
     # -------------------------------------------------------------- state
 
     def init_state(self):
-        dense = jax.device_put(self._dense_host, self.replicated)
-        rest = jax.device_put(self._rest_host, self.replicated)
+        # From host (numpy) copies: a device array would be aliased by device_put and deleted when the step
+        # donates the state (a second run() then fails), and a multi-process device_put takes host values only.
+        dense = _device_tree(self._dense_host, self.replicated)
+        rest = _device_tree(self._rest_host, self.replicated)
         opt = jax.jit(self.tx.init, out_shardings=self.replicated)(dense)
         emb = self.ec.init(jax.random.key(self.cfg.train.seed))
         zero = jax.device_put(np.zeros((), np.int32), self.replicated)
@@ -267,13 +269,42 @@ class Trainer:
             "config": config_to_dict(self.cfg),
         }
 
-    def save(self, mgr, state, *, force=False) -> int:
+    def save(self, mgr, state, *, force=True) -> int:
+        """Saves `state` at its step (asynchronously: `mgr.wait_until_finished()` before reading it).
+
+        The trainer decides when to save, so orbax's own save policy is bypassed (`force`). Checkpoints at
+        this step or later are from an abandoned run (this one resumed from an earlier step): they are
+        moved to <workdir>/abandoned_checkpoints/ first, never deleted, so `latest` is this run again.
+        """
         import orbax.checkpoint as ocp
 
         step = int(_host(state["step"]))
+        stale = sorted(s for s in mgr.all_steps() if s >= step)
+        if stale:
+            self._set_aside(mgr, stale)
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                meta=ocp.args.JsonSave(self._meta(state))), force=force)
         return step
+
+    def _set_aside(self, mgr, steps):
+        mgr.wait_until_finished()
+        dest = self.workdir / "abandoned_checkpoints"
+        if self.is_writer or self.process_index == 0:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in steps:
+                src = Path(mgr.directory) / str(s)
+                if src.exists():
+                    dest.mkdir(parents=True, exist_ok=True)
+                    target = dest / f"{s}-{stamp}"
+                    os.replace(src, target)
+                    if self.is_writer:
+                        print(f"checkpoint step {s} is from an abandoned run (this run resumed from an earlier "
+                              f"step): moved to {target}")
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxscale_set_aside_checkpoints")
+        mgr.reload()
 
     def restore(self, template_state, step: int | None = None):
         """The saved state at `step` (default: latest complete), resharded onto this mesh and layout."""
@@ -290,12 +321,16 @@ class Trainer:
             step = max(steps)
         elif step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {path}; available: {sorted(steps)}")
+        others = sorted(s for s in steps if s != step)
+        hint = (f"; other checkpoints here: {others} (resume one with --resume-step N)" if others else "")
         try:
             meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or "layout" not in meta or "step" not in meta:
+                raise ValueError(f"metadata is not a jaxscale checkpoint's: {str(meta)[:200]}")
         except Exception as e:  # orbax raises many types for unreadable files
             raise CheckpointError(f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): "
-                                  f"{type(e).__name__}: {e}") from e
-        self._check_compatible(meta, template_state, step, path)
+                                  f"{_brief(e)}{hint}") from e
+        self._check_compatible(meta, template_state, step, path, hint)
         same_layout = meta["layout"] == self.ec.layout_signature()
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), template_state)
@@ -305,7 +340,7 @@ class Trainer:
             restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{_brief(e)}{hint}") from e
         if not same_layout:
             restored["emb"] = self._convert_emb(meta, restored["emb"])
         if int(_host(restored["step"])) != meta["step"]:
@@ -313,7 +348,7 @@ class Trainer:
                                   f"{int(_host(restored['step']))} != metadata step {meta['step']}")
         return restored, step
 
-    def _check_compatible(self, meta, template_state, step, path):
+    def _check_compatible(self, meta, template_state, step, path, hint=""):
         problems = []
         if meta.get("model_kind") != self.task.kind:
             problems.append(f"model kind {meta.get('model_kind')!r} != {self.task.kind!r}")
@@ -336,7 +371,8 @@ class Trainer:
         if sorted(meta.get("optimizer_slots", [])) != sorted(self.ec.optimizer.slots):
             problems.append(f"embedding optimizer slots {meta.get('optimizer_slots')} != {list(self.ec.optimizer.slots)}")
         if problems:
-            raise CheckpointError(f"checkpoint step {step} in {path} is from another model: " + "; ".join(problems))
+            raise CheckpointError(f"checkpoint step {step} in {path} is from another model: " + "; ".join(problems)
+                                  + (f" (other checkpoints here: {hint.split(': ', 1)[1]})" if hint else ""))
 
     def _convert_emb(self, meta, saved_emb):
         """Saved stacks (another mesh/topology/plan) -> dense tables -> this collection's layout."""
@@ -352,6 +388,16 @@ class Trainer:
     def request_stop(self, *_):
         self._stop_requested = True
 
+    def _should_stop(self, step: int, stop_at: int | None) -> bool:
+        """Stop after this step? In a multi-process run every process must stop at the same step (the save
+        is collective), but SIGTERM reaches them at different steps: the flag is OR-ed across processes."""
+        stop = self._stop_requested
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            stop = bool(np.max(multihost_utils.process_allgather(np.asarray(stop, np.int32))))
+        return stop or (stop_at is not None and step >= stop_at)
+
     def run(self, *, steps: int | None = None, resume: bool = False, resume_step: int | None = None,
             stop_at: int | None = None) -> dict:
         """Trains to `steps` (default config.train.steps); returns {'losses': [...], 'final': metrics}.
@@ -360,6 +406,7 @@ class Trainer:
         """
         cfg = self.cfg.train
         total = steps if steps is not None else cfg.steps
+        self._stop_requested = False
         state = self.init_state()
         if resume or resume_step is not None:
             has_any = (self.workdir / "checkpoints").exists() and self._manager(create=False).all_steps()
@@ -374,9 +421,12 @@ class Trainer:
         history: dict[str, Any] = {"losses": [], "steps": [], "eval": []}
         bar = _progress(total, start, enabled=self.progress)
         step = start
+        last_saved = None
         try:
             while step < total:
                 batch = self.batch(step)
+                if self._compiled is None:  # compile outside the timed region: step_time_s is the step alone
+                    self.compile(state, batch)
                 t0 = time.perf_counter()
                 new_state, metrics = self.train_step(state, batch)
                 metrics = {k: float(_host(v)) for k, v in metrics.items()}
@@ -406,13 +456,16 @@ class Trainer:
                     writer.write(ev)
                     bar.note(ev)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-                    self.save(mgr, state)
-                if self._stop_requested or (stop_at is not None and step >= stop_at):
+                    last_saved = self.save(mgr, state)
+                if self._should_stop(step, stop_at):
                     break
-            if step > start or not mgr.all_steps():
-                self.save(mgr, state, force=True)
-            mgr.wait_until_finished()
+            if (step > start or not mgr.all_steps()) and last_saved != step:
+                self.save(mgr, state)
         finally:
+            try:
+                mgr.wait_until_finished()  # an async save in flight completes before we return (or raise)
+            finally:
+                mgr.close()
             bar.close()
             writer.close()
             if old_handler is not None:
@@ -455,6 +508,13 @@ def _saved_emb_abstract(meta, replicated):
     return out
 
 
+def _brief(e: BaseException, limit: int = 600) -> str:
+    """`Type: message` cut to its first line and `limit` characters (tensorstore appends kilobytes of spec)."""
+    text = str(e).split(" [tensorstore_spec", 1)[0].strip().splitlines()
+    text = text[0] if text else ""
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def _shapes(tree) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(p): list(np.shape(v)) for p, v in flat}
@@ -462,10 +522,31 @@ def _shapes(tree) -> dict:
 
 def _host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_fully_replicated:  # every process holds it all: no collective needed
+            return np.asarray(x.addressable_shards[0].data)
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+class _HostKey:
+    """A PRNG key array kept on the host as its key data."""
+
+    def __init__(self, x):
+        self.data, self.impl = np.asarray(jax.random.key_data(x)), jax.random.key_impl(x)
+
+
+def _host_tree(tree):
+    return jax.tree.map(lambda x: _HostKey(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.array(x), tree)
+
+
+def _device_tree(tree, sharding):
+    def put(x):
+        if isinstance(x, _HostKey):
+            return jax.random.wrap_key_data(jax.device_put(x.data, sharding), impl=x.impl)
+        return jax.device_put(x, sharding)
+    return jax.tree.map(put, tree)
 
 
 def _main_thread() -> bool:

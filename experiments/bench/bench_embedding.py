@@ -72,7 +72,7 @@ def machine() -> dict:
         nproc = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip())
     except Exception:  # noqa: BLE001
         nproc = os.cpu_count()
-    return {"nproc": nproc, "cpu_model": model, "python": platform.python_version(), "jax": jax.__version__,
+    return {"nproc": nproc, "cpu_model": model, "loadavg_1_5_15_at_start": os.getloadavg(), "python": platform.python_version(), "jax": jax.__version__,
             "numpy": np.__version__, "platform": platform.platform()}
 
 
@@ -236,7 +236,7 @@ def breakdown(ec, state, ids):
         return holder["w"]
 
     sort_only = jax.jit(lambda rows: jnp.argsort(jnp.where(rows >= 0, rows, st.rows)))
-    reqs = jax.jit(lambda ids: ec._requests(key, feats, ids))(ids)
+    reqs = jax.jit(lambda ids: {k: v for k, v in ec._requests(key, feats, ids).items() if k in ("dest", "row")})(ids)
     iota = jnp.arange(n, dtype=jnp.int32)
     # the route's 3-operand, 2-key sort vs one packed uint32 key (dest * R_w + row < 2**31 by _layout)
     sort3 = jax.jit(lambda d, r: jax.lax.sort((d, r, iota), num_keys=2))
@@ -290,13 +290,15 @@ def main():
     gather, ec, state, ids = bench_gather(rng)
     result["gather_1dev"] = gather
     result["breakdown_1dev"] = breakdown(ec, state, ids)
+    result["loadavg_1_5_15_at_end"] = os.getloadavg()
     text = json.dumps(result, indent=1, default=float)
     print(text)
     if ARGS.json:
         Path(ARGS.json).write_text(text)
 
     m = result["machine"]
-    print(f"\n**Machine**: {m['nproc']} CPUs, {m['cpu_model']}; jax {m['jax']}\n")
+    print(f"\n**Machine**: {m['nproc']} CPUs, {m['cpu_model']}; jax {m['jax']}; load average at start "
+          f"{m['loadavg_1_5_15_at_start'][0]:.1f}, at end {result['loadavg_1_5_15_at_end'][0]:.1f}\n")
     print("| config | rows | median ms | p10 | p90 | ratio largest/smallest |")
     print("|---|---|---|---|---|---|")
     for label, by_rows in steps.items():
