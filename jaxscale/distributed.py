@@ -50,14 +50,23 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
 
 
 def initialize(coordinator=None, num_processes=None, process_id=None, *, local_devices: int | None = None,
-               timeout_s: int = 300, heartbeat_timeout_s: int = 30) -> tuple[int, int]:
+               timeout_s: int = 300, heartbeat_timeout_s: int | None = None) -> tuple[int, int]:
     """Starts JAX (multi-process when asked); returns (process_index, process_count).
 
     `local_devices` sets the number of simulated CPU devices per process (no effect on GPUs).
     `heartbeat_timeout_s` bounds how long the survivors wait when a process dies: they then exit with
-    an error instead of hanging in a collective.
+    an error instead of hanging in a collective. Default: $JAXSCALE_HEARTBEAT_TIMEOUT_S, else 30.
     """
     import jax
+
+    if heartbeat_timeout_s is None:
+        raw = _env("JAXSCALE_HEARTBEAT_TIMEOUT_S") or "30"
+        try:
+            heartbeat_timeout_s = int(raw)
+        except ValueError:
+            raise ValueError(f"JAXSCALE_HEARTBEAT_TIMEOUT_S must be a whole number of seconds, got {raw!r}") from None
+    if heartbeat_timeout_s < 1:
+        raise ValueError(f"heartbeat timeout must be >= 1 s, got {heartbeat_timeout_s}")
 
     if local_devices is not None:
         jax.config.update("jax_num_cpu_devices", int(local_devices))

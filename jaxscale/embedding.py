@@ -188,15 +188,16 @@ class EmbeddingCollection:
         max_dim = self._max_dim
         scales = np.array([t.scale for t in self.tables], np.float32)
 
-        def init_stack(key, st: _Stack):
-            meta = _piece_meta(st, self.num_shards)
+        metas = {k: _piece_meta(st, self.num_shards) for k, st in stacks.items()}
 
-            def body(key):
+        def init_stack(key, st: _Stack, meta):
+            # meta arrives as a runtime argument: as a constant, XLA would fold [rows]-sized index arrays.
+            def body(key, meta):
                 shard = _axis_index(self.shard_axes)
                 i = jnp.arange(st.rows, dtype=jnp.int32)
-                starts = jnp.asarray(meta["start"])[shard]
+                starts = meta["start"][shard]
                 piece = jnp.clip(jnp.searchsorted(starts, i, side="right") - 1, 0, starts.shape[0] - 1)
-                get = lambda name: jnp.asarray(meta[name])[shard][piece]
+                get = lambda name: meta[name][shard][piece]
                 local = i - get("start")
                 valid = local < get("rows")
                 row = get("row_part") + local * get("row_parts")
@@ -211,11 +212,11 @@ class EmbeddingCollection:
                 vals = vals * jnp.asarray(scales)[table][:, None]
                 return jnp.where(valid[:, None], vals, 0.0)[None, None]
 
-            return jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=self._stack_spec,
-                                 check_vma=False)(key)
+            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P()), out_specs=self._stack_spec,
+                                 check_vma=False)(key, meta)
 
-        def init(key):
-            state = {"weights": {k: init_stack(key, st) for k, st in stacks.items()},
+        def init(key, metas):
+            state = {"weights": {k: init_stack(key, st, metas[k]) for k, st in stacks.items()},
                      "step": jnp.zeros((), jnp.int32)}
             for slot in self.optimizer.slots:
                 state[slot] = {k: jnp.full((self.num_replicas, self.num_shards, st.rows),
@@ -223,7 +224,8 @@ class EmbeddingCollection:
                                for k, st in stacks.items()}
             return state
 
-        return jax.jit(init, out_shardings=self.state_shardings())
+        jitted = jax.jit(init, out_shardings=self.state_shardings())
+        return lambda key: jitted(key, metas)
 
     def from_dense(self, tables: Mapping[str, np.ndarray]):
         """State holding the given dense tables ({name: [rows, dim]}; stored shape under 'half_dim')."""
@@ -389,9 +391,15 @@ class EmbeddingCollection:
             reqs = self._requests(key, feats, ids)
             if reqs is None:
                 continue
+            table = weights[key][0, 0]
+            if self.num_shards == 1:  # every row is local: no routing, no all-to-all
+                vals = jnp.take(table, jnp.clip(reqs["row"], 0, st.rows - 1), axis=0, mode="clip")
+                vals = vals * (reqs["dest"] < 1)[:, None]
+                for f, c, start, size in reqs["segments"]:
+                    outputs.setdefault(f, {})[c] = vals[start:start + size]
+                continue
             route = self._route(st, reqs)
             overflow += route["overflow"]
-            table = weights[key][0, 0]
             received = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C] rows wanted from me
             rows = jnp.where((received >= 0)[..., None],
                              jnp.take(table, jnp.clip(received, 0, st.rows - 1), axis=0, mode="clip"), 0.0)
@@ -455,17 +463,20 @@ class EmbeddingCollection:
             reqs = self._requests(key, feats, ids)
             if reqs is None:
                 continue
-            route = self._route(st, reqs)
-            overflow += route["overflow"]
             g = jnp.concatenate([self._request_grads(f, c, st.width, ids[f], grads[f])
                                  for f, c, _, _ in reqs["segments"]], axis=0)  # [n, w], original order
-            g = g * route["keep"][:, None]
-            S, C = route["send_rows"].shape
-            send_g = jnp.zeros((S, C, st.width), jnp.float32).at[route["dest"], route["slot"]].add(g, mode="drop")
-            recv_rows = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C]
-            recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
-                                            fp8_format=self.comm.fp8_backward_format)  # [S, C, w]
-            rows, g = recv_rows.reshape(-1), recv_g.reshape(-1, st.width)
+            if self.num_shards == 1:  # every row is local: the owner sums duplicates below
+                rows = jnp.where(reqs["dest"] < 1, reqs["row"], -1)
+            else:
+                route = self._route(st, reqs)
+                overflow += route["overflow"]
+                g = g * route["keep"][:, None]
+                S, C = route["send_rows"].shape
+                send_g = jnp.zeros((S, C, st.width), jnp.float32).at[route["dest"], route["slot"]].add(g, mode="drop")
+                recv_rows = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C]
+                recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
+                                                fp8_format=self.comm.fp8_backward_format)  # [S, C, w]
+                rows, g = recv_rows.reshape(-1), recv_g.reshape(-1, st.width)
             if self.replica_axes and self.replica_sync == "exact":
                 rows = jax.lax.all_gather(rows, self.replica_axes, tiled=True)
                 g = collectives.all_gather(g, self.replica_axes, self.comm.backward,
@@ -574,16 +585,21 @@ class EmbeddingCollection:
         return int(max(1, min(need.max(), st.rows * self.num_shards)))
 
     def _route(self, st: _Stack, reqs):
-        """Sort + de-duplicate requests and assign each unique (owner, row) a slot of the send buffer."""
+        """Sort + de-duplicate requests and assign each unique (owner, row) a slot of the send buffer.
+
+        One packed sort key `owner * R + row` (fits int32: `_layout` checks (shards + 1) * R < 2**31);
+        invalid requests carry owner S and sort last. Slots are ranks among the owner's unique rows.
+        """
         dest, row, C = reqs["dest"], reqs["row"], reqs["capacity"]
-        S = self.num_shards
+        S, R = self.num_shards, st.rows
         n = dest.shape[0]
         iota = jnp.arange(n, dtype=jnp.int32)
-        sd, sr, perm = jax.lax.sort((dest, row, iota), num_keys=2)
-        new = jnp.concatenate([jnp.ones((1,), bool), (sd[1:] != sd[:-1]) | (sr[1:] != sr[:-1])])
+        skey, perm = jax.lax.sort((dest * R + row, iota), num_keys=1)
+        new = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
         uid = jnp.cumsum(new, dtype=jnp.int32) - 1
-        first = jnp.searchsorted(sd, sd, side="left")
-        slot = uid - uid[first]
+        sd, sr = skey // R, skey % R
+        uniques = jax.ops.segment_sum(new.astype(jnp.int32), sd, num_segments=S + 1, indices_are_sorted=True)
+        slot = uid - (jnp.cumsum(uniques) - uniques)[sd]
         fits = (sd < S) & (slot < C)
         overflow = jnp.sum(new & (sd < S) & (slot >= C), dtype=jnp.int32)
         send_rows = jnp.full((S, C), -1, jnp.int32).at[jnp.where(fits, sd, S), slot].set(sr, mode="drop")
@@ -687,8 +703,9 @@ def _layout(tables, plan: ShardingPlan):
     stacks = {}
     for width, shards in sorted(per_width.items()):
         rows = max(1, max(fill[width]))
-        if rows * S >= 2**31:
-            raise ValueError(f"stack of width {width} holds {rows} rows per shard; more than 2**31 total is not supported")
+        if rows * (S + 1) >= 2**31:
+            raise ValueError(f"stack of width {width} holds {rows} rows on each of {S} shards; (shards + 1) * rows "
+                             f"must stay below 2**31 (packed int32 routing keys)")
         stacks[f"w{width}"] = _Stack(f"w{width}", width, rows, tuple(tuple(p) for p in shards))
     return stacks, routes
 

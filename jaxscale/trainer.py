@@ -489,7 +489,9 @@ class Trainer:
                   f"{cf} -> {new_cf} and recompiling; the step is re-run")
         self.ec = make_collection(self.cfg, self.mesh, self.task.tables, capacity_factor=new_cf)
         self._compiled = None
-        return dict(state, step=state["step"] - 1)
+        # the skipped attempt advanced both step counters (the engine's drives periodic replica sync):
+        # rewind both, so the re-run step is exactly the step an exact-capacity run takes
+        return dict(state, step=state["step"] - 1, emb=dict(state["emb"], step=state["emb"]["step"] - 1))
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -280,6 +280,10 @@ class FoundationModel(nnx.Module):
         d, e, dt = cfg.d_model, cfg.item_out_dim, jnp.dtype(cfg.dtype)
         # LayerNorm first: table rows start tiny (TorchRec init, ~1/sqrt(rows)) and their scale drifts with
         # the sparse optimizer; the transformer should see the item's direction, not its scale.
+        if cfg.item_reshape == "half_dim":
+            # Bandwidth-aware tables return item_dim/2 per lookup (half the all-to-all bytes); this local
+            # projection restores item_dim after the all-to-all, with no communication.
+            self.item_up = nnx.Linear(cfg.item_dim // 2, cfg.item_dim, dtype=dt, rngs=rngs)
         self.item_ln = nnx.LayerNorm(e, rngs=rngs)
         self.item_in = nnx.Linear(e, d, dtype=dt, rngs=rngs)
         emb_init = nnx.initializers.normal(0.02)
@@ -319,6 +323,8 @@ class FoundationModel(nnx.Module):
         b, l = mask.shape
         if l > cfg.max_seq_len:
             raise ValueError(f"sequence length {l} exceeds FoundationConfig.max_seq_len={cfg.max_seq_len}")
+        if cfg.item_reshape == "half_dim":
+            embeddings = {f: self.item_up(jnp.asarray(embeddings[f], jnp.float32)) for f in item_features(cfg)}
         items = jnp.where(mask[..., None], combine_items(cfg, embeddings), 0.0)
         actions = jnp.clip(jnp.where(mask, batch["actions"], 0), 0, cfg.num_actions - 1)
         surfaces = jnp.clip(jnp.where(mask, batch["surfaces"], 0), 0, cfg.num_surfaces - 1)

@@ -17,7 +17,7 @@ import mp_embedding_worker as scenario
 from embedding_reference import adagrad_step, lookup as ref_lookup
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 50  # the whole 2-process run (~15-30 s here); a hang fails here with the workers' stderr
+TIMEOUT_S = 90  # the whole 2-process run (~15-30 s idle, ~45 s at load 17 on 2 CPUs); a hang fails here with the workers' stderr
 KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
 
 

@@ -246,3 +246,269 @@ def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(dlrm, dlrm_ove
     assert [m["step"] for m in log] == [1, 2, 3] and all(m["overflow"] == 0 for m in log)
     # nothing lost: tables, optimizer slots, dense params, every counter
     assert_trees_equal(host_tree(grown["final_state"]), host_tree(exact["final_state"]))
+
+
+# ------------------------------------------------------------------------------------------------ subprocesses
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    e = dict(os.environ)
+    flags = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append("--xla_backend_optimization_level=0")
+    e["XLA_FLAGS"] = " ".join(flags)
+    e["JAX_PLATFORMS"] = "cpu"
+    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [e.get("PYTHONPATH")] if p])
+    for k in list(e):
+        if k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXSCALE_", "SLURM_")):
+            del e[k]
+    return e
+
+
+class Cli:
+    """`python -m jaxscale.train ARGS` in the background, output to a log file."""
+
+    def __init__(self, args, env, log: Path):
+        self.args, self.log = [str(a) for a in args], log
+        self.f = open(log, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", "jaxscale.train", *self.args], cwd=ROOT, env=env,
+                                  stdout=self.f, stderr=subprocess.STDOUT)
+        self.t0 = time.monotonic()
+
+    def text(self) -> str:
+        if not self.f.closed:
+            self.f.flush()
+        lines = [ln for ln in self.log.read_text().splitlines() if not ln.startswith("[Gloo]")]
+        return "\n".join(lines[-60:])
+
+    def wait(self, timeout=RUN_TIMEOUT_S) -> int:
+        try:
+            rc = self.p.wait(max(1.0, timeout - (time.monotonic() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            pytest.fail(f"{' '.join(self.args)}: still running after {timeout} s (killed)\n{self.text()}")
+        self.f.close()
+        return rc
+
+    def expect(self, rc=0):
+        got = self.wait()
+        assert got == rc, f"{' '.join(self.args)}: exit {got}, expected {rc}\n{self.text()}"
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.f.close()
+
+
+def _steps_logged(workdir) -> list[int]:
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            out.append(json.loads(ln)["step"])
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return out
+
+
+def _checkpoints(workdir):
+    d = Path(workdir) / "checkpoints"
+    names = os.listdir(d) if d.exists() else []
+    return sorted(int(n) for n in names if n.isdigit()), sorted(n for n in names if "tmp" in n)
+
+
+def _wait_for(cli, cond, what, timeout=RUN_TIMEOUT_S, poll=0.002):
+    while not cond():
+        if cli.p.poll() is not None:
+            pytest.fail(f"{' '.join(cli.args)} exited {cli.p.returncode} before {what}\n{cli.text()}")
+        if time.monotonic() - cli.t0 > timeout:
+            cli.stop()
+            pytest.fail(f"{' '.join(cli.args)}: no {what} within {timeout} s\n{cli.text()}")
+        time.sleep(poll)
+
+
+def _listening_inodes(pid) -> set:
+    """Inodes of the TCP sockets process `pid` listens on (state 0A in /proc/net/tcp*)."""
+    own = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            own.add(link[8:-1])
+    listening = {}
+    for table in ("tcp", "tcp6"):
+        for ln in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = ln.split()
+            if cols[3] == "0A":
+                listening[cols[9]] = int(cols[1].rsplit(":", 1)[1], 16)
+    return {port for inode, port in listening.items() if inode in own}
+
+
+def _read_state(step_dir: Path) -> dict:
+    """A checkpoint's state as {path: numpy}, with unpickling made impossible (it must not be needed)."""
+    import orbax.checkpoint as ocp
+
+    def refuse(*a, **k):
+        raise AssertionError("a checkpoint restore tried to unpickle")
+
+    saved = pickle.load, pickle.loads, pickle.Unpickler
+    pickle.load = pickle.loads = pickle.Unpickler = refuse
+    try:
+        with ocp.StandardCheckpointer() as c:
+            return host_tree(c.restore(step_dir / "state"))
+    finally:
+        pickle.load, pickle.loads, pickle.Unpickler = saved
+
+
+def _assert_no_pickle(root: Path):
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert files
+    for p in files:
+        assert p.suffix not in (".pkl", ".pickle", ".pk", ".p"), p
+        head = p.read_bytes()[:2]
+        assert not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5), f"{p} looks like a pickle"
+
+
+def _losses(workdir) -> dict:
+    """{step: [loss of every time this step was logged]} (a resumed run re-does steps after its checkpoint)."""
+    out = {}
+    for m in read_metrics(workdir):
+        if "loss" in m:
+            out.setdefault(m["step"], []).append(m["loss"])
+    return out
+
+
+CRASH_STEPS = 40
+
+
+def test_sigkill_mid_save_then_sigterm_then_resume_is_bit_exact(cli_env, tmp_path):
+    """SIGKILL at a random step, aimed at a moment a checkpoint is being written; resume (the partial
+    checkpoint is ignored, the last complete one used); SIGTERM the resumed run (it saves and exits 0);
+    resume again to the end. Every logged loss and the final state equal an uninterrupted run bit for bit."""
+    args = TINY + ["train.checkpoint_every=2", "train.keep_checkpoints=3", "--steps", CRASH_STEPS, "--no-progress"]
+    straight = Cli(args + ["--workdir", tmp_path / "straight"], cli_env, tmp_path / "straight.log")
+    wd = tmp_path / "crash"
+    crash = Cli(args + ["--workdir", wd], cli_env, tmp_path / "crash.log")  # runs alongside `straight`
+    kill_at = random.Random(20240611).randint(6, 24)
+    try:
+        _wait_for(crash, lambda: len(_steps_logged(wd)) >= 1, "a first step")
+        ports = _listening_inodes(crash.p.pid)  # single process: no port is opened at all
+        _wait_for(crash, lambda: len(_steps_logged(wd)) >= kill_at and (
+            _checkpoints(wd)[1] or len(_steps_logged(wd)) >= kill_at + 8), f"step {kill_at}")
+        crash.p.send_signal(signal.SIGKILL)
+        assert crash.wait() == -signal.SIGKILL
+    finally:
+        crash.stop()
+    assert ports == set(), f"a single-process run listens on TCP ports {ports}"
+    complete, partial = _checkpoints(wd)
+    assert complete and max(_steps_logged(wd)) < CRASH_STEPS
+    last = max(complete)
+    if not partial:  # the kill missed the save window: leave a partial checkpoint the way a kill would
+        import shutil
+
+        shutil.copytree(wd / "checkpoints" / str(last), wd / "checkpoints" / f"{last + 2}.orbax-checkpoint-tmp-1")
+        (wd / "checkpoints" / f"{last + 2}.orbax-checkpoint-tmp-1" / "state" / "manifest.ocdbt").write_bytes(b"torn")
+    straight.expect(0)
+
+    logged = len(_steps_logged(wd))
+    resumed = Cli(args + ["--workdir", wd, "--resume"], cli_env, tmp_path / "resumed.log")
+    _wait_for(resumed, lambda: len(_steps_logged(wd)) > logged + 1, "a resumed step")
+    resumed.p.send_signal(signal.SIGTERM)
+    resumed.expect(0)  # SIGTERM: save and exit 0
+    steps = _steps_logged(wd)
+    assert steps[logged] == last + 1, f"resumed from step {steps[logged] - 1}, not the last complete checkpoint {last}"
+    stopped = steps[-1]
+    assert stopped < CRASH_STEPS and max(_checkpoints(wd)[0]) == stopped, "SIGTERM did not stop with a checkpoint"
+
+    Cli(args + ["--workdir", wd, "--resume"], cli_env, tmp_path / "final.log").expect(0)
+    steps = _steps_logged(wd)
+    assert steps[-1] == CRASH_STEPS and steps[len(steps) - (CRASH_STEPS - stopped)] == stopped + 1
+
+    ref, got = _losses(tmp_path / "straight"), _losses(wd)
+    assert sorted(ref) == list(range(1, CRASH_STEPS + 1)) and sorted(got) == sorted(ref)
+    for s, losses in got.items():  # steps re-done after the kill included
+        assert all(v == ref[s][0] for v in losses), (s, losses, ref[s])
+    a = _read_state(tmp_path / "straight" / "checkpoints" / str(CRASH_STEPS))
+    b = _read_state(wd / "checkpoints" / str(CRASH_STEPS))
+    assert int(a["['step']"]) == CRASH_STEPS
+    assert_trees_equal(a, b)
+    _assert_no_pickle(tmp_path / "straight" / "checkpoints")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(args, env, tmp_path, tag):
+    port = _free_port()
+    mp = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", 2, "mesh.nodes=2", "mesh.local=4"]
+    return port, [Cli(args + mp + ["--process-id", i], env, tmp_path / f"{tag}{i}.log") for i in range(2)]
+
+
+def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp_path):
+    """2 processes x 4 devices; SIGKILL process 1 mid-run: process 0 (the coordinator) exits non-zero within
+    DEAD_PEER_BOUND_S, not hanging in a collective or a checkpoint barrier (JAXSCALE_HEARTBEAT_TIMEOUT_S=10
+    here; the default is 30 s). Relaunching both with --resume continues from the last complete checkpoint
+    and re-does the lost steps exactly."""
+    env = dict(cli_env, JAXSCALE_HEARTBEAT_TIMEOUT_S="10")
+    wd = tmp_path / "mp"
+    args = TINY + ["train.checkpoint_every=2", "--workdir", wd, "--no-progress"]
+    port, procs = _two_processes(args + ["--steps", 100000], env, tmp_path, "first")
+    try:
+        _wait_for(procs[0], lambda: len(_steps_logged(wd)) >= 4 and _checkpoints(wd)[0], "4 steps and a checkpoint")
+        ports = _listening_inodes(procs[0].p.pid)
+        procs[1].p.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = procs[0].wait(timeout=(t0 - procs[0].t0) + DEAD_PEER_BOUND_S)
+        waited = time.monotonic() - t0
+    finally:
+        for c in procs:
+            c.stop()
+    log = procs[0].text()
+    assert rc != 0 and waited < DEAD_PEER_BOUND_S, (rc, waited, log)
+    assert "heartbeat" in log and "1" in log, log  # says which task died
+    # only the explicit coordinator port (process 0) and the CPU collectives' transport listen
+    assert port in ports, (port, ports)
+
+    complete, _ = _checkpoints(wd)
+    last, before = max(complete), _losses(wd)
+    assert max(before) > last  # steps after the last checkpoint were lost and must be re-done
+    logged = len(_steps_logged(wd))
+    _, procs = _two_processes(args + ["--steps", last + 3, "--resume"], env, tmp_path, "again")
+    try:
+        for c in procs:
+            c.expect(0)
+    finally:
+        for c in procs:
+            c.stop()
+    steps = _steps_logged(wd)[logged:]
+    assert steps == [last + 1, last + 2, last + 3], steps
+    after = _losses(wd)
+    for s in steps:
+        if s in before:
+            assert after[s][-1] == before[s][0], (s, after[s], before[s])
+    assert max(_checkpoints(wd)[0]) == last + 3
+
+
+def test_python_yaml_tags_are_refused_by_the_cli(cli_env, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f'train: !!python/object/apply:os.system ["touch {marker}"]\n')
+    p = subprocess.run([sys.executable, "-m", "jaxscale.train", "--config", str(evil)], cwd=ROOT, env=cli_env,
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 2 and "config error" in p.stderr and "safe" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "jaxscale.train", f"train.workdir=!!python/object/apply:os.system "
+                        f"[\"touch {marker}\"]"], cwd=ROOT, env=cli_env, capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 2 and "train.workdir" in p.stderr, p.stderr
+    assert not marker.exists()

@@ -192,6 +192,41 @@ def main():
                      f" | {res[name]['times'][8]['total'] * 1e3:.1f} |")
         L.append("| published before / after | — | 1.13x / 2.0x | 1.21x / 3.9x | — / 7.5x | | | | |")
         L.append("")
+    def sp(c, f, stage, n):
+        return results[(c, f)][stage]["speedup"][n]
+
+    cf, cp = list(compute)
+    L += ["## Where the model and the published figures disagree", "",
+          f"* **Compute dominates under the FLOPs estimate.** With {compute[cf] * 1e3:.0f} ms of transformer compute "
+          f"per step (32 x 2048 tokens per GPU), even the baseline scales well: {sp(cf, '3200 Gbps/node', 'baseline', 2):.2f}x "
+          f"at 2 nodes on 3200 Gbps and {sp(cf, '100 Gbps/node', 'baseline', 2):.2f}x on 100 Gbps, against the published "
+          "1.13x. The published baseline implies communication comparable to compute, i.e. a much lighter dense step "
+          "per looked-up row than our large preset (their 'example' is not our 2048-event sequence).",
+          f"* **Under the published-throughput compute ({compute[cp] * 1e3:.1f} ms per 32-example step)** "
+          f"communication dominates: baseline {sp(cp, '3200 Gbps/node', 'baseline', 2):.2f}x at 2 nodes on 3200 Gbps "
+          f"(published 1.13x) and {sp(cp, '100 Gbps/node', 'baseline', 2):.2f}x on 100 Gbps (published 0.2x without the "
+          f"fast NIC) - the same regime - but the full stack reaches only {sp(cp, '3200 Gbps/node', '2d_ar', 2):.2f}x "
+          f"(2d_ar) / {sp(cp, '3200 Gbps/node', '2d_a2a', 2):.2f}x (2d_a2a) at 2 nodes and "
+          f"{sp(cp, '3200 Gbps/node', '2d_a2a', 8):.2f}x at 8 nodes, far from 2.0x / 7.5x. The dense-gradient "
+          "all-reduce of ~156M fp32 parameters (137 MB inter-node per GPU at 8 nodes) cannot hide behind a 4 ms step; "
+          "none of the five techniques touches it.",
+          "* **2d_a2a with exact replica sync does not scale in this engine.** The sync all-gathers every replica's "
+          "received rows and gradients, (Rep-1) S C (4 + wire) bytes per device: it grows linearly with the node count "
+          "(11 MB at 2 nodes, 78 MB at 8, 702 MB at 64 per GPU, all inter-node), so 2d_a2a falls behind 2d_ar and "
+          "even +half_dim 1d beyond ~4 nodes. The published 2D all-to-all result relies on TorchRec's periodic weight "
+          "averaging (replica_sync='periodic' here), whose cost is amortised over sync_every steps; this model does not "
+          "include that mode's cost.",
+          "* **2d_ar equals +half_dim 1d here**: its all-to-all is one GPU per node, so every byte crosses nodes, the "
+          "same inter-node bytes as 1d (whose (N-1)/N x payload crosses); its intra-node replica sync is cheap on NVLink.",
+          "* **Balance**: the contiguous baseline's imbalance (1.68 at 2 nodes, 3.85 at 8, 24 at 64) assumes raw Zipf "
+          "ids with the hottest ids in the first rows; with hashed ids (as the large preset hashes a 2B vocabulary) "
+          "contiguous blocks are nearly balanced and the '+balanced' step would gain little.",
+          "* **FP8**: fp32 -> fp8 forward / bf16 backward cuts the embedding rows' bytes to (68 + 128) / 512 = 38% "
+          "(forward alone: 68/256 = 27%, i.e. a 73% cut, slightly under the published >75% because of the 4-byte "
+          "per-row scale).",
+          "* Not modelled: overlap of the embedding all-to-all with compute (pipelining), NCCL protocol efficiency "
+          "(efficiency = 1.0: line rate), congestion, and ragged all-to-alls (the engine pads to capacity_factor 1.25 "
+          "x the uniform share).", ""]
     open(os.path.join(HERE, "RESULTS.md"), "w").write("\n".join(L) + "\n")
     plot(results, compute)
     print("\n".join(L))
