@@ -130,7 +130,7 @@ def make_train_step(task: Task, ec: EmbeddingCollection, graphdef, tx):
                          skipped=state["skipped"] + (~finite).astype(jnp.int32))
         metrics = dict(metrics, loss=loss, nonfinite=(~finite).astype(jnp.int32),
                        overflow=lstats["overflow"], invalid_ids=lstats["invalid_ids"],
-                       grad_norm=optax.global_norm(g_dense))
+                       grad_norm=optax.tree.norm(g_dense))
         return new_state, metrics
 
     return train_step

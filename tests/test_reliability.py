@@ -512,3 +512,34 @@ def test_python_yaml_tags_are_refused_by_the_cli(cli_env, tmp_path):
                        timeout=RUN_TIMEOUT_S)
     assert p.returncode == 2 and "train.workdir" in p.stderr, p.stderr
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------ launch errors
+
+
+def test_mesh_that_does_not_fit_the_processes(monkeypatch):
+    cfg = load_config(None, DLRM)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="mesh.nodes=1 but 2 processes are running; in a multi-process run each "
+                                         "process is one node"):
+        Trainer(cfg, progress=False)
+
+
+def test_incomplete_or_impossible_launch_is_refused(monkeypatch):
+    from jaxscale import distributed
+
+    for k in list(os.environ):
+        if k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXSCALE_", "SLURM_")):
+            monkeypatch.delenv(k)
+    with pytest.raises(ValueError, match="multi-process launch needs number of processes, process id"):
+        distributed.resolve("127.0.0.1:1234")
+    with pytest.raises(ValueError, match=r"process id 2 is outside \[0, 2\)"):
+        distributed.resolve("127.0.0.1:1234", 2, 2)
+    with pytest.raises(ValueError, match="number of processes must be >= 1, got 0"):
+        distributed.resolve(None, 0, 0)
+    assert distributed.resolve(None, None, None) == (None, 1, 0, "single")
+    monkeypatch.setenv("JAXSCALE_HEARTBEAT_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAXSCALE_HEARTBEAT_TIMEOUT_S must be a whole number of seconds, got 'soon'"):
+        distributed.initialize()
+    with pytest.raises(ValueError, match="heartbeat timeout must be >= 1 s, got 0"):
+        distributed.initialize(heartbeat_timeout_s=0)
