@@ -48,6 +48,7 @@ from jaxscale.tables import TableConfig, check_tables
 PADDING_ID = -1
 REPLICA_SYNC_MODES = ("exact", "periodic")
 OVERFLOW_POLICIES = ("error", "grow")
+POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,11 @@ class EmbeddingCollection:
       replica_sync: 'exact' (default: replicas apply the same combined update every step) or 'periodic'
         (replicas update independently; weights and optimizer state are averaged every `sync_every`
         steps, TorchRec DMPCollection semantics).
+      pooled_comm: how pooled features come back. 'rows' returns every looked-up row and pools on the
+        requester; 'partial_sums' has each owner pool its rows per bag and return one partial sum per
+        bag, summed on the requester (the output all-to-all carries B x dim instead of B x L x dim, and
+        fp8 works on it too; the backward pass sends each bag's gradient once per owner). 'auto'
+        (default) uses partial sums for pooled features with more than one id per example.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class EmbeddingCollection:
         capacity_factor: float | None = None,
         replica_sync: str = "exact",
         sync_every: int = 1,
+        pooled_comm: str = "auto",
     ):
         self.tables = check_tables(tables)
         self.mesh = mesh
@@ -138,6 +145,9 @@ class EmbeddingCollection:
             raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
         self.replica_sync = replica_sync
         self.sync_every = sync_every
+        if pooled_comm not in POOLED_COMM_MODES:
+            raise ValueError(f"pooled_comm must be one of {POOLED_COMM_MODES}, got {pooled_comm!r}")
+        self.pooled_comm = pooled_comm
 
         self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
         self._stacks, self._routes = _layout(self.tables, self.plan)
@@ -387,11 +397,28 @@ class EmbeddingCollection:
 
     def _lookup_body(self, feats, weights, ids):
         outputs, overflow, invalid = {}, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+        partial = self._partial_features(feats, ids)
+        pooled = {}
         for key, st in self._stacks.items():
-            reqs = self._requests(key, feats, ids)
+            table = weights[key][0, 0]
+            pairs = self._pair_requests(key, partial, ids)
+            if pairs is not None:
+                route = self._pair_route(pairs, st.rows)
+                overflow += route["overflow"]
+                recv = collectives.all_to_all_ids(route["send"], self.shard_axes)  # (row, bag) pairs for me
+                rrow, rbag = self._unpack_pairs(recv, route, pairs["bags"])
+                rows = jnp.take(table, jnp.clip(rrow, 0, st.rows - 1), axis=0, mode="clip") * (rrow >= 0)[..., None]
+                G, S = pairs["bags"], self.num_shards
+                sums = jnp.zeros((S, G, st.width), jnp.float32).at[
+                    jnp.arange(S)[:, None], jnp.where(rrow >= 0, rbag, G)].add(rows, mode="drop")
+                back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward,
+                                              fp8_format=self.comm.fp8_forward_format)  # [S, G, w] partial sums
+                total = back.sum(axis=0)
+                for f, c, j, b in pairs["segments"]:
+                    pooled.setdefault(f, {})[c] = total[j * b:(j + 1) * b]
+            reqs = self._requests(key, [f for f in feats if f not in partial], ids)
             if reqs is None:
                 continue
-            table = weights[key][0, 0]
             if self.num_shards == 1:  # every row is local: no routing, no all-to-all
                 vals = jnp.take(table, jnp.clip(reqs["row"], 0, st.rows - 1), axis=0, mode="clip")
                 vals = vals * (reqs["dest"] < 1)[:, None]
@@ -415,6 +442,13 @@ class EmbeddingCollection:
             x = ids[f]
             valid = (x >= 0) & (x < t.stored_rows)
             invalid += jnp.sum((x != PADDING_ID) & ~valid, dtype=jnp.int32)
+            if f in partial:
+                parts = pooled[f]
+                s = jnp.concatenate([parts[c] for c in range(len(parts))], axis=-1)
+                if t.pooling == "mean":
+                    s = s / jnp.maximum(valid.sum(-1, keepdims=True), 1).astype(s.dtype)
+                outputs[f] = s
+                continue
             parts = outputs[f]
             emb = jnp.concatenate([parts[c] for c in range(len(parts))], axis=-1).reshape(b, L, t.stored_dim)
             outputs[f] = _pool(emb, valid, t.pooling)
@@ -459,24 +493,33 @@ class EmbeddingCollection:
             t = self.tables[self.feature_table[f]]
             x = ids[f]
             invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
+        partial = self._partial_features(feats, ids)
         for key, st in self._stacks.items():
-            reqs = self._requests(key, feats, ids)
-            if reqs is None:
-                continue
-            g = jnp.concatenate([self._request_grads(f, c, st.width, ids[f], grads[f])
-                                 for f, c, _, _ in reqs["segments"]], axis=0)  # [n, w], original order
-            if self.num_shards == 1:  # every row is local: the owner sums duplicates below
-                rows = jnp.where(reqs["dest"] < 1, reqs["row"], -1)
-            else:
-                route = self._route(st, reqs)
+            owner_rows, owner_g = [], []  # (row, gradient) pairs that reached this owner
+            pairs = self._pair_requests(key, partial, ids)
+            if pairs is not None:
+                route = self._pair_route(pairs, st.rows)
                 overflow += route["overflow"]
-                g = g * route["keep"][:, None]
-                S, C = route["send_rows"].shape
-                send_g = jnp.zeros((S, C, st.width), jnp.float32).at[route["dest"], route["slot"]].add(g, mode="drop")
-                recv_rows = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C]
-                recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
-                                                fp8_format=self.comm.fp8_backward_format)  # [S, C, w]
-                rows, g = recv_rows.reshape(-1), recv_g.reshape(-1, st.width)
+                G, S = pairs["bags"], self.num_shards
+                gb = jnp.concatenate([self._bag_grads(f, c, st.width, ids[f], grads[f])
+                                      for f, c, _, _ in pairs["segments"]], axis=0)  # [G, w]
+                recv_g = collectives.all_to_all(jnp.broadcast_to(gb[None], (S, G, st.width)), self.shard_axes,
+                                                self.comm.backward, fp8_format=self.comm.fp8_backward_format)
+                recv = collectives.all_to_all_ids(route["send"], self.shard_axes)
+                rrow, rbag = self._unpack_pairs(recv, route, G)
+                pg = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
+                owner_rows.append(rrow.reshape(-1))
+                owner_g.append(pg.reshape(-1, st.width))
+            reqs = self._requests(key, [f for f in feats if f not in partial], ids)
+            if reqs is None and not owner_rows:
+                continue
+            if reqs is None:
+                rows, g = owner_rows[0], owner_g[0]
+            else:
+                rows, g, ov = self._rows_mode_grads(st, reqs, ids, grads)
+                overflow += ov
+                rows = jnp.concatenate([rows] + owner_rows)
+                g = jnp.concatenate([g] + owner_g)
             if self.replica_axes and self.replica_sync == "exact":
                 rows = jax.lax.all_gather(rows, self.replica_axes, tiled=True)
                 g = collectives.all_gather(g, self.replica_axes, self.comm.backward,
@@ -497,6 +540,21 @@ class EmbeddingCollection:
         stats = {"overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,
                  "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
         return weights, slot_state, stats
+
+    def _rows_mode_grads(self, st: _Stack, reqs, ids, grads):
+        """Reverse path of the row-returning lookup: (rows, summed gradients, overflow) at this owner."""
+        g = jnp.concatenate([self._request_grads(f, c, st.width, ids[f], grads[f])
+                             for f, c, _, _ in reqs["segments"]], axis=0)  # [n, w], original order
+        if self.num_shards == 1:  # every row is local: the owner sums duplicates in _apply_rows
+            return jnp.where(reqs["dest"] < 1, reqs["row"], -1), g, jnp.zeros((), jnp.int32)
+        route = self._route(st, reqs)
+        g = g * route["keep"][:, None]
+        S, C = route["send_rows"].shape
+        send_g = jnp.zeros((S, C, st.width), jnp.float32).at[route["dest"], route["slot"]].add(g, mode="drop")
+        recv_rows = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C]
+        recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
+                                        fp8_format=self.comm.fp8_backward_format)  # [S, C, w]
+        return recv_rows.reshape(-1), recv_g.reshape(-1, st.width), route["overflow"]
 
     def _apply_rows(self, w_block, slot_blocks, rows, g, block_rows, apply):
         """Sums gradients per unique row (rows < 0: none) and applies the optimizer to those rows only."""
@@ -606,6 +664,99 @@ class EmbeddingCollection:
         inv = jnp.zeros((n,), jnp.int32).at[perm].set(iota)  # original request -> sorted position
         return {"send_rows": send_rows, "overflow": overflow,
                 "dest": jnp.where(fits, sd, S)[inv], "slot": slot[inv], "keep": fits[inv].astype(jnp.float32)}
+
+    def _partial_features(self, feats, ids) -> frozenset:
+        """Pooled features whose output comes back as per-bag partial sums (see `pooled_comm`)."""
+        if self.num_shards == 1 or self.pooled_comm == "rows":
+            return frozenset()
+        out = set()
+        for f in feats:
+            t = self.tables[self.feature_table[f]]
+            if t.pooling is not None and (self.pooled_comm == "partial_sums" or ids[f].shape[1] > 1):
+                out.add(f)
+        return frozenset(out)
+
+    def _pair_requests(self, key, feats, ids):
+        """(owner, row, bag) of every valid id of the partial-sum features reading stack `key`."""
+        dest, row, bag, segments = [], [], [], []
+        for f in sorted(feats):
+            t_idx = self.feature_table[f]
+            route = self._routes[t_idx]
+            if route.stack != key:
+                continue
+            t = self.tables[t_idx]
+            b, L = ids[f].shape
+            x = ids[f].reshape(-1)
+            valid = (x >= 0) & (x < t.stored_rows)
+            sid = jnp.where(valid, x, 0)
+            part = sid % route.row_parts if route.row_parts > 1 else jnp.zeros_like(sid)
+            local = sid // route.row_parts
+            bag_of = jnp.repeat(jnp.arange(b, dtype=jnp.int32), L)
+            for c in range(route.col_parts):
+                j = len(segments)
+                dest.append(jnp.where(valid, jnp.asarray(route.shard[:, c])[part], self.num_shards))
+                row.append(jnp.asarray(route.offset[:, c])[part] + local)
+                bag.append(j * b + bag_of)
+                segments.append((f, c, j, b))
+        if not segments:
+            return None
+        return {"dest": jnp.concatenate(dest).astype(jnp.int32), "row": jnp.concatenate(row).astype(jnp.int32),
+                "bag": jnp.concatenate(bag).astype(jnp.int32), "segments": segments,
+                "bags": sum(b for *_, b in segments), "capacity": self._pair_capacity(key, feats, ids)}
+
+    def _pair_capacity(self, key, feats, ids) -> int:
+        """Static (row, bag) slots per destination: the worst case, or capacity_factor x the uniform share."""
+        need = np.zeros(self.num_shards, np.int64)
+        for f in feats:
+            route = self._routes[self.feature_table[f]]
+            if route.stack != key:
+                continue
+            n = int(np.prod(ids[f].shape))
+            for c in range(route.col_parts):
+                for s in range(self.num_shards):
+                    parts = sum(1 for p in range(route.row_parts) if route.shard[p, c] == s)
+                    if parts:
+                        bound = n
+                        if self.capacity_factor is not None and route.row_parts > 1:
+                            bound = min(n, math.ceil(self.capacity_factor * n * parts / route.row_parts))
+                        need[s] += bound
+        return int(max(1, need.max()))
+
+    def _pair_route(self, reqs, block_rows: int):
+        """Each valid (row, bag) pair gets a slot among the pairs bound for its owner (no de-duplication:
+        the owner pools per bag). A pair travels as one int32 `row * bags + bag` when that fits, else as
+        two; -1 marks an empty slot."""
+        dest, C = reqs["dest"], reqs["capacity"]
+        S, G = self.num_shards, reqs["bags"]
+        n = dest.shape[0]
+        iota = jnp.arange(n, dtype=jnp.int32)
+        sd, perm = jax.lax.sort((dest, iota), num_keys=1)
+        counts = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), sd, num_segments=S + 1, indices_are_sorted=True)
+        slot = iota - (jnp.cumsum(counts) - counts)[sd]
+        fits = (sd < S) & (slot < C)
+        overflow = jnp.sum((sd < S) & (slot >= C), dtype=jnp.int32)
+        row, bag = reqs["row"][perm], reqs["bag"][perm]
+        packed = block_rows * G < 2**31
+        payload = row * G + bag if packed else jnp.stack([row, bag], axis=-1)
+        shape = (S, C) if packed else (S, C, 2)
+        send = jnp.full(shape, -1, jnp.int32).at[jnp.where(fits, sd, S), slot].set(payload, mode="drop")
+        return {"send": send, "overflow": overflow, "packed": packed}
+
+    @staticmethod
+    def _unpack_pairs(recv, route, bags):
+        """Received pairs -> (rows, bags), -1 rows for empty slots."""
+        if route["packed"]:
+            return jnp.where(recv >= 0, recv // bags, -1), jnp.where(recv >= 0, recv % bags, 0)
+        return recv[..., 0], recv[..., 1]
+
+    def _bag_grads(self, f, c, width, x, g):
+        """Per-bag gradient [b, width] of column block c of a partial-sum feature (mean: / ids per bag)."""
+        t = self.tables[self.feature_table[f]]
+        g = g[:, c * width:(c + 1) * width]
+        if t.pooling == "mean":
+            valid = ((x >= 0) & (x < t.stored_rows)).sum(-1, keepdims=True)
+            g = g / jnp.maximum(valid, 1).astype(g.dtype)
+        return g
 
     def _request_grads(self, f, c, width, x, g):
         """Per-request gradient [b*L, width] of column block c of feature f (zero for padding)."""

@@ -55,7 +55,10 @@ def out_shape(f, tables=TABLES):
 
 @pytest.mark.parametrize("shape,topology,sharding", CASES)
 def test_lookup_and_update_match_reference(shape, topology, sharding):
-    """Lookups and 5 sparse updates equal the NumPy reference; row-wise AdaGrad on every case, SGD on 2x4."""
+    """Lookups and 5 sparse updates equal the NumPy reference; row-wise AdaGrad on every case, SGD on 2x4.
+
+    The AdaGrad runs return pooled features as per-bag partial sums (pooled_comm='auto'); the SGD runs
+    return rows and pool on the requester (pooled_comm='rows')."""
     mesh = jaxscale.make_mesh(*shape)
     rng = np.random.default_rng(0)
     tables = GRID_TABLES
@@ -63,7 +66,9 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
     lr, eps = 0.05, 1e-8
     for opt in ("adagrad", "sgd") if shape == (2, 4) else ("adagrad",):
         optimizer = jaxscale.SGD(lr) if opt == "sgd" else jaxscale.RowWiseAdagrad(lr, eps=eps)
-        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, optimizer=optimizer)
+        # pooled features come back as per-bag partial sums by default; the SGD runs cover returned rows
+        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, optimizer=optimizer,
+                                          pooled_comm="rows" if opt == "sgd" else "auto")
         state = ec.from_dense(w0)
         ref_w = {k: v.copy() for k, v in w0.items()}
         col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
