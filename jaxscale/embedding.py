@@ -413,9 +413,9 @@ class EmbeddingCollection:
                     jnp.arange(S)[:, None], jnp.where(rrow >= 0, rbag, G)].add(rows, mode="drop")
                 back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward,
                                               fp8_format=self.comm.fp8_forward_format)  # [S, G, w] partial sums
-                total = back.sum(axis=0)
-                for f, c, j, b in pairs["segments"]:
-                    pooled.setdefault(f, {})[c] = total[j * b:(j + 1) * b]
+                for f, c, b, holders, off in pairs["segments"]:  # add the partial sums of every owner
+                    parts = [back[d, off[d]:off[d] + b] for d in holders]
+                    pooled.setdefault(f, {})[c] = functools.reduce(jnp.add, parts)
             reqs = self._requests(key, [f for f in feats if f not in partial], ids)
             if reqs is None:
                 continue
@@ -501,10 +501,15 @@ class EmbeddingCollection:
                 route = self._pair_route(pairs, st.rows)
                 overflow += route["overflow"]
                 G, S = pairs["bags"], self.num_shards
-                gb = jnp.concatenate([self._bag_grads(f, c, st.width, ids[f], grads[f])
-                                      for f, c, _, _ in pairs["segments"]], axis=0)  # [G, w]
-                recv_g = collectives.all_to_all(jnp.broadcast_to(gb[None], (S, G, st.width)), self.shard_axes,
-                                                self.comm.backward, fp8_format=self.comm.fp8_backward_format)
+                per_dest = [[] for _ in range(S)]  # each owner gets the bag gradients of the segments it holds
+                for f, c, b, holders, off in pairs["segments"]:
+                    gb = self._bag_grads(f, c, st.width, ids[f], grads[f])
+                    for d in holders:
+                        per_dest[d].append(gb)
+                send_g = jnp.stack([jnp.concatenate(blocks + [jnp.zeros((G - sum(x.shape[0] for x in blocks), st.width),
+                                                                        jnp.float32)], axis=0) for blocks in per_dest])
+                recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
+                                                fp8_format=self.comm.fp8_backward_format)  # [S, G, w]
                 recv = collectives.all_to_all_ids(route["send"], self.shard_axes)
                 rrow, rbag = self._unpack_pairs(recv, route, G)
                 pg = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
@@ -677,32 +682,45 @@ class EmbeddingCollection:
         return frozenset(out)
 
     def _pair_requests(self, key, feats, ids):
-        """(owner, row, bag) of every valid id of the partial-sum features reading stack `key`."""
-        dest, row, bag, segments = [], [], [], []
+        """(owner, row, slot) of every valid id of the partial-sum features reading stack `key`.
+
+        Each owner keeps one partial-sum slot per bag only for the segments (feature, column block) it
+        holds a piece of, so a table-wise feature's sums travel to and from its one owner only; `slot`
+        is the bag's slot on that owner (static offsets `off[owner, segment]`).
+        """
+        S = self.num_shards
+        segs = []
         for f in sorted(feats):
-            t_idx = self.feature_table[f]
-            route = self._routes[t_idx]
-            if route.stack != key:
-                continue
-            t = self.tables[t_idx]
+            route = self._routes[self.feature_table[f]]
+            if route.stack == key:
+                segs += [(f, c, route) for c in range(route.col_parts)]
+        if not segs:
+            return None
+        off = np.full((S + 1, len(segs)), 0, np.int32)  # row S: invalid requests (dropped anyway)
+        owners, used = [], np.zeros(S, np.int64)
+        for j, (f, c, route) in enumerate(segs):
+            b = ids[f].shape[0]
+            holders = sorted(set(int(d) for d in route.shard[:, c]))
+            for d in holders:
+                off[d, j] = used[d]
+                used[d] += b
+            owners.append(tuple(holders))
+        dest, row, slot, segments = [], [], [], []
+        for j, (f, c, route) in enumerate(segs):
+            t = self.tables[self.feature_table[f]]
             b, L = ids[f].shape
             x = ids[f].reshape(-1)
             valid = (x >= 0) & (x < t.stored_rows)
             sid = jnp.where(valid, x, 0)
             part = sid % route.row_parts if route.row_parts > 1 else jnp.zeros_like(sid)
-            local = sid // route.row_parts
-            bag_of = jnp.repeat(jnp.arange(b, dtype=jnp.int32), L)
-            for c in range(route.col_parts):
-                j = len(segments)
-                dest.append(jnp.where(valid, jnp.asarray(route.shard[:, c])[part], self.num_shards))
-                row.append(jnp.asarray(route.offset[:, c])[part] + local)
-                bag.append(j * b + bag_of)
-                segments.append((f, c, j, b))
-        if not segments:
-            return None
+            d = jnp.where(valid, jnp.asarray(route.shard[:, c])[part], S)
+            dest.append(d)
+            row.append(jnp.asarray(route.offset[:, c])[part] + sid // route.row_parts)
+            slot.append(jnp.asarray(off[:, j])[d] + jnp.repeat(jnp.arange(b, dtype=jnp.int32), L))
+            segments.append((f, c, b, owners[j], tuple(int(o) for o in off[:S, j])))
         return {"dest": jnp.concatenate(dest).astype(jnp.int32), "row": jnp.concatenate(row).astype(jnp.int32),
-                "bag": jnp.concatenate(bag).astype(jnp.int32), "segments": segments,
-                "bags": sum(b for *_, b in segments), "capacity": self._pair_capacity(key, feats, ids)}
+                "bag": jnp.concatenate(slot).astype(jnp.int32), "segments": segments,
+                "bags": int(max(1, used.max())), "capacity": self._pair_capacity(key, feats, ids)}
 
     def _pair_capacity(self, key, feats, ids) -> int:
         """Static (row, bag) slots per destination: the worst case, or capacity_factor x the uniform share."""
