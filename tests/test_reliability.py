@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import pytest
 
+from cli_env import cli_env as make_cli_env
+
 from jaxscale.config import load_config
 from jaxscale.data import to_global
 from jaxscale.trainer import CapacityOverflowError, Trainer
@@ -254,18 +256,7 @@ def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(dlrm, dlrm_ove
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
-    e = dict(os.environ)
-    flags = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append("--xla_backend_optimization_level=0")
-    e["XLA_FLAGS"] = " ".join(flags)
-    e["JAX_PLATFORMS"] = "cpu"
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [e.get("PYTHONPATH")] if p])
-    for k in list(e):
-        if k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXSCALE_", "SLURM_")):
-            del e[k]
-    return e
+    return make_cli_env(tmp_path_factory.mktemp("jax_cache"))
 
 
 class Cli:

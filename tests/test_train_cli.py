@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_env import cli_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "experiments" / "configs" / "foundation_tiny.yaml")
 DLRM = str(ROOT / "experiments" / "configs" / "dlrm_smoke.yaml")
@@ -30,18 +32,7 @@ KILL_AFTER_S = 5
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = dict(os.environ)
-    flags = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append("--xla_backend_optimization_level=0")
-    e["XLA_FLAGS"] = " ".join(flags)
-    e["JAX_PLATFORMS"] = "cpu"
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [e.get("PYTHONPATH")] if p])
-    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXSCALE_COORDINATOR_ADDRESS",
-              "JAXSCALE_NUM_PROCESSES", "JAXSCALE_PROCESS_ID", "SLURM_JOB_ID"):
-        e.pop(k, None)
-    return e
+    return cli_env(tmp_path_factory.mktemp("jax_cache"))
 
 
 def _clean(text: str) -> str:
