@@ -7,7 +7,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-import jaxscale
 from jaxscale.data import (ParquetData, SyntheticDLRMData, SyntheticFoundationData, ZipfSampler, to_global,
                            uniform, write_parquet_sample)
 from models.dlrm import DLRMConfig

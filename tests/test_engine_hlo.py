@@ -6,7 +6,6 @@ cross-node by `jaxscale.comm_inspect`, and `compiled.memory_analysis()` (per-dev
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxscale

@@ -1,7 +1,6 @@
 """The tour notebook runs top to bottom, and its .py (jupytext percent) and .ipynb are in sync."""
 
 import os
-import sys
 import time
 from pathlib import Path
 

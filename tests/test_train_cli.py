@@ -9,7 +9,6 @@ inherits conftest's 8-device XLA flag: the CLI sets the device count itself.
 """
 
 import json
-import os
 import shutil
 import signal
 import socket

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,20 +58,10 @@ from jaxscale import collectives  # noqa: E402
 
 
 def machine() -> dict:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        nproc = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip())
-    except Exception:  # noqa: BLE001
-        nproc = os.cpu_count()
-    return {"nproc": nproc, "cpu_model": model, "loadavg_1_5_15_at_start": os.getloadavg(), "python": platform.python_version(), "jax": jax.__version__,
-            "numpy": np.__version__, "platform": platform.platform()}
+    """The machine description of the benchmark suite, plus the JAX version."""
+    from jaxscale.bench import machine as suite_machine
+
+    return dict(suite_machine(), jax=jax.__version__)
 
 
 def zipf_ids(rng, rows: int, shape, a: float) -> np.ndarray:

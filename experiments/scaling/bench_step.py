@@ -87,7 +87,7 @@ def main():
     from jaxscale.comm_report import split_bytes
     from jaxscale.config import load_config
     from jaxscale.trainer import Trainer
-    from stages import STAGES, compile_key, effective_tiny, overrides
+    from stages import STAGES, overrides
 
     st = dict(STAGES)[a.stage]
     ov = overrides(st, a.nodes, a.local, tiny=EMU_MODEL, batch=a.batch_per_device * a.nodes * a.local)
