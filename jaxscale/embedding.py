@@ -16,6 +16,10 @@ Lookup (forward), per stack, on every device, for its slice of the batch:
      the forward comm precision);
   5. each request reads its row; column blocks are concatenated, bags pooled (sum / mean ignoring
      padding) or returned as sequences.
+Pooled features with several ids per example take a shorter output dist (`pooled_comm='auto'`): the
+(row, bag) pairs travel to the owners, each owner sums its rows per bag, and one partial sum per bag
+comes back from each owner that holds a piece of the bag's table (B x dim instead of B x L x dim; fp8
+applies to the partial sums too); the requester adds them up. With a single shard nothing travels.
 
 Update (backward) runs the reverse path: per-request output gradients are summed per unique row on the
 requester (duplicates accumulated before anything travels), sent to the owners with one all_to_all
