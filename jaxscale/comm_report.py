@@ -57,11 +57,11 @@ def _set_device_count(n: int) -> None:
 
 def _group_layout(group, mesh_shape) -> tuple[int, int, dict]:
     """(k nodes, m max members per node, {node: members}) of one replica group."""
-    import numpy as np
+    from jaxscale.mesh import node_of_position
 
     per_node = defaultdict(int)
     for p in group:
-        per_node[int(np.unravel_index(p, mesh_shape)[0])] += 1
+        per_node[node_of_position(p, mesh_shape)] += 1
     return len(per_node), max(per_node.values()), per_node
 
 

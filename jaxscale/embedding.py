@@ -51,7 +51,6 @@ from jaxscale.tables import TableConfig, check_tables
 
 PADDING_ID = -1
 REPLICA_SYNC_MODES = ("exact", "periodic")
-OVERFLOW_POLICIES = ("error", "grow")
 POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
 
 
