@@ -50,36 +50,47 @@ RUNNER_DIR = REPO / "experiments" / "baselines"
 FOUNDATION_CONFIG = REPO / "experiments" / "configs" / "foundation_smoke.yaml"
 SHARDINGS = ("row_wise", "table_wise", "column_wise")
 LR, EPS = 0.01, 1e-8
-NOTE = ("CPU wall-clock times on a shared 2-core machine are only comparable within one run (ratios, not "
-        "absolute times); the 8 simulated JAX devices and the gloo ranks share the same cores, so the "
-        "distributed step times measure total work plus overhead, not a cluster's speed. Bytes are exact.")
+NOTE = (
+    "CPU wall-clock times on a shared 2-core machine are only comparable within one run (ratios, not "
+    "absolute times); the 8 simulated JAX devices and the gloo ranks share the same cores, so the "
+    "distributed step times measure total work plus overhead, not a cluster's speed. Bytes are exact."
+)
 
 # Byte model applied to TorchRec's counted collectives (same as jaxscale.comm_inspect's for jaxscale).
-_OFFRANK = {"all_to_all_single": lambda b, w: b * (w - 1) / w, "all_to_all": lambda b, w: b * (w - 1) / w,
-            "reduce_scatter_tensor": lambda b, w: b * (w - 1) / w, "reduce_scatter": lambda b, w: b * (w - 1) / w,
-            "all_gather_into_tensor": lambda b, w: b * (w - 1), "all_gather": lambda b, w: b * (w - 1),
-            "all_gather_tensor": lambda b, w: b * (w - 1),
-            "all_reduce": lambda b, w: 2 * b * (w - 1) / w, "all_reduce_coalesced": lambda b, w: 2 * b * (w - 1) / w,
-            "allreduce_coalesced": lambda b, w: 2 * b * (w - 1) / w, "broadcast": lambda b, w: b * (w - 1)}
+_OFFRANK = {
+    "all_to_all_single": lambda b, w: b * (w - 1) / w,
+    "all_to_all": lambda b, w: b * (w - 1) / w,
+    "reduce_scatter_tensor": lambda b, w: b * (w - 1) / w,
+    "reduce_scatter": lambda b, w: b * (w - 1) / w,
+    "all_gather_into_tensor": lambda b, w: b * (w - 1),
+    "all_gather": lambda b, w: b * (w - 1),
+    "all_gather_tensor": lambda b, w: b * (w - 1),
+    "all_reduce": lambda b, w: 2 * b * (w - 1) / w,
+    "all_reduce_coalesced": lambda b, w: 2 * b * (w - 1) / w,
+    "allreduce_coalesced": lambda b, w: 2 * b * (w - 1) / w,
+    "broadcast": lambda b, w: b * (w - 1),
+}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
+
 def sizes(quick: bool) -> dict:
     if quick:
-        return dict(p1=dict(rows=100_000, dim=64, batch=1024, hotness=20, warmup=2, rounds=8),
-                    p2=dict(tables=4, rows=5_000, dim=64, batch=256, hotness=8, warmup=2, rounds=4, tr_steps=6,
-                            blocks=2),
-                    jax_configs=[("row_wise", "fp32"), ("table_wise", "fp32"), ("row_wise", "fp8"),
-                                 ("row_wise", "fp32", 2.0)],
-                    tr_configs=[(2, "row_wise", "fp32"), (2, "table_wise", "fp32"), (4, "row_wise", "fp32")],
-                    zipf=1.1)
-    return dict(p1=dict(rows=1_000_000, dim=64, batch=4096, hotness=20, warmup=3, rounds=15),
-                p2=dict(tables=8, rows=20_000, dim=64, batch=1024, hotness=10, warmup=2, rounds=6, tr_steps=6,
-                        blocks=2),
-                jax_configs=[(s, p) for s in SHARDINGS for p in ("fp32", "bf16", "fp8")] + [("row_wise", "fp32", 2.0)],
-                tr_configs=[(w, s, p) for w in (2, 4) for s in SHARDINGS for p in ("fp32", "fp16")],
-                zipf=1.1)
+        return dict(
+            p1=dict(rows=100_000, dim=64, batch=1024, hotness=20, warmup=2, rounds=8),
+            p2=dict(tables=4, rows=5_000, dim=64, batch=256, hotness=8, warmup=2, rounds=4, tr_steps=6, blocks=2),
+            jax_configs=[("row_wise", "fp32"), ("table_wise", "fp32"), ("row_wise", "fp8"), ("row_wise", "fp32", 2.0)],
+            tr_configs=[(2, "row_wise", "fp32"), (2, "table_wise", "fp32"), (4, "row_wise", "fp32")],
+            zipf=1.1,
+        )
+    return dict(
+        p1=dict(rows=1_000_000, dim=64, batch=4096, hotness=20, warmup=3, rounds=15),
+        p2=dict(tables=8, rows=20_000, dim=64, batch=1024, hotness=10, warmup=2, rounds=6, tr_steps=6, blocks=2),
+        jax_configs=[(s, p) for s in SHARDINGS for p in ("fp32", "bf16", "fp8")] + [("row_wise", "fp32", 2.0)],
+        tr_configs=[(w, s, p) for w in (2, 4) for s in SHARDINGS for p in ("fp32", "fp16")],
+        zipf=1.1,
+    )
 
 
 def zipf_ids(rng, rows: int, shape, a: float) -> np.ndarray:
@@ -113,8 +124,15 @@ def machine() -> dict:
                 mem = line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"cpu_model": model, "nproc": os.cpu_count(), "memory": mem, "loadavg_at_start": load,
-            "python": platform.python_version(), "platform": platform.platform(), "numpy": np.__version__}
+    return {
+        "cpu_model": model,
+        "nproc": os.cpu_count(),
+        "memory": mem,
+        "loadavg_at_start": load,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+    }
 
 
 def _child_env(devices: int | None = None) -> dict:
@@ -131,9 +149,16 @@ class Worker:
 
     def __init__(self, kind: str, spec_path: str, env: dict, timeout_s: float = 600):
         self.timeout_s = timeout_s
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxscale.bench", "--_worker", kind, spec_path],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
-                                     env=env, cwd=str(REPO), bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxscale.bench", "--_worker", kind, spec_path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=sys.stderr,
+            text=True,
+            env=env,
+            cwd=str(REPO),
+            bufsize=1,
+        )
         self.kind = kind
 
     def read(self) -> dict:
@@ -189,6 +214,7 @@ def log(msg: str):
 
 # ------------------------------------------------------------------------- part 1: one device, 3 engines
 
+
 def numpy_step(W, acc, ids, G, lr=LR, eps=EPS):
     """FBGEMM EXACT_ROWWISE_ADAGRAD in NumPy: gather+sum, then the summed gradient of each touched row."""
     out = W[ids].sum(1)
@@ -212,9 +238,13 @@ def part1(cfg: dict, zipf: float, tmp: str) -> dict:
     ids = zipf_ids(rng, rows, (B, L), zipf)
     G = rng.normal(size=(B, dim)).astype(np.float32)
     table = jaxscale.TableConfig("t", rows=rows, dim=dim, pooling="sum", features=("f",))
-    ec = jaxscale.EmbeddingCollection([table], jaxscale.make_mesh(1, 1, devices=jax.devices()[:1]),
-                                      topology="1d", sharding="row_wise",
-                                      optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS))
+    ec = jaxscale.EmbeddingCollection(
+        [table],
+        jaxscale.make_mesh(1, 1, devices=jax.devices()[:1]),
+        topology="1d",
+        sharding="row_wise",
+        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+    )
     state = ec.init(jax.random.key(0))
     W0 = ec.to_dense(state)["t"]
     np.save(os.path.join(tmp, "p1_table.npy"), W0)
@@ -237,8 +267,9 @@ def part1(cfg: dict, zipf: float, tmp: str) -> dict:
     fb = Worker("fbgemm", spec, _child_env())
     try:
         info = fb.read()
-        log(f"part 1: jaxscale compiled in {compile_s:.1f} s; fbgemm ready ({info['torch']}, "
-            f"{info['threads']} threads)")
+        log(
+            f"part 1: jaxscale compiled in {compile_s:.1f} s; fbgemm ready ({info['torch']}, {info['threads']} threads)"
+        )
         times = {"jaxscale": [], "fbgemm": [], "numpy_step": [], "numpy_lookup": []}
         out_check = {}
 
@@ -262,10 +293,14 @@ def part1(cfg: dict, zipf: float, tmp: str) -> dict:
             out = W_lookup[ids].sum(1)
             return time.perf_counter() - t, out
 
-        engines = [("jaxscale", run_jax), ("fbgemm", run_fb), ("numpy_step", run_np_step),
-                   ("numpy_lookup", run_np_lookup)]
+        engines = [
+            ("jaxscale", run_jax),
+            ("fbgemm", run_fb),
+            ("numpy_step", run_np_step),
+            ("numpy_lookup", run_np_lookup),
+        ]
         for r in range(cfg["warmup"] + cfg["rounds"]):
-            order = engines[r % len(engines):] + engines[:r % len(engines)]
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for name, fn in order:
                 dt, out = fn()
                 if r == 0 and out is not None:
@@ -292,9 +327,13 @@ def part1(cfg: dict, zipf: float, tmp: str) -> dict:
         "max_rows_moved": float(np.abs(jax_rows - W0[uniq]).max()),
     }
     tol = 1e-4 * max(1.0, float(np.abs(np_rows).max()))
-    check["ok"] = bool(check["max_abs_diff_jaxscale_vs_fbgemm"] <= tol and check["max_abs_diff_jaxscale_vs_numpy"] <= tol
-                       and check["max_abs_diff_first_output_jaxscale_vs_numpy"] <= tol
-                       and info["fwd_err"] <= tol and check["max_rows_moved"] > 0)
+    check["ok"] = bool(
+        check["max_abs_diff_jaxscale_vs_fbgemm"] <= tol
+        and check["max_abs_diff_jaxscale_vs_numpy"] <= tol
+        and check["max_abs_diff_first_output_jaxscale_vs_numpy"] <= tol
+        and info["fwd_err"] <= tol
+        and check["max_rows_moved"] > 0
+    )
     med = {k: med_ms(v) for k, v in times.items()}
     ids_per_step = B * L
     return {
@@ -306,7 +345,8 @@ def part1(cfg: dict, zipf: float, tmp: str) -> dict:
         "speedup_jaxscale_over_numpy_step": med["numpy_step"] / med["jaxscale"],
         "jaxscale_compile_s": compile_s,
         "fbgemm": info,
-        "jax": jax.__version__, "jax_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "jax_devices": jax.device_count(),
         "check": check,
     }
 
@@ -315,8 +355,10 @@ def _fbgemm_worker(spec_path: str):
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
-                                                                         SplitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     spec = json.loads(Path(spec_path).read_text())
     d = spec["dir"]
@@ -326,7 +368,11 @@ def _fbgemm_worker(spec_path: str):
     B, L = ids.shape
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(spec["rows"], spec["dim"], EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS, pooling_mode=PoolingMode.SUM)
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR,
+        eps=EPS,
+        pooling_mode=PoolingMode.SUM,
+    )
     w = tbe.split_embedding_weights()[0]
     with torch.no_grad():
         w.copy_(torch.from_numpy(W0))
@@ -336,8 +382,13 @@ def _fbgemm_worker(spec_path: str):
         fwd_err = float(np.abs(tbe(idx, off).numpy() - W0[ids].sum(1)).max())  # no step taken
     import fbgemm_gpu
 
-    _reply(torch=torch.__version__, fbgemm=getattr(fbgemm_gpu, "__version__", "?"), threads=torch.get_num_threads(),
-           fwd_err=fwd_err, kernel="SplitTableBatchedEmbeddingBagsCodegen(HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM)")
+    _reply(
+        torch=torch.__version__,
+        fbgemm=getattr(fbgemm_gpu, "__version__", "?"),
+        threads=torch.get_num_threads(),
+        fwd_err=fwd_err,
+        kernel="SplitTableBatchedEmbeddingBagsCodegen(HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM)",
+    )
 
     def step(cmd):
         ts = []
@@ -359,6 +410,7 @@ def _fbgemm_worker(spec_path: str):
 
 # ------------------------------------------------------------ part 2 + 3: the 8-device jaxscale worker
 
+
 def _cname(sharding, prec, cf=None) -> str:
     return f"{sharding}/{prec}" + (f"/cf{cf:g}" if cf else "")
 
@@ -375,15 +427,22 @@ def _dist_worker(spec_path: str):
     spec = json.loads(Path(spec_path).read_text())
     data = np.load(spec["data"])
     n_tables, rows, dim = spec["tables"], spec["rows"], spec["dim"]
-    tables = [jaxscale.TableConfig(f"t{i}", rows=rows, dim=dim, pooling="sum", features=(f"f{i}",))
-              for i in range(n_tables)]
+    tables = [
+        jaxscale.TableConfig(f"t{i}", rows=rows, dim=dim, pooling="sum", features=(f"f{i}",)) for i in range(n_tables)
+    ]
     mesh = jaxscale.make_mesh(1, jax.device_count())
     setups = []
     for sharding, prec, *cf in spec["configs"]:
         cf = cf[0] if cf else None
-        ec = jaxscale.EmbeddingCollection(tables, mesh, topology="1d", sharding=sharding,
-                                          optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
-                                          comm=jaxscale.CommConfig(forward=prec, backward=prec), capacity_factor=cf)
+        ec = jaxscale.EmbeddingCollection(
+            tables,
+            mesh,
+            topology="1d",
+            sharding=sharding,
+            optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+            comm=jaxscale.CommConfig(forward=prec, backward=prec),
+            capacity_factor=cf,
+        )
         state = ec.init(jax.random.key(0))
         ids = ec.shard_batch({f"f{i}": data[f"ids{i}"] for i in range(n_tables)})
         G = {f"f{i}": jax.device_put(jnp.asarray(data[f"g{i}"]), ec.batch_sharding) for i in range(n_tables)}
@@ -405,11 +464,25 @@ def _dist_worker(spec_path: str):
             e["count"] += 1
             e["bytes_per_device"] += c.bytes_per_device
         total = sum(c.bytes_per_device for c in cs)
-        setups.append({"name": _cname(sharding, prec, cf), "compiled": compiled, "state": state, "ids": ids, "G": G,
-                       "info": {"sharding": sharding, "precision": prec, "capacity_factor": cf,
-                                "overflow_rows": overflow, "compile_s": compile_s,
-                                "collectives": per, "bytes_per_device": total,
-                                "bytes_cluster": total * jax.device_count()}})
+        setups.append(
+            {
+                "name": _cname(sharding, prec, cf),
+                "compiled": compiled,
+                "state": state,
+                "ids": ids,
+                "G": G,
+                "info": {
+                    "sharding": sharding,
+                    "precision": prec,
+                    "capacity_factor": cf,
+                    "overflow_rows": overflow,
+                    "compile_s": compile_s,
+                    "collectives": per,
+                    "bytes_per_device": total,
+                    "bytes_cluster": total * jax.device_count(),
+                },
+            }
+        )
         print(f"[dist worker] compiled {_cname(sharding, prec, cf)} in {compile_s:.1f} s", file=sys.stderr, flush=True)
     stages = foundation_stages(spec.get("stages", ()))
     _reply(devices=jax.device_count(), jax=jax.__version__, configs=[s["info"] for s in setups], stages=stages)
@@ -418,7 +491,7 @@ def _dist_worker(spec_path: str):
         times = {s["name"]: [] for s in setups}
         warm, rounds = int(cmd.get("warmup", 0)), int(cmd["rounds"])
         for r in range(warm + rounds):
-            for s in (setups if r % 2 == 0 else setups[::-1]):  # round-robin, order flipped every round
+            for s in setups if r % 2 == 0 else setups[::-1]:  # round-robin, order flipped every round
                 t = time.perf_counter()
                 s["state"], out = s["compiled"](s["state"], s["ids"], s["G"])
                 jax.block_until_ready((s["state"], out))
@@ -432,12 +505,33 @@ def _dist_worker(spec_path: str):
 STAGES = (
     ("1d fp32", ["embedding.topology=1d", "embedding.comm_forward=fp32", "embedding.comm_backward=fp32"]),
     ("+ fp8", ["embedding.topology=1d", "embedding.comm_forward=fp8", "embedding.comm_backward=fp8"]),
-    ("+ half_dim", ["embedding.topology=1d", "embedding.comm_forward=fp8", "embedding.comm_backward=fp8",
-                    "model.foundation.item_reshape=half_dim"]),
-    ("+ 2d_ar", ["embedding.topology=2d_ar", "embedding.comm_forward=fp8", "embedding.comm_backward=fp8",
-                 "model.foundation.item_reshape=half_dim"]),
-    ("+ 2d_a2a", ["embedding.topology=2d_a2a", "embedding.comm_forward=fp8", "embedding.comm_backward=fp8",
-                  "model.foundation.item_reshape=half_dim"]),
+    (
+        "+ half_dim",
+        [
+            "embedding.topology=1d",
+            "embedding.comm_forward=fp8",
+            "embedding.comm_backward=fp8",
+            "model.foundation.item_reshape=half_dim",
+        ],
+    ),
+    (
+        "+ 2d_ar",
+        [
+            "embedding.topology=2d_ar",
+            "embedding.comm_forward=fp8",
+            "embedding.comm_backward=fp8",
+            "model.foundation.item_reshape=half_dim",
+        ],
+    ),
+    (
+        "+ 2d_a2a",
+        [
+            "embedding.topology=2d_a2a",
+            "embedding.comm_forward=fp8",
+            "embedding.comm_backward=fp8",
+            "model.foundation.item_reshape=half_dim",
+        ],
+    ),
 )
 
 
@@ -493,11 +587,20 @@ def foundation_stages(names) -> list:
             intra, inter = intra + a, inter + b
             cats[cat] = cats.get(cat, 0.0) + (a + b) * 8 / cfg.train.batch_size
         gb = cfg.train.batch_size
-        out.append({"stage": name, "overrides": overrides, "global_batch": gb, "collectives": len(cs),
-                    "intra_node_bytes_per_example": intra * 8 / gb, "inter_node_bytes_per_example": inter * 8 / gb,
-                    "total_bytes_per_example": (intra + inter) * 8 / gb, "by_category_per_example": cats,
-                    "split": "comm_report.split_bytes" if cr is not None else "comm_inspect whole-collective",
-                    "compile_s": time.perf_counter() - t0})
+        out.append(
+            {
+                "stage": name,
+                "overrides": overrides,
+                "global_batch": gb,
+                "collectives": len(cs),
+                "intra_node_bytes_per_example": intra * 8 / gb,
+                "inter_node_bytes_per_example": inter * 8 / gb,
+                "total_bytes_per_example": (intra + inter) * 8 / gb,
+                "by_category_per_example": cats,
+                "split": "comm_report.split_bytes" if cr is not None else "comm_inspect whole-collective",
+                "compile_s": time.perf_counter() - t0,
+            }
+        )
         print(f"[dist worker] stage {name}: {(intra + inter) * 8 / gb:,.0f} B/example", file=sys.stderr, flush=True)
     return out
 
@@ -529,8 +632,18 @@ def part2_and_3(p: dict, jax_configs, tr_configs, zipf: float, tmp: str, stages)
         arrays[f"g{i}"] = rng.normal(size=(B, D)).astype(np.float32)
     np.savez(os.path.join(tmp, "p2.npz"), **arrays)
     spec = os.path.join(tmp, "p2_spec.json")
-    Path(spec).write_text(json.dumps({"data": os.path.join(tmp, "p2.npz"), "tables": T, "rows": R, "dim": D,
-                                      "configs": jax_configs, "stages": [s for s, _ in STAGES if s in stages]}))
+    Path(spec).write_text(
+        json.dumps(
+            {
+                "data": os.path.join(tmp, "p2.npz"),
+                "tables": T,
+                "rows": R,
+                "dim": D,
+                "configs": jax_configs,
+                "stages": [s for s, _ in STAGES if s in stages],
+            }
+        )
+    )
     t0 = time.perf_counter()
     worker = Worker("dist", spec, _child_env(devices=8))
     try:
@@ -540,8 +653,21 @@ def part2_and_3(p: dict, jax_configs, tr_configs, zipf: float, tmp: str, stages)
         weights = {f"t{i}": rng.normal(scale=0.01, size=(R, D)).astype(np.float32) for i in range(T)}
         batch = {f"f{i}": arrays[f"ids{i}"] for i in range(T)}
         grads = {f"f{i}": arrays[f"g{i}"] for i in range(T)}
-        jobs = [dict(tables=tables, weights=weights, batches=[batch] * p["tr_steps"], grads=grads, sharding=s,
-                     world_size=w, optimizer="rowwise_adagrad", lr=LR, eps=EPS, qcomms=q) for w, s, q in tr_configs]
+        jobs = [
+            dict(
+                tables=tables,
+                weights=weights,
+                batches=[batch] * p["tr_steps"],
+                grads=grads,
+                sharding=s,
+                world_size=w,
+                optimizer="rowwise_adagrad",
+                lr=LR,
+                eps=EPS,
+                qcomms=q,
+            )
+            for w, s, q in tr_configs
+        ]
         jax_times = {_cname(*c): [] for c in jax_configs}
         tr_times = [[] for _ in tr_configs]
         tr_bytes = [None] * len(tr_configs)
@@ -567,11 +693,32 @@ def part2_and_3(p: dict, jax_configs, tr_configs, zipf: float, tmp: str, stages)
         jax_rows.append(info | {"median_ms": med_ms(jax_times[name]), "n": len(jax_times[name])})
     tr_rows = []
     for (w, s, q), ts, by, err in zip(tr_configs, tr_times, tr_bytes, tr_err):
-        tr_rows.append({"world": w, "sharding": s, "precision": q, "median_ms": med_ms(ts), "n": len(ts),
-                        "collectives": by, "bytes_cluster": sum(by.values()) if by else None, "error": err})
-    return {"shape": {"tables": T, "rows": R, "dim": D, "global_batch": B, "hotness": L, "zipf": zipf,
-                      "jax_devices": ready["devices"]},
-            "jaxscale": jax_rows, "torchrec": tr_rows, "jax": ready["jax"]}, ready["stages"]
+        tr_rows.append(
+            {
+                "world": w,
+                "sharding": s,
+                "precision": q,
+                "median_ms": med_ms(ts),
+                "n": len(ts),
+                "collectives": by,
+                "bytes_cluster": sum(by.values()) if by else None,
+                "error": err,
+            }
+        )
+    return {
+        "shape": {
+            "tables": T,
+            "rows": R,
+            "dim": D,
+            "global_batch": B,
+            "hotness": L,
+            "zipf": zipf,
+            "jax_devices": ready["devices"],
+        },
+        "jaxscale": jax_rows,
+        "torchrec": tr_rows,
+        "jax": ready["jax"],
+    }, ready["stages"]
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -586,13 +733,21 @@ def comparisons(p2: dict) -> list:
         for t in p2["torchrec"]:
             if t["sharding"] != j["sharding"] or t["precision"] != want or t["error"]:
                 continue
-            rows.append({"sharding": j["sharding"], "jaxscale_precision": j["precision"],
-                         "capacity_factor": j["capacity_factor"],
-                         "torchrec_precision": t["precision"], "torchrec_world": t["world"],
-                         "jaxscale_ms": j["median_ms"], "torchrec_ms": t["median_ms"],
-                         "time_ratio": j["median_ms"] / t["median_ms"],
-                         "jaxscale_bytes_cluster": j["bytes_cluster"], "torchrec_bytes_cluster": t["bytes_cluster"],
-                         "bytes_ratio": j["bytes_cluster"] / t["bytes_cluster"] if t["bytes_cluster"] else None})
+            rows.append(
+                {
+                    "sharding": j["sharding"],
+                    "jaxscale_precision": j["precision"],
+                    "capacity_factor": j["capacity_factor"],
+                    "torchrec_precision": t["precision"],
+                    "torchrec_world": t["world"],
+                    "jaxscale_ms": j["median_ms"],
+                    "torchrec_ms": t["median_ms"],
+                    "time_ratio": j["median_ms"] / t["median_ms"],
+                    "jaxscale_bytes_cluster": j["bytes_cluster"],
+                    "torchrec_bytes_cluster": t["bytes_cluster"],
+                    "bytes_ratio": j["bytes_cluster"] / t["bytes_cluster"] if t["bytes_cluster"] else None,
+                }
+            )
     return rows
 
 
@@ -603,78 +758,119 @@ def _fmt_coll(d: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    L = [f"# jaxscale benchmark suite{' (--quick)' if res['quick'] else ''}", "",
-         f"Command: `{res['command']}`  ", f"Machine: {res['machine']['cpu_model']}, {res['machine']['nproc']} cores, "
-         f"{res['machine']['memory']}, load average at start {res['machine']['loadavg_at_start']}; "
-         f"{res['machine']['platform']}, Python {res['machine']['python']}, jax {res.get('jax', '?')}, "
-         f"numpy {res['machine']['numpy']}.  ", f"Wall time of the run: {res['wall_s']:.0f} s.", "",
-         f"**{NOTE}**", ""]
+    L = [
+        f"# jaxscale benchmark suite{' (--quick)' if res['quick'] else ''}",
+        "",
+        f"Command: `{res['command']}`  ",
+        f"Machine: {res['machine']['cpu_model']}, {res['machine']['nproc']} cores, "
+        f"{res['machine']['memory']}, load average at start {res['machine']['loadavg_at_start']}; "
+        f"{res['machine']['platform']}, Python {res['machine']['python']}, jax {res.get('jax', '?')}, "
+        f"numpy {res['machine']['numpy']}.  ",
+        f"Wall time of the run: {res['wall_s']:.0f} s.",
+        "",
+        f"**{NOTE}**",
+        "",
+    ]
     p1 = res.get("part1")
     if p1:
         s, m, c = p1["shape"], p1["median_ms"], p1["check"]
-        L += ["## 1. Lookup+update on one device (interleaved rounds, medians)", "",
-              f"Table {s['rows']:,} x {s['dim']} fp32, {s['batch']} bags x {s['hotness']} Zipf({s['zipf']}) ids "
-              f"({s['distinct_ids']:,} distinct), sum pooling, row-wise AdaGrad (lr {LR}, eps {EPS}); "
-              f"{len(p1['all_ms']['jaxscale'])} timed rounds. FBGEMM: {p1['fbgemm']['kernel']}, torch "
-              f"{p1['fbgemm']['torch']}, fbgemm-gpu-cpu {p1['fbgemm']['fbgemm']}, {p1['fbgemm']['threads']} threads. "
-              f"JAX: {p1['jax_devices']} CPU device.", "",
-              "| engine | what | median ms | M ids/s | jaxscale speed-up |", "|---|---|---:|---:|---:|"]
-        what = {"jaxscale": "lookup + sparse update (jit, donated)", "fbgemm": "TBE forward + fused backward",
-                "numpy_step": "gather+sum + unique/add.at AdaGrad", "numpy_lookup": "gather+sum only"}
+        L += [
+            "## 1. Lookup+update on one device (interleaved rounds, medians)",
+            "",
+            f"Table {s['rows']:,} x {s['dim']} fp32, {s['batch']} bags x {s['hotness']} Zipf({s['zipf']}) ids "
+            f"({s['distinct_ids']:,} distinct), sum pooling, row-wise AdaGrad (lr {LR}, eps {EPS}); "
+            f"{len(p1['all_ms']['jaxscale'])} timed rounds. FBGEMM: {p1['fbgemm']['kernel']}, torch "
+            f"{p1['fbgemm']['torch']}, fbgemm-gpu-cpu {p1['fbgemm']['fbgemm']}, {p1['fbgemm']['threads']} threads. "
+            f"JAX: {p1['jax_devices']} CPU device.",
+            "",
+            "| engine | what | median ms | M ids/s | jaxscale speed-up |",
+            "|---|---|---:|---:|---:|",
+        ]
+        what = {
+            "jaxscale": "lookup + sparse update (jit, donated)",
+            "fbgemm": "TBE forward + fused backward",
+            "numpy_step": "gather+sum + unique/add.at AdaGrad",
+            "numpy_lookup": "gather+sum only",
+        }
         for k in ("jaxscale", "fbgemm", "numpy_step", "numpy_lookup"):
-            L.append(f"| {k} | {what[k]} | {m[k]:.1f} | {p1['ids_per_s'][k] / 1e6:.2f} | "
-                     f"{m[k] / m['jaxscale']:.2f}x |")
-        L += ["", f"jaxscale vs FBGEMM: **{p1['speedup_jaxscale_over_fbgemm']:.2f}x** "
-              f"({'faster' if p1['speedup_jaxscale_over_fbgemm'] >= 1 else 'slower'}; >1 = jaxscale faster). "
-              f"Correctness after {c['steps_each']} steps each from the same table: max |jaxscale - FBGEMM| "
-              f"{c['max_abs_diff_jaxscale_vs_fbgemm']:.2e}, max |jaxscale - NumPy| "
-              f"{c['max_abs_diff_jaxscale_vs_numpy']:.2e} over {c['touched_rows']:,} touched rows (rows moved up to "
-              f"{c['max_rows_moved']:.2e}): {'OK' if c['ok'] else 'MISMATCH'}.", ""]
+            L.append(f"| {k} | {what[k]} | {m[k]:.1f} | {p1['ids_per_s'][k] / 1e6:.2f} | {m[k] / m['jaxscale']:.2f}x |")
+        L += [
+            "",
+            f"jaxscale vs FBGEMM: **{p1['speedup_jaxscale_over_fbgemm']:.2f}x** "
+            f"({'faster' if p1['speedup_jaxscale_over_fbgemm'] >= 1 else 'slower'}; >1 = jaxscale faster). "
+            f"Correctness after {c['steps_each']} steps each from the same table: max |jaxscale - FBGEMM| "
+            f"{c['max_abs_diff_jaxscale_vs_fbgemm']:.2e}, max |jaxscale - NumPy| "
+            f"{c['max_abs_diff_jaxscale_vs_numpy']:.2e} over {c['touched_rows']:,} touched rows (rows moved up to "
+            f"{c['max_rows_moved']:.2e}): {'OK' if c['ok'] else 'MISMATCH'}.",
+            "",
+        ]
     p2 = res.get("part2")
     if p2:
         s = p2["shape"]
-        L += ["## 2. Distributed step at the same global batch", "",
-              f"{s['tables']} tables x {s['rows']:,} x {s['dim']}, sum pooling, global batch {s['global_batch']} x "
-              f"{s['hotness']} Zipf ids per table, row-wise AdaGrad. jaxscale: {s['jax_devices']} simulated CPU "
-              f"devices (1x8 mesh, 1d). TorchRec: DMP over gloo (fused TBE). Median step ms (TorchRec: max over ranks). "
-              f"Bytes: what leaves a device per step, summed over the cluster.", "",
-              "| engine | devices | sharding | payload | median ms | bytes/step (cluster) | per collective (cluster bytes) |",
-              "|---|---:|---|---|---:|---:|---|"]
+        L += [
+            "## 2. Distributed step at the same global batch",
+            "",
+            f"{s['tables']} tables x {s['rows']:,} x {s['dim']}, sum pooling, global batch {s['global_batch']} x "
+            f"{s['hotness']} Zipf ids per table, row-wise AdaGrad. jaxscale: {s['jax_devices']} simulated CPU "
+            f"devices (1x8 mesh, 1d). TorchRec: DMP over gloo (fused TBE). Median step ms (TorchRec: max over ranks). "
+            f"Bytes: what leaves a device per step, summed over the cluster.",
+            "",
+            "| engine | devices | sharding | payload | median ms | bytes/step (cluster) | per collective (cluster bytes) |",  # noqa: E501
+            "|---|---:|---|---|---:|---:|---|",
+        ]
         for j in p2["jaxscale"]:
             per = {k: v["bytes_per_device"] * s["jax_devices"] for k, v in j["collectives"].items()}
             cf = f" cf {j['capacity_factor']:g} (overflow {j['overflow_rows']})" if j["capacity_factor"] else ""
-            L.append(f"| jaxscale | {s['jax_devices']} | {j['sharding']} | {j['precision']}{cf} | {j['median_ms']:.1f} | "
-                     f"{j['bytes_cluster']:,.0f} | {_fmt_coll(per)} |")
+            L.append(
+                f"| jaxscale | {s['jax_devices']} | {j['sharding']} | {j['precision']}{cf} | {j['median_ms']:.1f} | "
+                f"{j['bytes_cluster']:,.0f} | {_fmt_coll(per)} |"
+            )
         for t in p2["torchrec"]:
             if t["error"]:
-                L.append(f"| TorchRec | {t['world']} | {t['sharding']} | {t['precision']} | failed | - | {t['error'][:80]} |")
+                L.append(
+                    f"| TorchRec | {t['world']} | {t['sharding']} | {t['precision']} | failed | - | {t['error'][:80]} |"
+                )
                 continue
-            L.append(f"| TorchRec | {t['world']} | {t['sharding']} | {t['precision']} | {t['median_ms']:.1f} | "
-                     f"{t['bytes_cluster']:,.0f} | {_fmt_coll(t['collectives'])} |")
-        L += ["", "jaxscale / TorchRec per matched row (time ratio < 1 = jaxscale faster; bytes ratio < 1 = jaxscale "
-              "sends less). jaxscale bf16 and fp8 are matched with TorchRec fp16 (TorchRec maps bf16 to fp16 on "
-              "gloo and its FP8 QComms fail on CPU).", "",
-              "| sharding | jaxscale | TorchRec | TorchRec ranks | jaxscale ms | TorchRec ms | time ratio | bytes ratio |",
-              "|---|---|---|---:|---:|---:|---:|---:|"]
+            L.append(
+                f"| TorchRec | {t['world']} | {t['sharding']} | {t['precision']} | {t['median_ms']:.1f} | "
+                f"{t['bytes_cluster']:,.0f} | {_fmt_coll(t['collectives'])} |"
+            )
+        L += [
+            "",
+            "jaxscale / TorchRec per matched row (time ratio < 1 = jaxscale faster; bytes ratio < 1 = jaxscale "
+            "sends less). jaxscale bf16 and fp8 are matched with TorchRec fp16 (TorchRec maps bf16 to fp16 on "
+            "gloo and its FP8 QComms fail on CPU).",
+            "",
+            "| sharding | jaxscale | TorchRec | TorchRec ranks | jaxscale ms | TorchRec ms | time ratio | bytes ratio |",  # noqa: E501
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
         for r in res["comparisons"]:
             br = f"{r['bytes_ratio']:.2f}" if r["bytes_ratio"] is not None else "-"
             cf = f" cf {r['capacity_factor']:g}" if r["capacity_factor"] else ""
-            L.append(f"| {r['sharding']} | {r['jaxscale_precision']}{cf} | {r['torchrec_precision']} | {r['torchrec_world']} "
-                     f"| {r['jaxscale_ms']:.1f} | {r['torchrec_ms']:.1f} | {r['time_ratio']:.2f} | {br} |")
+            L.append(
+                f"| {r['sharding']} | {r['jaxscale_precision']}{cf} | {r['torchrec_precision']} | {r['torchrec_world']} "  # noqa: E501
+                f"| {r['jaxscale_ms']:.1f} | {r['torchrec_ms']:.1f} | {r['time_ratio']:.2f} | {br} |"
+            )
         L.append("")
     st = res.get("stages")
     if st:
         base = st[0]["total_bytes_per_example"]
-        L += ["## 3. Foundation smoke config: embedding comm bytes per example per technique stage (2x4 mesh)", "",
-              f"From the compiled HLO of the embedding step (lookup + update) with the config's tables and batch "
-              f"(global batch {st[0]['global_batch']}); stages are cumulative. Split by {st[0]['split']}. The dense "
-              f"gradient all-reduce and model gathers are the same in every stage and not included.", "",
-              "| stage | intra-node B/example | inter-node B/example | total B/example | vs 1d fp32 |",
-              "|---|---:|---:|---:|---:|"]
+        L += [
+            "## 3. Foundation smoke config: embedding comm bytes per example per technique stage (2x4 mesh)",
+            "",
+            f"From the compiled HLO of the embedding step (lookup + update) with the config's tables and batch "
+            f"(global batch {st[0]['global_batch']}); stages are cumulative. Split by {st[0]['split']}. The dense "
+            f"gradient all-reduce and model gathers are the same in every stage and not included.",
+            "",
+            "| stage | intra-node B/example | inter-node B/example | total B/example | vs 1d fp32 |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for x in st:
-            L.append(f"| {x['stage']} | {x['intra_node_bytes_per_example']:,.1f} | "
-                     f"{x['inter_node_bytes_per_example']:,.1f} | {x['total_bytes_per_example']:,.1f} | "
-                     f"{x['total_bytes_per_example'] / base:.3f} |")
+            L.append(
+                f"| {x['stage']} | {x['intra_node_bytes_per_example']:,.1f} | "
+                f"{x['inter_node_bytes_per_example']:,.1f} | {x['total_bytes_per_example']:,.1f} | "
+                f"{x['total_bytes_per_example'] / base:.3f} |"
+            )
         L.append("")
     if res.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
@@ -689,19 +885,25 @@ def auto_notes(res: dict) -> list:
         if r >= 1:
             notes.append(f"One device: jaxscale's jitted step is {r:.2f}x FBGEMM's CPU TBE step in this run.")
         else:
-            notes.append(f"One device: jaxscale is {1 / r:.2f}x SLOWER than FBGEMM's CPU TBE kernel in this run. "
-                         "XLA:CPU runs the step as generic sort / gather / segment-sum / scatter ops; matching a "
-                         "hand-written fused kernel would take a native lookup+AdaGrad kernel called through "
-                         "jax.ffi (CPU) or Pallas (GPU).")
+            notes.append(
+                f"One device: jaxscale is {1 / r:.2f}x SLOWER than FBGEMM's CPU TBE kernel in this run. "
+                "XLA:CPU runs the step as generic sort / gather / segment-sum / scatter ops; matching a "
+                "hand-written fused kernel would take a native lookup+AdaGrad kernel called through "
+                "jax.ffi (CPU) or Pallas (GPU)."
+            )
     if res.get("part2"):
-        notes.append("Distributed: jaxscale runs 8 simulated devices, TorchRec 2 and 4 processes, all on the same "
-                     "2 cores; more devices at the same global batch means more of each batch is remote, so cluster "
-                     "bytes grow with the device count for the same algorithm.")
-        notes.append("jaxscale's all-to-all has static shapes: with capacity_factor=None (default) every "
-                     "destination slot is sized for the worst case (all of a device's ids landing on one peer), "
-                     "so the padded payload is ~devices x larger than the ids actually sent; TorchRec sends ragged "
-                     "(exact-size) buffers. The cf rows show a bounded capacity (overflow counted in the first "
-                     "step); ragged-all-to-all or a two-pass size exchange would remove the padding.")
+        notes.append(
+            "Distributed: jaxscale runs 8 simulated devices, TorchRec 2 and 4 processes, all on the same "
+            "2 cores; more devices at the same global batch means more of each batch is remote, so cluster "
+            "bytes grow with the device count for the same algorithm."
+        )
+        notes.append(
+            "jaxscale's all-to-all has static shapes: with capacity_factor=None (default) every "
+            "destination slot is sized for the worst case (all of a device's ids landing on one peer), "
+            "so the padded payload is ~devices x larger than the ids actually sent; TorchRec sends ragged "
+            "(exact-size) buffers. The cf rows show a bounded capacity (overflow counted in the first "
+            "step); ragged-all-to-all or a two-pass size exchange would remove the padding."
+        )
     return notes
 
 
@@ -734,8 +936,13 @@ def main(argv=None) -> int:
     parts = {int(x) for x in a.parts.split(",") if x.strip()}
     S = sizes(a.quick)
     t0 = time.time()
-    res = {"command": "python -m jaxscale.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "quick": a.quick, "machine": machine(), "jax": jax.__version__, "note": NOTE}
+    res = {
+        "command": "python -m jaxscale.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": a.quick,
+        "machine": machine(),
+        "jax": jax.__version__,
+        "note": NOTE,
+    }
     with tempfile.TemporaryDirectory(prefix="jaxscale_bench_") as tmp:
         if 1 in parts:
             log("part 1: one device, jaxscale vs FBGEMM vs NumPy")
@@ -743,8 +950,9 @@ def main(argv=None) -> int:
         if parts & {2, 3}:
             stages = [s for s, _ in STAGES] if 3 in parts else []
             if 2 in parts:
-                res["part2"], res["stages"] = part2_and_3(S["p2"], S["jax_configs"], S["tr_configs"], S["zipf"], tmp,
-                                                          stages)
+                res["part2"], res["stages"] = part2_and_3(
+                    S["p2"], S["jax_configs"], S["tr_configs"], S["zipf"], tmp, stages
+                )
                 res["comparisons"] = comparisons(res["part2"])
             else:
                 res["stages"] = _stages_only(tmp, stages)
@@ -766,8 +974,9 @@ def _stages_only(tmp: str, stages) -> list:
     spec = os.path.join(tmp, "p3_spec.json")
     empty = os.path.join(tmp, "p3.npz")
     np.savez(empty, ids0=np.zeros((8, 1), np.int32), g0=np.zeros((8, 8), np.float32))
-    Path(spec).write_text(json.dumps({"data": empty, "tables": 1, "rows": 8, "dim": 8, "configs": [],
-                                      "stages": stages}))
+    Path(spec).write_text(
+        json.dumps({"data": empty, "tables": 1, "rows": 8, "dim": 8, "configs": [], "stages": stages})
+    )
     w = Worker("dist", spec, _child_env(devices=8))
     try:
         return w.read()["stages"]

@@ -12,7 +12,7 @@ gradient); use `quantized_all_to_all` where gradients must flow.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,9 @@ def _quantized_a2a(x: jax.Array, axis_name: AxisName, precision: str, fp8_format
     return decode(wire, precision, fp8_format, x.dtype)
 
 
-def all_to_all(x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32",
-               fp8_format: str = "e4m3") -> jax.Array:
+def all_to_all(
+    x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32", fp8_format: str = "e4m3"
+) -> jax.Array:
     """Tiled all_to_all of float rows x: [S*k, ..., d] -> same shape, block i of axis 0 sent to peer i.
 
     The payload crosses the wire in `precision` ('fp32' is a plain all_to_all); the result is x.dtype.
@@ -59,8 +60,9 @@ def all_to_all_ids(x: jax.Array, axis_name: str | Sequence[str]) -> jax.Array:
     return _a2a(x, _axis(axis_name))
 
 
-def all_gather(x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32",
-               fp8_format: str = "e4m3") -> jax.Array:
+def all_gather(
+    x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32", fp8_format: str = "e4m3"
+) -> jax.Array:
     """Tiled all_gather along axis 0 ([k, ..., d] -> [S*k, ..., d]) with the payload in `precision`.
 
     Used for the sparse replica sync: each replica gathers the touched rows' updates of its peers.
@@ -72,9 +74,14 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], precision: str = "f
     return decode(wire, precision, fp8_format, x.dtype)
 
 
-def quantized_all_to_all(x: jax.Array, axis_name: str | Sequence[str], forward: str = "fp32",
-                         backward: str = "fp32", fp8_forward_format: str = "e4m3",
-                         fp8_backward_format: str = "e5m2") -> jax.Array:
+def quantized_all_to_all(
+    x: jax.Array,
+    axis_name: str | Sequence[str],
+    forward: str = "fp32",
+    backward: str = "fp32",
+    fp8_forward_format: str = "e4m3",
+    fp8_backward_format: str = "e5m2",
+) -> jax.Array:
     """Differentiable `all_to_all`: rows travel in `forward` precision, their cotangents in `backward`.
 
     The cotangent of a tiled split=concat=0 all_to_all is the same all_to_all of the cotangent, so the

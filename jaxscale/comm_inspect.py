@@ -29,14 +29,30 @@ KINDS = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-
 STAGES = ("compiled", "lowered")
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
 }
 # `%name = <shape> <kind>[-start](` ; names carry '%' in compiled HLO, not in the lowered one.
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>(?:[^=]|/\*index=\d+\*/)*?)\s+"
     r"(?P<kind>ragged-all-to-all|all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
-    r"(?P<start>-start)?\(")
+    r"(?P<start>-start)?\("
+)
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _IOTA = re.compile(r"(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
@@ -70,8 +86,9 @@ class Collective:
     name: str
 
 
-def list_collectives(fn_or_compiled_or_text, *args, mesh, stage: str = "compiled", node_axis: str = NODE,
-                     **kwargs) -> list[Collective]:
+def list_collectives(
+    fn_or_compiled_or_text, *args, mesh, stage: str = "compiled", node_axis: str = NODE, **kwargs
+) -> list[Collective]:
     """The collectives of a jitted function called on `args`/`kwargs`, of a `Compiled` or `Lowered`, or
     of HLO text.
 
@@ -116,7 +133,7 @@ def parse_hlo(text: str, mesh, node_axis: str = NODE) -> list[Collective]:
         kind, is_start = match["kind"], bool(match["start"])
         arrays = [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(match["shape"])]
         arrays = _result_arrays(kind, is_start, arrays)
-        attributes = line[match.end():]
+        attributes = line[match.end() :]
         if kind == "collective-permute":
             pairs = _braced_attribute(attributes, "source_target_pairs")
             groups = _parse_nested_braces(pairs) if pairs else ()
@@ -128,16 +145,19 @@ def parse_hlo(text: str, mesh, node_axis: str = NODE) -> list[Collective]:
             raise ValueError(f"{match['name']}: replica group position >= {num_devices} devices of the mesh")
         result_bytes = int(sum(_element_bytes(dt) * math.prod(shape) for dt, shape in arrays))
         cross = node_dim is not None and any(_spans_nodes(g, mesh_shape, node_dim) for g in groups)
-        found.append(Collective(
-            kind=kind,
-            dtypes=tuple(dt for dt, _ in arrays),
-            shapes=tuple(shape for _, shape in arrays),
-            group_size=group_size,
-            groups=groups,
-            result_bytes=result_bytes,
-            bytes_per_device=_bytes_per_device(kind, group_size, result_bytes),
-            cross_node=cross,
-            name=match["name"]))
+        found.append(
+            Collective(
+                kind=kind,
+                dtypes=tuple(dt for dt, _ in arrays),
+                shapes=tuple(shape for _, shape in arrays),
+                group_size=group_size,
+                groups=groups,
+                result_bytes=result_bytes,
+                bytes_per_device=_bytes_per_device(kind, group_size, result_bytes),
+                cross_node=cross,
+                name=match["name"],
+            )
+        )
     return found
 
 
@@ -158,7 +178,7 @@ def _result_arrays(kind: str, is_start: bool, arrays: list) -> list:
     if not is_start or kind == "all-reduce":
         return arrays
     if kind == "all-gather":  # (operands..., results...)
-        return arrays[len(arrays) // 2:]
+        return arrays[len(arrays) // 2 :]
     if kind == "collective-permute":  # (operand, result, u32[] contexts...)
         return arrays[1:2]
     return arrays
@@ -187,13 +207,12 @@ def _closing(text: str, i: int) -> int:
             depth -= 1
             if depth == 0:
                 return j + 1
-    raise ValueError(f"unbalanced brackets in {text[i:i + 80]!r}")
+    raise ValueError(f"unbalanced brackets in {text[i : i + 80]!r}")
 
 
 def _parse_nested_braces(value: str) -> tuple[tuple[int, ...], ...]:
     """'{{0,1},{2,3}}' -> ((0, 1), (2, 3))."""
-    return tuple(tuple(int(v) for v in g.split(",") if v.strip())
-                 for g in re.findall(r"\{([\d,\s]*)\}", value[1:-1]))
+    return tuple(tuple(int(v) for v in g.split(",") if v.strip()) for g in re.findall(r"\{([\d,\s]*)\}", value[1:-1]))
 
 
 def _braced_attribute(attributes: str, key: str) -> str | None:
@@ -201,7 +220,7 @@ def _braced_attribute(attributes: str, key: str) -> str | None:
     if start < 0:
         return None
     i = start + len(key) + 1
-    return attributes[i:_closing(attributes, i)]
+    return attributes[i : _closing(attributes, i)]
 
 
 def _parse_replica_groups(attributes: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
@@ -211,27 +230,27 @@ def _parse_replica_groups(attributes: str, num_devices: int) -> tuple[tuple[int,
         return (tuple(range(num_devices)),)
     i = start + len("replica_groups=")
     if attributes.startswith("{", i):  # {{0,1},{2,3}}
-        groups = _parse_nested_braces(attributes[i:_closing(attributes, i)])
+        groups = _parse_nested_braces(attributes[i : _closing(attributes, i)])
         return groups if any(groups) else (tuple(range(num_devices)),)
     if attributes.startswith("[", i):  # [2,4]<=[8] or [4,2]<=[2,4]T(1,0)
         match = _IOTA.match(attributes, i)
         if match is None or not match[1]:
-            raise ValueError(f"unrecognised iota replica groups: {attributes[i:i + 80]!r}")
+            raise ValueError(f"unrecognised iota replica groups: {attributes[i : i + 80]!r}")
         return _rows(_iota(match[0]))
     if attributes.startswith("mesh[", i):  # mesh['a'=2,'b'=4], device_ids=(...) {'b'}
         mesh_end = _closing(attributes, i + 4)
-        mesh_spec, device_ids = attributes[i + 5:mesh_end - 1], None
+        mesh_spec, device_ids = attributes[i + 5 : mesh_end - 1], None
         rest = re.match(r",\s*device_ids=", attributes[mesh_end:])
         j = mesh_end
         if rest:
             j = mesh_end + rest.end()
             close = _closing(attributes, j)
-            device_ids, j = attributes[j + 1:close - 1], close
+            device_ids, j = attributes[j + 1 : close - 1], close
         axes = re.match(r"\s*\{([^}]*)\}", attributes[j:])
         if axes is None:
-            raise ValueError(f"mesh replica groups without axes: {attributes[i:i + 120]!r}")
+            raise ValueError(f"mesh replica groups without axes: {attributes[i : i + 120]!r}")
         return _mesh_axes_groups(mesh_spec, device_ids, axes[1])
-    raise ValueError(f"unrecognised replica_groups syntax: {attributes[i:i + 80]!r}")
+    raise ValueError(f"unrecognised replica_groups syntax: {attributes[i : i + 80]!r}")
 
 
 def _rows(ids: np.ndarray) -> tuple[tuple[int, ...], ...]:
@@ -267,11 +286,10 @@ def _mesh_axes_groups(mesh_spec: str, device_ids: str | None, axes: str) -> tupl
         ids = _iota(device_ids)
     else:
         ids = np.array([int(v) for v in re.findall(r"\d+", device_ids)])
-    refs = [(n, int(pre) if pre else None, int(sz) if sz else None)
-            for n, pre, sz in _AXIS_REF.findall(axes) if n]
+    refs = [(n, int(pre) if pre else None, int(sz) if sz else None) for n, pre, sz in _AXIS_REF.findall(axes) if n]
     # Split every mesh axis into pieces so each referenced (sub-)axis is exactly one piece.
     pieces, grouped = [], []
-    for axis, (name, size) in enumerate(zip(names, sizes)):
+    for name, size in zip(names, sizes):
         subs = sorted((pre, sz, i) for i, (n, pre, sz) in enumerate(refs) if n == name and pre is not None)
         full = [i for i, (n, pre, _) in enumerate(refs) if n == name and pre is None]
         if full:
@@ -306,8 +324,13 @@ def summarize(collectives: list[Collective]) -> dict:
         entry["count"] += 1
     intra = sum(e["intra_node"] for e in by_kind.values())
     cross = sum(e["cross_node"] for e in by_kind.values())
-    return {"intra_node": intra, "cross_node": cross, "total": intra + cross, "count": len(collectives),
-            "by_kind": dict(by_kind)}
+    return {
+        "intra_node": intra,
+        "cross_node": cross,
+        "total": intra + cross,
+        "count": len(collectives),
+        "by_kind": dict(by_kind),
+    }
 
 
 def format_table(collectives: list[Collective]) -> str:
@@ -320,10 +343,14 @@ def format_table(collectives: list[Collective]) -> str:
         else:
             payload = ",".join(f"{dt}{list(s)}" for dt, s in zip(c.dtypes, c.shapes))
         where = "cross" if c.cross_node else "intra"
-        lines.append(f"{c.name[:28]:<28} {c.kind:<18} {payload[:24]:<24} {c.group_size:>5} {where:<6} "
-                     f"{c.bytes_per_device:>14,.0f}")
+        lines.append(
+            f"{c.name[:28]:<28} {c.kind:<18} {payload[:24]:<24} {c.group_size:>5} {where:<6} "
+            f"{c.bytes_per_device:>14,.0f}"
+        )
     s = summarize(collectives)
     lines.append("-" * len(header))
-    lines.append(f"total: {s['count']} collectives, intra-node {s['intra_node']:,.0f} B, "
-                 f"cross-node {s['cross_node']:,.0f} B per device")
+    lines.append(
+        f"total: {s['count']} collectives, intra-node {s['intra_node']:,.0f} B, "
+        f"cross-node {s['cross_node']:,.0f} B per device"
+    )
     return "\n".join(lines)

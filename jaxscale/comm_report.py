@@ -52,7 +52,8 @@ def _set_device_count(n: int) -> None:
     if have < n:
         raise RuntimeError(
             f"comm_report needs {n} devices for the mesh but JAX already started with {have}; run it in a "
-            f"fresh process (python -m jaxscale.comm_report sets the count before JAX starts)")
+            f"fresh process (python -m jaxscale.comm_report sets the count before JAX starts)"
+        )
 
 
 def _group_layout(group, mesh_shape) -> tuple[int, int, dict]:
@@ -159,10 +160,22 @@ def comm_report(cfg) -> dict:
         intra, inter = split_bytes(c, mesh_shape)
         cat = categorize(c, reps, largest)
         where = "intra" if inter == 0 else ("inter" if intra == 0 else "mixed")
-        rows.append({"name": c.name, "kind": c.kind, "dtypes": list(c.dtypes), "shapes": [list(s) for s in c.shapes],
-                     "group_size": c.group_size, "result_bytes": c.result_bytes,
-                     "bytes_per_device": float(c.bytes_per_device), "intra_node": intra, "inter_node": inter,
-                     "where": where, "spans_nodes": bool(c.cross_node), "category": cat})
+        rows.append(
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "dtypes": list(c.dtypes),
+                "shapes": [list(s) for s in c.shapes],
+                "group_size": c.group_size,
+                "result_bytes": c.result_bytes,
+                "bytes_per_device": float(c.bytes_per_device),
+                "intra_node": intra,
+                "inter_node": inter,
+                "where": where,
+                "spans_nodes": bool(c.cross_node),
+                "category": cat,
+            }
+        )
         by_cat[cat]["intra_node"] += intra
         by_cat[cat]["inter_node"] += inter
         by_cat[cat]["count"] += 1
@@ -174,13 +187,23 @@ def comm_report(cfg) -> dict:
     del compiled, state
     e, f = cfg.embedding, cfg.model.foundation
     return {
-        "config": {"nodes": nodes, "local": local, "devices": devices, "topology": e.topology,
-                   "sharding": e.sharding if isinstance(e.sharding, str) else dict(e.sharding),
-                   "plan_file": e.plan_file, "comm_forward": e.comm_forward, "comm_backward": e.comm_backward,
-                   "capacity_factor": e.capacity_factor, "replica_sync": e.replica_sync,
-                   "sync_every": e.sync_every, "model": cfg.model.kind, "global_batch": gb,
-                   "batch_per_device": gb // devices,
-                   "item_reshape": f.item_reshape if cfg.model.kind == "foundation" else None},
+        "config": {
+            "nodes": nodes,
+            "local": local,
+            "devices": devices,
+            "topology": e.topology,
+            "sharding": e.sharding if isinstance(e.sharding, str) else dict(e.sharding),
+            "plan_file": e.plan_file,
+            "comm_forward": e.comm_forward,
+            "comm_backward": e.comm_backward,
+            "capacity_factor": e.capacity_factor,
+            "replica_sync": e.replica_sync,
+            "sync_every": e.sync_every,
+            "model": cfg.model.kind,
+            "global_batch": gb,
+            "batch_per_device": gb // devices,
+            "item_reshape": f.item_reshape if cfg.model.kind == "foundation" else None,
+        },
         "collectives": rows,
         "per_step": {
             "intra_node_bytes_per_device": intra,
@@ -206,31 +229,47 @@ def _payload(r) -> str:
 
 def format_report(rep: dict) -> str:
     c, s = rep["config"], rep["per_step"]
-    head = (f"{'name':<22} {'kind':<14} {'dtype':<5} {'payload':<22} {'grp':>3} {'where':<5} "
-            f"{'bytes/device':>13} {'intra B':>12} {'inter B':>12} category")
-    lines = [f"mesh {c['nodes']}x{c['local']} topology {c['topology']} comm {c['comm_forward']}/{c['comm_backward']} "
-             f"capacity_factor {c['capacity_factor']} reshape {c['item_reshape']} global batch {c['global_batch']} "
-             f"({c['batch_per_device']}/device)", head, "-" * len(head)]
+    head = (
+        f"{'name':<22} {'kind':<14} {'dtype':<5} {'payload':<22} {'grp':>3} {'where':<5} "
+        f"{'bytes/device':>13} {'intra B':>12} {'inter B':>12} category"
+    )
+    lines = [
+        f"mesh {c['nodes']}x{c['local']} topology {c['topology']} comm {c['comm_forward']}/{c['comm_backward']} "
+        f"capacity_factor {c['capacity_factor']} reshape {c['item_reshape']} global batch {c['global_batch']} "
+        f"({c['batch_per_device']}/device)",
+        head,
+        "-" * len(head),
+    ]
     for r in rep["collectives"]:
         dt = "/".join(sorted(set(r["dtypes"])))
-        lines.append(f"{r['name'][:22]:<22} {r['kind'][:14]:<14} {dt[:5]:<5} {_payload(r)[:22]:<22} "
-                     f"{r['group_size']:>3} {r['where']:<5} {r['bytes_per_device']:>13,.0f} "
-                     f"{r['intra_node']:>12,.0f} {r['inter_node']:>12,.0f} {r['category']}")
+        lines.append(
+            f"{r['name'][:22]:<22} {r['kind'][:14]:<14} {dt[:5]:<5} {_payload(r)[:22]:<22} "
+            f"{r['group_size']:>3} {r['where']:<5} {r['bytes_per_device']:>13,.0f} "
+            f"{r['intra_node']:>12,.0f} {r['inter_node']:>12,.0f} {r['category']}"
+        )
     lines.append("-" * len(head))
-    lines.append(f"per step, per device: intra-node {s['intra_node_bytes_per_device']:,.0f} B, inter-node "
-                 f"{s['inter_node_bytes_per_device']:,.0f} B")
-    lines.append(f"per step, cluster:    intra-node {s['intra_node_bytes_cluster']:,.0f} B, inter-node "
-                 f"{s['inter_node_bytes_cluster']:,.0f} B")
-    lines.append(f"per example:          intra-node {s['intra_node_bytes_per_example']:,.1f} B, inter-node "
-                 f"{s['inter_node_bytes_per_example']:,.1f} B")
+    lines.append(
+        f"per step, per device: intra-node {s['intra_node_bytes_per_device']:,.0f} B, inter-node "
+        f"{s['inter_node_bytes_per_device']:,.0f} B"
+    )
+    lines.append(
+        f"per step, cluster:    intra-node {s['intra_node_bytes_cluster']:,.0f} B, inter-node "
+        f"{s['inter_node_bytes_cluster']:,.0f} B"
+    )
+    lines.append(
+        f"per example:          intra-node {s['intra_node_bytes_per_example']:,.1f} B, inter-node "
+        f"{s['inter_node_bytes_per_example']:,.1f} B"
+    )
     cats = ", ".join(f"{k} {v['intra_node'] + v['inter_node']:,.0f}" for k, v in sorted(s["by_category"].items()))
     lines.append(f"by category (B/device): {cats}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxscale.comm_report",
-                                description="Bytes per collective of the compiled train step (no training).")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxscale.comm_report",
+        description="Bytes per collective of the compiled train step (no training).",
+    )
     p.add_argument("--config", default=None, help="YAML config (default: the smoke foundation config)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. embedding.topology=2d_a2a")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

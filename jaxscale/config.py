@@ -15,7 +15,8 @@ import difflib
 import math
 import types
 import typing
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import yaml
 
@@ -167,8 +168,11 @@ class Config:
     def __post_init__(self):
         devices = self.mesh.nodes * self.mesh.local
         if self.train.batch_size % devices:
-            raise _err("train.batch_size", f"{self.train.batch_size} is not divisible by the "
-                                           f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh")
+            raise _err(
+                "train.batch_size",
+                f"{self.train.batch_size} is not divisible by the "
+                f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh",
+            )
         if self.embedding.replica_sync == "periodic" and self.embedding.topology == "1d":
             raise _err("embedding.replica_sync", "'periodic' needs replicas: use topology '2d_ar' or '2d_a2a'")
 
@@ -339,6 +343,7 @@ def config_from_dict(tree: Mapping) -> Config:
 
 def config_to_dict(cfg) -> dict:
     """Plain nested dict (lists for tuples) that `load_config` reads back to an equal Config."""
+
     def plain(x):
         if dataclasses.is_dataclass(x):
             return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
@@ -347,6 +352,7 @@ def config_to_dict(cfg) -> dict:
         if isinstance(x, Mapping):
             return {k: plain(v) for k, v in x.items()}
         return x
+
     return plain(cfg)
 
 

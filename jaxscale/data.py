@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -187,10 +187,22 @@ class SyntheticFoundationData:
         "mask": Column("derived", False),
     }
 
-    def __init__(self, cfg, global_batch: int, seed: int = 0, *, split: str = "train",
-                 zipf_exponent: float = 1.1, num_clusters: int = 32, p_stay: float = 0.7, p_next: float = 0.2,
-                 median_len_frac: float = 0.5, len_sigma: float = 0.6, min_len: int = 2,
-                 scramble: bool = False):
+    def __init__(
+        self,
+        cfg,
+        global_batch: int,
+        seed: int = 0,
+        *,
+        split: str = "train",
+        zipf_exponent: float = 1.1,
+        num_clusters: int = 32,
+        p_stay: float = 0.7,
+        p_next: float = 0.2,
+        median_len_frac: float = 0.5,
+        len_sigma: float = 0.6,
+        min_len: int = 2,
+        scramble: bool = False,
+    ):
         self.cfg = cfg
         self.global_batch = _check_batch(global_batch)
         self.seed, self.split, self.split_id = int(seed), split, _check_split(split)
@@ -218,16 +230,25 @@ class SyntheticFoundationData:
         self.surface_probs /= self.surface_probs.sum()
         self.surface_bias = np.linspace(0.5, -0.5, cfg.num_surfaces) if cfg.num_surfaces > 1 else np.zeros(1)
 
-    def held_out(self) -> "SyntheticFoundationData":
+    def held_out(self) -> SyntheticFoundationData:
         """The eval split: the same item world, a disjoint stream of users."""
         return self._with_split("eval")
 
     def _with_split(self, split):
         return SyntheticFoundationData(
-            self.cfg, self.global_batch, self.seed, split=split, zipf_exponent=self.zipf_exponent,
-            num_clusters=self.num_clusters, p_stay=self.p_stay, p_next=self.p_next,
-            median_len_frac=self.median_len_frac, len_sigma=self.len_sigma, min_len=self.min_len,
-            scramble=self.scramble)
+            self.cfg,
+            self.global_batch,
+            self.seed,
+            split=split,
+            zipf_exponent=self.zipf_exponent,
+            num_clusters=self.num_clusters,
+            p_stay=self.p_stay,
+            p_next=self.p_next,
+            median_len_frac=self.median_len_frac,
+            len_sigma=self.len_sigma,
+            min_len=self.min_len,
+            scramble=self.scramble,
+        )
 
     def item_id(self, cluster: np.ndarray, rank: np.ndarray) -> np.ndarray:
         """The raw id of the `rank`-th most popular item of `cluster`."""
@@ -245,11 +266,12 @@ class SyntheticFoundationData:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         cfg, L, C = self.cfg, self.cfg.max_seq_len, self.num_clusters
         gi = _slice(self.global_batch, process_index, process_count)
-        user = hash64(self.seed, self.split_id, _T_USER, step, gi)[:, None]            # [b, 1]
+        user = hash64(self.seed, self.split_id, _T_USER, step, gi)[:, None]  # [b, 1]
         t = np.arange(L)[None, :]
         median = max(self.min_len, self.median_len_frac * L)
-        length = np.clip(np.round(median * np.exp(self.len_sigma * normal(user[:, 0], _T_LEN))),
-                         self.min_len, L).astype(np.int64)
+        length = np.clip(
+            np.round(median * np.exp(self.len_sigma * normal(user[:, 0], _T_LEN))), self.min_len, L
+        ).astype(np.int64)
         mask = t < length[:, None]
 
         # Cluster walk: the only sequential part; everything random is precomputed as [b, L].
@@ -259,15 +281,22 @@ class SyntheticFoundationData:
         cluster[:, 0] = (hash64(user[:, 0], _T_HOME) % np.uint64(C)).astype(np.int64)
         for i in range(1, L):
             prev = cluster[:, i - 1]
-            cluster[:, i] = np.where(move[:, i] < self.p_stay, prev,
-                                     np.where(move[:, i] < self.p_stay + self.p_next, self.successor[prev],
-                                              jump[:, i]))
+            cluster[:, i] = np.where(
+                move[:, i] < self.p_stay,
+                prev,
+                np.where(move[:, i] < self.p_stay + self.p_next, self.successor[prev], jump[:, i]),
+            )
         ids = self.item_id(cluster, self.zipf(uniform(user, t, _T_ITEM)))
 
         surf = np.searchsorted(np.cumsum(self.surface_probs)[:-1], uniform(user, t, _T_SURF), side="right")
         taste = np.where(hash64(user, _T_TASTE) & np.uint64(1), 1.0, -1.0)
-        logit = (2.0 * taste * self.cluster_taste[cluster] + 0.5 * taste * self.item_taste(ids)
-                 + 2.0 * self.item_quality(ids) + self.surface_bias[surf] - 0.2)
+        logit = (
+            2.0 * taste * self.cluster_taste[cluster]
+            + 0.5 * taste * self.item_taste(ids)
+            + 2.0 * self.item_quality(ids)
+            + self.surface_bias[surf]
+            - 0.2
+        )
         engaged = uniform(user, t, _T_ENG) < 1.0 / (1.0 + np.exp(-logit))
         kinds = max(cfg.num_actions - 1, 1)
         actions = np.where(engaged, 1 + np.floor(uniform(user, t, _T_ACT) * kinds), 0).astype(np.int64)
@@ -281,7 +310,9 @@ class SyntheticFoundationData:
         start = 1.6e9 + np.floor(uniform(user[:, 0], _T_START) * 1.5e8)
         ts = (start[:, None] + np.cumsum(np.floor(gap), axis=1)).astype(np.int64)
 
-        pad = lambda x, v: np.where(mask, x, v)
+        def pad(x, v):
+            return np.where(mask, x, v)
+
         return {
             "item_ids": pad(ids, -1).astype(np.int32),
             "timestamps": pad(ts, -1).astype(np.int32),
@@ -298,8 +329,16 @@ class SyntheticDLRMData:
     linear function of log dense counts)). Ids are Zipf per table; each example has 1..hotness ids per
     feature (right-padded with -1). Dense features are lognormal counts."""
 
-    def __init__(self, cfg, global_batch: int, seed: int = 0, *, split: str = "train",
-                 zipf_exponent: float = 1.1, scramble: bool = False):
+    def __init__(
+        self,
+        cfg,
+        global_batch: int,
+        seed: int = 0,
+        *,
+        split: str = "train",
+        zipf_exponent: float = 1.1,
+        scramble: bool = False,
+    ):
         self.cfg = cfg
         self.global_batch = _check_batch(global_batch)
         self.seed, self.split, self.split_id = int(seed), split, _check_split(split)
@@ -310,12 +349,21 @@ class SyntheticDLRMData:
         self.multipliers = [_coprime_multiplier(r) for r in self.rows]
         self.dense_mu = 1.0 + 2.0 * uniform(self.seed, _T_DW, np.arange(cfg.num_dense), 0)
         self.dense_w = 0.6 * (2.0 * uniform(self.seed, _T_DW, np.arange(cfg.num_dense), 1) - 1.0)
-        self.columns = {"dense": Column("fixed", 0.0), "label": Column("scalar", 0.0),
-                        **{n: Column("seq", -1, n) for n in self.names}}
+        self.columns = {
+            "dense": Column("fixed", 0.0),
+            "label": Column("scalar", 0.0),
+            **{n: Column("seq", -1, n) for n in self.names},
+        }
 
-    def held_out(self) -> "SyntheticDLRMData":
-        return SyntheticDLRMData(self.cfg, self.global_batch, self.seed, split="eval",
-                                 zipf_exponent=self.zipf_exponent, scramble=self.scramble)
+    def held_out(self) -> SyntheticDLRMData:
+        return SyntheticDLRMData(
+            self.cfg,
+            self.global_batch,
+            self.seed,
+            split="eval",
+            zipf_exponent=self.zipf_exponent,
+            scramble=self.scramble,
+        )
 
     def value(self, feature: int, ids):
         return 2.0 * uniform(self.seed, _T_VALUE, feature, ids) - 1.0
@@ -323,7 +371,7 @@ class SyntheticDLRMData:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         cfg = self.cfg
         gi = _slice(self.global_batch, process_index, process_count)
-        ex = hash64(self.seed, self.split_id, step, gi)[:, None]                        # [b, 1]
+        ex = hash64(self.seed, self.split_id, step, gi)[:, None]  # [b, 1]
         j = np.arange(cfg.num_dense)[None]
         log_dense = self.dense_mu + normal(ex, _T_DENSE, j)
         dense = np.floor(np.exp(log_dense)).astype(np.float32)
@@ -352,7 +400,8 @@ def to_global(batch_local: Mapping[str, np.ndarray], mesh) -> dict:
     Every process must pass the same number of rows; the global batch is rows * process_count.
     """
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxscale.mesh import BATCH_AXES
 
@@ -363,8 +412,10 @@ def to_global(batch_local: Mapping[str, np.ndarray], mesh) -> dict:
         v = np.asarray(v)
         global_shape = (v.shape[0] * n,) + v.shape[1:]
         if global_shape[0] % mesh.size:
-            raise ValueError(f"to_global: {k!r} has {global_shape[0]} global rows, not divisible by "
-                             f"the {mesh.size} devices of the mesh")
+            raise ValueError(
+                f"to_global: {k!r} has {global_shape[0]} global rows, not divisible by "
+                f"the {mesh.size} devices of the mesh"
+            )
         out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
     return out
 
@@ -424,9 +475,18 @@ class ParquetData:
     iterating yields one epoch of full batches. Keys match the synthetic generators.
     """
 
-    def __init__(self, path, columns: Sequence[str], *, batch_size: int, seq_len: int | Mapping[str, int] | None = None,
-                 process_index: int = 0, process_count: int = 1, pad_values: Mapping[str, float] | None = None,
-                 keep: str = "last"):
+    def __init__(
+        self,
+        path,
+        columns: Sequence[str],
+        *,
+        batch_size: int,
+        seq_len: int | Mapping[str, int] | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+        pad_values: Mapping[str, float] | None = None,
+        keep: str = "last",
+    ):
         import pyarrow.parquet as pq
 
         self.path = Path(path)
@@ -453,8 +513,10 @@ class ParquetData:
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
         if self.num_rows == 0:
-            raise ValueError(f"ParquetData: process {process_index} of {process_count} has no rows in {self.path} "
-                             f"({self.file.num_row_groups} row groups)")
+            raise ValueError(
+                f"ParquetData: process {process_index} of {process_count} has no rows in {self.path} "
+                f"({self.file.num_row_groups} row groups)"
+            )
         self._cache: dict[int, dict[str, np.ndarray]] = {}
 
     def _length(self, column: str) -> int:
@@ -548,12 +610,24 @@ def make_data(config, *, split: str = "train", process_index: int = 0, process_c
     mcfg = model.foundation if model.kind == "foundation" else model.dlrm
     if data.source == "synthetic":
         if model.kind == "foundation":
-            source = SyntheticFoundationData(mcfg, config.train.batch_size, data.seed, split=split,
-                                             zipf_exponent=data.zipf_exponent, num_clusters=data.num_clusters,
-                                             scramble=data.scramble_ids)
+            source = SyntheticFoundationData(
+                mcfg,
+                config.train.batch_size,
+                data.seed,
+                split=split,
+                zipf_exponent=data.zipf_exponent,
+                num_clusters=data.num_clusters,
+                scramble=data.scramble_ids,
+            )
         else:
-            source = SyntheticDLRMData(mcfg, config.train.batch_size, data.seed, split=split,
-                                       zipf_exponent=data.zipf_exponent, scramble=data.scramble_ids)
+            source = SyntheticDLRMData(
+                mcfg,
+                config.train.batch_size,
+                data.seed,
+                split=split,
+                zipf_exponent=data.zipf_exponent,
+                scramble=data.scramble_ids,
+            )
         return _Bound(source, process_index, process_count)
     path = data.path if split == "train" else data.eval_path
     if path is None:
@@ -567,5 +641,11 @@ def make_data(config, *, split: str = "train", process_index: int = 0, process_c
         names = [f"sparse_{i}" for i in range(mcfg.num_sparse_features)]
         columns = ["dense", "label", *names]
         seq_len = dict(zip(names, mcfg.hotness()))
-    return ParquetData(path, columns, batch_size=config.train.batch_size // process_count, seq_len=seq_len,
-                       process_index=process_index, process_count=process_count)
+    return ParquetData(
+        path,
+        columns,
+        batch_size=config.train.batch_size // process_count,
+        seq_len=seq_len,
+        process_index=process_index,
+        process_count=process_count,
+    )

@@ -36,21 +36,32 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     if n == 1 and not coordinator:
         return None, 1, 0, "single"
     if coordinator or n is not None or i is not None:
-        missing = [name for name, v in (("coordinator address", coordinator), ("number of processes", n),
-                                        ("process id", i)) if v is None]
+        missing = [
+            name
+            for name, v in (("coordinator address", coordinator), ("number of processes", n), ("process id", i))
+            if v is None
+        ]
         if missing:
             raise ValueError(
                 f"multi-process launch needs {', '.join(missing)}: pass --coordinator HOST:PORT, "
                 f"--num-processes N and --process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-                f"JAX_PROCESS_ID)")
+                f"JAX_PROCESS_ID)"
+            )
         return coordinator, n, i, "explicit"
     if all(v in os.environ for v in SLURM_VARS) and int(os.environ["SLURM_NTASKS"]) > 1:
         return None, None, None, "auto"
     return None, 1, 0, "single"
 
 
-def initialize(coordinator=None, num_processes=None, process_id=None, *, local_devices: int | None = None,
-               timeout_s: int = 300, heartbeat_timeout_s: int | None = None) -> tuple[int, int]:
+def initialize(
+    coordinator=None,
+    num_processes=None,
+    process_id=None,
+    *,
+    local_devices: int | None = None,
+    timeout_s: int = 300,
+    heartbeat_timeout_s: int | None = None,
+) -> tuple[int, int]:
     """Starts JAX (multi-process when asked); returns (process_index, process_count).
 
     `local_devices` sets the number of simulated CPU devices per process (no effect on GPUs).
@@ -72,8 +83,13 @@ def initialize(coordinator=None, num_processes=None, process_id=None, *, local_d
         jax.config.update("jax_num_cpu_devices", int(local_devices))
     coordinator, n, i, how = resolve(coordinator, num_processes, process_id)
     if how == "explicit":
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i,
-                                   initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=n,
+            process_id=i,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+        )
     elif how == "auto":
         jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
     return jax.process_index(), jax.process_count()

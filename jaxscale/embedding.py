@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +135,9 @@ class EmbeddingCollection:
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.replica_axes], dtype=int))
         self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad(0.01)
         if not isinstance(self.optimizer, OPTIMIZERS):
-            raise TypeError(f"optimizer must be jaxscale.SGD or jaxscale.RowWiseAdagrad, got {type(self.optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be jaxscale.SGD or jaxscale.RowWiseAdagrad, got {type(self.optimizer).__name__}"
+            )
         self.comm = comm if comm is not None else CommConfig()
         if not isinstance(self.comm, CommConfig):
             raise TypeError(f"comm must be a jaxscale.CommConfig, got {type(self.comm).__name__}")
@@ -178,13 +180,17 @@ class EmbeddingCollection:
         sh = self.state_shardings()
         rs = (self.num_replicas, self.num_shards)
         out = {
-            "weights": {k: jax.ShapeDtypeStruct(rs + (st.rows, st.width), jnp.float32, sharding=sh["weights"][k])
-                        for k, st in self._stacks.items()},
+            "weights": {
+                k: jax.ShapeDtypeStruct(rs + (st.rows, st.width), jnp.float32, sharding=sh["weights"][k])
+                for k, st in self._stacks.items()
+            },
             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["step"]),
         }
         for slot in self.optimizer.slots:
-            out[slot] = {k: jax.ShapeDtypeStruct(rs + (st.rows,), jnp.float32, sharding=sh[slot][k])
-                         for k, st in self._stacks.items()}
+            out[slot] = {
+                k: jax.ShapeDtypeStruct(rs + (st.rows,), jnp.float32, sharding=sh[slot][k])
+                for k, st in self._stacks.items()
+            }
         return out
 
     def init(self, key):
@@ -210,7 +216,10 @@ class EmbeddingCollection:
                 i = jnp.arange(st.rows, dtype=jnp.int32)
                 starts = meta["start"][shard]
                 piece = jnp.clip(jnp.searchsorted(starts, i, side="right") - 1, 0, starts.shape[0] - 1)
-                get = lambda name: meta[name][shard][piece]
+
+                def get(name):
+                    return meta[name][shard][piece]
+
                 local = i - get("start")
                 valid = local < get("rows")
                 row = get("row_part") + local * get("row_parts")
@@ -225,16 +234,24 @@ class EmbeddingCollection:
                 vals = vals * jnp.asarray(scales)[table][:, None]
                 return jnp.where(valid[:, None], vals, 0.0)[None, None]
 
-            return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), P()), out_specs=self._stack_spec,
-                                 check_vma=False)(key, meta)
+            return jax.shard_map(
+                body, mesh=self.mesh, in_specs=(P(), P()), out_specs=self._stack_spec, check_vma=False
+            )(key, meta)
 
         def init(key, metas):
-            state = {"weights": {k: init_stack(key, st, metas[k]) for k, st in stacks.items()},
-                     "step": jnp.zeros((), jnp.int32)}
+            state = {
+                "weights": {k: init_stack(key, st, metas[k]) for k, st in stacks.items()},
+                "step": jnp.zeros((), jnp.int32),
+            }
             for slot in self.optimizer.slots:
-                state[slot] = {k: jnp.full((self.num_replicas, self.num_shards, st.rows),
-                                           slot_initial_value(self.optimizer, slot), jnp.float32)
-                               for k, st in stacks.items()}
+                state[slot] = {
+                    k: jnp.full(
+                        (self.num_replicas, self.num_shards, st.rows),
+                        slot_initial_value(self.optimizer, slot),
+                        jnp.float32,
+                    )
+                    for k, st in stacks.items()
+                }
             return state
 
         jitted = jax.jit(init, out_shardings=self.state_shardings())
@@ -252,7 +269,9 @@ class EmbeddingCollection:
         for t in self.tables:
             a = np.asarray(tables[t.name])
             if a.shape != (t.stored_rows, t.stored_dim):
-                raise ValueError(f"from_dense: table {t.name!r} has shape {a.shape}, expected {(t.stored_rows, t.stored_dim)}")
+                raise ValueError(
+                    f"from_dense: table {t.name!r} has shape {a.shape}, expected {(t.stored_rows, t.stored_dim)}"
+                )
             if not np.issubdtype(a.dtype, np.floating):
                 raise ValueError(f"from_dense: table {t.name!r} must be floating point, got {a.dtype}")
             dense[t.name] = a.astype(np.float32, copy=False)
@@ -262,15 +281,21 @@ class EmbeddingCollection:
                 for pc in pieces:
                     t = self.tables[pc.table]
                     cols = slice(pc.col_part * st.width, (pc.col_part + 1) * st.width)
-                    host[k][s, pc.offset:pc.offset + pc.rows] = dense[t.name][pc.row_part::pc.row_parts, cols]
+                    host[k][s, pc.offset : pc.offset + pc.rows] = dense[t.name][pc.row_part :: pc.row_parts, cols]
         sh = self.state_shardings()
-        state = {"weights": {k: _put(np.broadcast_to(v[None], (self.num_replicas,) + v.shape), sh["weights"][k])
-                             for k, v in host.items()},
-                 "step": _put(np.zeros((), np.int32), sh["step"])}
+        state = {
+            "weights": {
+                k: _put(np.broadcast_to(v[None], (self.num_replicas,) + v.shape), sh["weights"][k])
+                for k, v in host.items()
+            },
+            "step": _put(np.zeros((), np.int32), sh["step"]),
+        }
         for slot in self.optimizer.slots:
             init = slot_initial_value(self.optimizer, slot)
-            state[slot] = {k: _put(np.full((self.num_replicas, self.num_shards, st.rows), init, np.float32), sh[slot][k])
-                           for k, st in self._stacks.items()}
+            state[slot] = {
+                k: _put(np.full((self.num_replicas, self.num_shards, st.rows), init, np.float32), sh[slot][k])
+                for k, st in self._stacks.items()
+            }
         return state
 
     def to_dense(self, state, replica: int = 0) -> dict[str, np.ndarray]:
@@ -281,11 +306,17 @@ class EmbeddingCollection:
     def slots_to_dense(self, state, replica: int = 0) -> dict[str, dict[str, np.ndarray]]:
         """Per-row optimizer state as {slot: {table: [rows]}}, or [rows, col_parts] for a column-wise
         table (each column shard keeps its own row-wise state, as in TorchRec/FBGEMM)."""
-        return {slot: slots_to_dense(self.tables, self.plan, {k: _to_host(v)[replica] for k, v in state[slot].items()})
-                for slot in self.optimizer.slots}
+        return {
+            slot: slots_to_dense(self.tables, self.plan, {k: _to_host(v)[replica] for k, v in state[slot].items()})
+            for slot in self.optimizer.slots
+        }
 
-    def load_dense(self, tables: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
-                   step: int = 0):
+    def load_dense(
+        self,
+        tables: Mapping[str, np.ndarray],
+        slots: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+        step: int = 0,
+    ):
         """Like `from_dense`, also setting the optimizer state ({slot: {table: [rows] | [rows, col_parts]}}).
 
         Used to move a checkpoint between layouts (another mesh, topology or plan). A column-wise slot
@@ -304,16 +335,20 @@ class EmbeddingCollection:
                         cp = self.plan.tables[self.tables[pc.table].name].col_parts
                         if v.ndim == 2:
                             v = v[:, pc.col_part] if v.shape[1] == cp else v.mean(axis=1)
-                        host[k][s, pc.offset:pc.offset + pc.rows] = v[pc.row_part::pc.row_parts]
-            state[slot] = {k: _put(np.broadcast_to(v[None], (self.num_replicas,) + v.shape), sh[slot][k])
-                           for k, v in host.items()}
+                        host[k][s, pc.offset : pc.offset + pc.rows] = v[pc.row_part :: pc.row_parts]
+            state[slot] = {
+                k: _put(np.broadcast_to(v[None], (self.num_replicas,) + v.shape), sh[slot][k]) for k, v in host.items()
+            }
         state["step"] = _put(np.asarray(step, np.int32), sh["step"])
         return state
 
     def layout_signature(self) -> dict:
         """What the stored arrays' layout depends on; equal signatures mean a state can be reused as is."""
-        return {"plan": self.plan.to_dict(), "num_replicas": self.num_replicas,
-                "stacks": {k: [st.rows, st.width] for k, st in self._stacks.items()}}
+        return {
+            "plan": self.plan.to_dict(),
+            "num_replicas": self.num_replicas,
+            "stacks": {k: [st.rows, st.width] for k, st in self._stacks.items()},
+        }
 
     # ------------------------------------------------------------------ ids
 
@@ -357,7 +392,8 @@ class EmbeddingCollection:
                 v = x[bad][0]
                 raise ValueError(
                     f"feature {f!r} (table {t.name!r}, {t.stored_rows} rows): id {int(v)} is out of range; ids must be "
-                    f"in [0, {t.stored_rows}) or {PADDING_ID} for padding ({int(bad.sum())} bad ids)")
+                    f"in [0, {t.stored_rows}) or {PADDING_ID} for padding ({int(bad.sum())} bad ids)"
+                )
             out[f] = x
         if batch is not None and global_batch:
             devices = self.nodes * self.local
@@ -394,8 +430,9 @@ class EmbeddingCollection:
         feats = tuple(sorted(ids))
         in_specs = ({k: self._stack_spec for k in self._stacks}, {f: P(BATCH_AXES) for f in feats})
         out_specs = ({f: P(BATCH_AXES) for f in feats}, {"overflow": P(), "invalid_ids": P()})
-        fn = jax.shard_map(functools.partial(self._lookup_body, feats), mesh=self.mesh,
-                           in_specs=in_specs, out_specs=out_specs)
+        fn = jax.shard_map(
+            functools.partial(self._lookup_body, feats), mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
+        )
         return fn(state["weights"], {f: ids[f] for f in feats})
 
     def _lookup_body(self, feats, weights, ids):
@@ -412,12 +449,16 @@ class EmbeddingCollection:
                 rrow, rbag = self._unpack_pairs(recv, route, pairs["bags"])
                 rows = jnp.take(table, jnp.clip(rrow, 0, st.rows - 1), axis=0, mode="clip") * (rrow >= 0)[..., None]
                 G, S = pairs["bags"], self.num_shards
-                sums = jnp.zeros((S, G, st.width), jnp.float32).at[
-                    jnp.arange(S)[:, None], jnp.where(rrow >= 0, rbag, G)].add(rows, mode="drop")
-                back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward,
-                                              fp8_format=self.comm.fp8_forward_format)  # [S, G, w] partial sums
+                sums = (
+                    jnp.zeros((S, G, st.width), jnp.float32)
+                    .at[jnp.arange(S)[:, None], jnp.where(rrow >= 0, rbag, G)]
+                    .add(rows, mode="drop")
+                )
+                back = collectives.all_to_all(
+                    sums, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format
+                )  # [S, G, w] partial sums
                 for f, c, b, holders, off in pairs["segments"]:  # add the partial sums of every owner
-                    parts = [back[d, off[d]:off[d] + b] for d in holders]
+                    parts = [back[d, off[d] : off[d] + b] for d in holders]
                     pooled.setdefault(f, {})[c] = functools.reduce(jnp.add, parts)
             reqs = self._requests(key, [f for f in feats if f not in partial], ids)
             if reqs is None:
@@ -426,18 +467,24 @@ class EmbeddingCollection:
                 vals = jnp.take(table, jnp.clip(reqs["row"], 0, st.rows - 1), axis=0, mode="clip")
                 vals = vals * (reqs["dest"] < 1)[:, None]
                 for f, c, start, size in reqs["segments"]:
-                    outputs.setdefault(f, {})[c] = vals[start:start + size]
+                    outputs.setdefault(f, {})[c] = vals[start : start + size]
                 continue
             route = self._route(st, reqs)
             overflow += route["overflow"]
             received = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C] rows wanted from me
-            rows = jnp.where((received >= 0)[..., None],
-                             jnp.take(table, jnp.clip(received, 0, st.rows - 1), axis=0, mode="clip"), 0.0)
-            back = collectives.all_to_all(rows, self.shard_axes, self.comm.forward,
-                                          fp8_format=self.comm.fp8_forward_format)  # [S, C, w]
-            vals = back.at[route["dest"], route["slot"]].get(mode="fill", fill_value=0.0) * route["keep"][:, None]  # [n, w] per request (original order)
+            rows = jnp.where(
+                (received >= 0)[..., None],
+                jnp.take(table, jnp.clip(received, 0, st.rows - 1), axis=0, mode="clip"),
+                0.0,
+            )
+            back = collectives.all_to_all(
+                rows, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format
+            )  # [S, C, w]
+            vals = (
+                back.at[route["dest"], route["slot"]].get(mode="fill", fill_value=0.0) * route["keep"][:, None]
+            )  # [n, w] per request (original order)
             for f, c, start, size in reqs["segments"]:
-                seg = vals[start:start + size]
+                seg = vals[start : start + size]
                 outputs.setdefault(f, {})[c] = seg
         for f in feats:
             t = self.tables[self.feature_table[f]]
@@ -455,8 +502,10 @@ class EmbeddingCollection:
             parts = outputs[f]
             emb = jnp.concatenate([parts[c] for c in range(len(parts))], axis=-1).reshape(b, L, t.stored_dim)
             outputs[f] = _pool(emb, valid, t.pooling)
-        stats = {"overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,
-                 "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
+        stats = {
+            "overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,
+            "invalid_ids": jax.lax.psum(invalid, BATCH_AXES),
+        }
         return outputs, stats
 
     # ------------------------------------------------------------------ update
@@ -477,15 +526,30 @@ class EmbeddingCollection:
         if missing:
             raise ValueError(f"update: no gradient for features {missing}")
         slots = self.optimizer.slots
-        in_specs = ({k: self._stack_spec for k in self._stacks}, {s: {k: self._slot_spec for k in self._stacks} for s in slots},
-                    {f: P(BATCH_AXES) for f in feats}, {f: P(BATCH_AXES) for f in feats}, P(), P())
-        out_specs = ({k: self._stack_spec for k in self._stacks}, {s: {k: self._slot_spec for k in self._stacks} for s in slots},
-                     {"overflow": P(), "invalid_ids": P()})
-        fn = jax.shard_map(functools.partial(self._update_body, feats), mesh=self.mesh,
-                           in_specs=in_specs, out_specs=out_specs)
-        weights, slot_state, stats = fn(state["weights"], {s: state[s] for s in slots},
-                                        {f: ids[f] for f in feats}, {f: grads[f].astype(jnp.float32) for f in feats},
-                                        jnp.asarray(apply, jnp.bool_), state["step"])
+        in_specs = (
+            {k: self._stack_spec for k in self._stacks},
+            {s: {k: self._slot_spec for k in self._stacks} for s in slots},
+            {f: P(BATCH_AXES) for f in feats},
+            {f: P(BATCH_AXES) for f in feats},
+            P(),
+            P(),
+        )
+        out_specs = (
+            {k: self._stack_spec for k in self._stacks},
+            {s: {k: self._slot_spec for k in self._stacks} for s in slots},
+            {"overflow": P(), "invalid_ids": P()},
+        )
+        fn = jax.shard_map(
+            functools.partial(self._update_body, feats), mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
+        )
+        weights, slot_state, stats = fn(
+            state["weights"],
+            {s: state[s] for s in slots},
+            {f: ids[f] for f in feats},
+            {f: grads[f].astype(jnp.float32) for f in feats},
+            jnp.asarray(apply, jnp.bool_),
+            state["step"],
+        )
         new_state = dict(state, weights=weights, step=state["step"] + 1, **slot_state)
         return new_state, stats
 
@@ -505,14 +569,21 @@ class EmbeddingCollection:
                 overflow += route["overflow"]
                 G, S = pairs["bags"], self.num_shards
                 per_dest = [[] for _ in range(S)]  # each owner gets the bag gradients of the segments it holds
-                for f, c, b, holders, off in pairs["segments"]:
+                for f, c, _, holders, _ in pairs["segments"]:
                     gb = self._bag_grads(f, c, st.width, ids[f], grads[f])
                     for d in holders:
                         per_dest[d].append(gb)
-                send_g = jnp.stack([jnp.concatenate(blocks + [jnp.zeros((G - sum(x.shape[0] for x in blocks), st.width),
-                                                                        jnp.float32)], axis=0) for blocks in per_dest])
-                recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
-                                                fp8_format=self.comm.fp8_backward_format)  # [S, G, w]
+                send_g = jnp.stack(
+                    [
+                        jnp.concatenate(
+                            blocks + [jnp.zeros((G - sum(x.shape[0] for x in blocks), st.width), jnp.float32)], axis=0
+                        )
+                        for blocks in per_dest
+                    ]
+                )
+                recv_g = collectives.all_to_all(
+                    send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+                )  # [S, G, w]
                 recv = collectives.all_to_all_ids(route["send"], self.shard_axes)
                 rrow, rbag = self._unpack_pairs(recv, route, G)
                 pg = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
@@ -530,10 +601,12 @@ class EmbeddingCollection:
                 g = jnp.concatenate([g] + owner_g)
             if self.replica_axes and self.replica_sync == "exact":
                 rows = jax.lax.all_gather(rows, self.replica_axes, tiled=True)
-                g = collectives.all_gather(g, self.replica_axes, self.comm.backward,
-                                           fp8_format=self.comm.fp8_backward_format)
+                g = collectives.all_gather(
+                    g, self.replica_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+                )
             weights[key], new_slots = self._apply_rows(
-                weights[key], {s: slot_state[s][key] for s in slot_state}, rows, g, st.rows, apply)
+                weights[key], {s: slot_state[s][key] for s in slot_state}, rows, g, st.rows, apply
+            )
             for s, v in new_slots.items():
                 slot_state[s][key] = v
         if self.replica_axes and self.replica_sync == "periodic":
@@ -542,17 +615,22 @@ class EmbeddingCollection:
 
             def average(tree):  # pcast: the mean is replica-invariant; the state is typed replica-varying
                 return jax.tree.map(
-                    lambda a: jax.lax.pcast(jax.lax.psum(a, self.replica_axes) / n, self.replica_axes, to="varying"), tree)
+                    lambda a: jax.lax.pcast(jax.lax.psum(a, self.replica_axes) / n, self.replica_axes, to="varying"),
+                    tree,
+                )
 
             weights, slot_state = jax.lax.cond(do_sync, average, lambda tr: tr, (weights, slot_state))
-        stats = {"overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,
-                 "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
+        stats = {
+            "overflow": jax.lax.psum(overflow, BATCH_AXES) // self.num_replicas,
+            "invalid_ids": jax.lax.psum(invalid, BATCH_AXES),
+        }
         return weights, slot_state, stats
 
     def _rows_mode_grads(self, st: _Stack, reqs, ids, grads):
         """Reverse path of the row-returning lookup: (rows, summed gradients, overflow) at this owner."""
-        g = jnp.concatenate([self._request_grads(f, c, st.width, ids[f], grads[f])
-                             for f, c, _, _ in reqs["segments"]], axis=0)  # [n, w], original order
+        g = jnp.concatenate(
+            [self._request_grads(f, c, st.width, ids[f], grads[f]) for f, c, _, _ in reqs["segments"]], axis=0
+        )  # [n, w], original order
         if self.num_shards == 1:  # every row is local: the owner sums duplicates in _apply_rows
             return jnp.where(reqs["dest"] < 1, reqs["row"], -1), g, jnp.zeros((), jnp.int32)
         route = self._route(st, reqs)
@@ -560,8 +638,9 @@ class EmbeddingCollection:
         S, C = route["send_rows"].shape
         send_g = jnp.zeros((S, C, st.width), jnp.float32).at[route["dest"], route["slot"]].add(g, mode="drop")
         recv_rows = collectives.all_to_all_ids(route["send_rows"], self.shard_axes)  # [S, C]
-        recv_g = collectives.all_to_all(send_g, self.shard_axes, self.comm.backward,
-                                        fp8_format=self.comm.fp8_backward_format)  # [S, C, w]
+        recv_g = collectives.all_to_all(
+            send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+        )  # [S, C, w]
         return recv_rows.reshape(-1), recv_g.reshape(-1, st.width), route["overflow"]
 
     def _apply_rows(self, w_block, slot_blocks, rows, g, block_rows, apply):
@@ -591,7 +670,10 @@ class EmbeddingCollection:
             return state
         n = self.num_replicas
         slots = self.optimizer.slots
-        specs = ({k: self._stack_spec for k in self._stacks}, {s: {k: self._slot_spec for k in self._stacks} for s in slots})
+        specs = (
+            {k: self._stack_spec for k in self._stacks},
+            {s: {k: self._slot_spec for k in self._stacks} for s in slots},
+        )
 
         def body(w, sl):
             return jax.tree.map(lambda a: jax.lax.psum(a, self.replica_axes) / n, (w, sl))
@@ -625,8 +707,12 @@ class EmbeddingCollection:
                 start += x.shape[0]
         if not segments:
             return None
-        return {"dest": jnp.concatenate(dest).astype(jnp.int32), "row": jnp.concatenate(row).astype(jnp.int32),
-                "segments": segments, "capacity": self._capacity(key, feats, ids)}
+        return {
+            "dest": jnp.concatenate(dest).astype(jnp.int32),
+            "row": jnp.concatenate(row).astype(jnp.int32),
+            "segments": segments,
+            "capacity": self._capacity(key, feats, ids),
+        }
 
     def _capacity(self, key, feats, ids) -> int:
         """Static slots per destination: the worst case, or capacity_factor x the uniform share."""
@@ -670,8 +756,13 @@ class EmbeddingCollection:
         overflow = jnp.sum(new & (sd < S) & (slot >= C), dtype=jnp.int32)
         send_rows = jnp.full((S, C), -1, jnp.int32).at[jnp.where(fits, sd, S), slot].set(sr, mode="drop")
         inv = jnp.zeros((n,), jnp.int32).at[perm].set(iota)  # original request -> sorted position
-        return {"send_rows": send_rows, "overflow": overflow,
-                "dest": jnp.where(fits, sd, S)[inv], "slot": slot[inv], "keep": fits[inv].astype(jnp.float32)}
+        return {
+            "send_rows": send_rows,
+            "overflow": overflow,
+            "dest": jnp.where(fits, sd, S)[inv],
+            "slot": slot[inv],
+            "keep": fits[inv].astype(jnp.float32),
+        }
 
     def _partial_features(self, feats, ids) -> frozenset:
         """Pooled features whose output comes back as per-bag partial sums (see `pooled_comm`)."""
@@ -721,9 +812,14 @@ class EmbeddingCollection:
             row.append(jnp.asarray(route.offset[:, c])[part] + sid // route.row_parts)
             slot.append(jnp.asarray(off[:, j])[d] + jnp.repeat(jnp.arange(b, dtype=jnp.int32), L))
             segments.append((f, c, b, owners[j], tuple(int(o) for o in off[:S, j])))
-        return {"dest": jnp.concatenate(dest).astype(jnp.int32), "row": jnp.concatenate(row).astype(jnp.int32),
-                "bag": jnp.concatenate(slot).astype(jnp.int32), "segments": segments,
-                "bags": int(max(1, used.max())), "capacity": self._pair_capacity(key, feats, ids)}
+        return {
+            "dest": jnp.concatenate(dest).astype(jnp.int32),
+            "row": jnp.concatenate(row).astype(jnp.int32),
+            "bag": jnp.concatenate(slot).astype(jnp.int32),
+            "segments": segments,
+            "bags": int(max(1, used.max())),
+            "capacity": self._pair_capacity(key, feats, ids),
+        }
 
     def _pair_capacity(self, key, feats, ids) -> int:
         """Static (row, bag) slots per destination: the worst case, or capacity_factor x the uniform share."""
@@ -773,7 +869,7 @@ class EmbeddingCollection:
     def _bag_grads(self, f, c, width, x, g):
         """Per-bag gradient [b, width] of column block c of a partial-sum feature (mean: / ids per bag)."""
         t = self.tables[self.feature_table[f]]
-        g = g[:, c * width:(c + 1) * width]
+        g = g[:, c * width : (c + 1) * width]
         if t.pooling == "mean":
             valid = ((x >= 0) & (x < t.stored_rows)).sum(-1, keepdims=True)
             g = g / jnp.maximum(valid, 1).astype(g.dtype)
@@ -784,7 +880,7 @@ class EmbeddingCollection:
         t = self.tables[self.feature_table[f]]
         b, L = x.shape
         valid = ((x >= 0) & (x < t.stored_rows)).astype(jnp.float32)
-        g = g[..., c * width:(c + 1) * width]
+        g = g[..., c * width : (c + 1) * width]
         if t.pooling is None:
             per = g * valid[..., None]
         else:
@@ -797,8 +893,10 @@ class EmbeddingCollection:
 
     def describe(self) -> str:
         """A short human-readable summary of the layout (stacks, shards, rows per shard)."""
-        lines = [f"EmbeddingCollection: {len(self.tables)} tables, topology {self.topology}, "
-                 f"{self.num_shards} shards x {self.num_replicas} replicas on a {self.nodes}x{self.local} mesh"]
+        lines = [
+            f"EmbeddingCollection: {len(self.tables)} tables, topology {self.topology}, "
+            f"{self.num_shards} shards x {self.num_replicas} replicas on a {self.nodes}x{self.local} mesh"
+        ]
         for k, st in self._stacks.items():
             lines.append(f"  stack {k}: width {st.width}, {st.rows} rows per shard")
         for t in self.tables:
@@ -815,7 +913,9 @@ def stacks_to_dense(tables, plan: ShardingPlan, stacks: Mapping[str, np.ndarray]
         for s, pieces in enumerate(st.pieces):
             for pc in pieces:
                 cols = slice(pc.col_part * st.width, (pc.col_part + 1) * st.width)
-                out[tables[pc.table].name][pc.row_part::pc.row_parts, cols] = stacks[k][s, pc.offset:pc.offset + pc.rows]
+                out[tables[pc.table].name][pc.row_part :: pc.row_parts, cols] = stacks[k][
+                    s, pc.offset : pc.offset + pc.rows
+                ]
     return out
 
 
@@ -830,11 +930,11 @@ def slots_to_dense(tables, plan: ShardingPlan, stacks: Mapping[str, np.ndarray])
         for s, pieces in enumerate(st.pieces):
             for pc in pieces:
                 dst = out[tables[pc.table].name]
-                vals = stacks[k][s, pc.offset:pc.offset + pc.rows]
+                vals = stacks[k][s, pc.offset : pc.offset + pc.rows]
                 if dst.ndim == 2:
-                    dst[pc.row_part::pc.row_parts, pc.col_part] = vals
+                    dst[pc.row_part :: pc.row_parts, pc.col_part] = vals
                 else:
-                    dst[pc.row_part::pc.row_parts] = vals
+                    dst[pc.row_part :: pc.row_parts] = vals
     return out
 
 
@@ -876,8 +976,10 @@ def _layout(tables, plan: ShardingPlan):
     for width, shards in sorted(per_width.items()):
         rows = max(1, max(fill[width]))
         if rows * (S + 1) >= 2**31:
-            raise ValueError(f"stack of width {width} holds {rows} rows on each of {S} shards; (shards + 1) * rows "
-                             f"must stay below 2**31 (packed int32 routing keys)")
+            raise ValueError(
+                f"stack of width {width} holds {rows} rows on each of {S} shards; (shards + 1) * rows "
+                f"must stay below 2**31 (packed int32 routing keys)"
+            )
         stacks[f"w{width}"] = _Stack(f"w{width}", width, rows, tuple(tuple(p) for p in shards))
     return stacks, routes
 
@@ -885,13 +987,19 @@ def _layout(tables, plan: ShardingPlan):
 def _piece_meta(st: _Stack, S: int) -> dict[str, np.ndarray]:
     """Per-shard arrays (padded to the max piece count) describing the pieces of a stack."""
     npieces = max(1, max(len(p) for p in st.pieces))
-    meta = {k: np.zeros((S, npieces), np.int32) for k in ("start", "rows", "table", "row_part", "row_parts", "col_part")}
+    meta = {
+        k: np.zeros((S, npieces), np.int32) for k in ("start", "rows", "table", "row_part", "row_parts", "col_part")
+    }
     meta["start"][:] = st.rows  # padding pieces start past the end
     meta["row_parts"][:] = 1
     for s, pieces in enumerate(st.pieces):
         for j, pc in enumerate(pieces):
             meta["start"][s, j], meta["rows"][s, j], meta["table"][s, j] = pc.offset, pc.rows, pc.table
-            meta["row_part"][s, j], meta["row_parts"][s, j], meta["col_part"][s, j] = pc.row_part, pc.row_parts, pc.col_part
+            meta["row_part"][s, j], meta["row_parts"][s, j], meta["col_part"][s, j] = (
+                pc.row_part,
+                pc.row_parts,
+                pc.col_part,
+            )
     return meta
 
 
@@ -903,7 +1011,9 @@ def _as_int32(feature, x) -> np.ndarray:
         if x.size and (not np.all(np.isfinite(x)) if np.issubdtype(x.dtype, np.floating) else False):
             raise TypeError(f"feature {feature!r}: ids contain NaN or Inf")
         y = x.astype(np.int32)
-        if not np.array_equal(y.astype(x.dtype), x) or (x.size and (x.max() > np.iinfo(np.int32).max or x.min() < np.iinfo(np.int32).min)):
+        if not np.array_equal(y.astype(x.dtype), x) or (
+            x.size and (x.max() > np.iinfo(np.int32).max or x.min() < np.iinfo(np.int32).min)
+        ):
             raise TypeError(f"feature {feature!r}: ids of dtype {x.dtype} cannot be converted to int32 without loss")
         return y
     raise TypeError(f"feature {feature!r}: ids must be integers (int32), got dtype {x.dtype}")

@@ -6,8 +6,8 @@ Every collective in jaxscale names one of the two axes defined here. Axes are or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -55,17 +55,18 @@ def make_mesh(nodes: int, local: int, devices: Sequence | None = None):
         raise ValueError(
             f"make_mesh: nodes * local = {nodes} * {local} = {nodes * local} does not match the "
             f"{len(devices)} available devices (set --xla_force_host_platform_device_count or "
-            f"jax_num_cpu_devices before JAX starts to simulate more CPU devices)")
+            f"jax_num_cpu_devices before JAX starts to simulate more CPU devices)"
+        )
     processes = sorted({d.process_index for d in devices})
     if len(processes) > 1:
         if len(processes) != nodes:
             raise ValueError(
                 f"make_mesh: in a multi-process run the 'node' axis is the process; got nodes={nodes} "
-                f"but {len(processes)} processes")
+                f"but {len(processes)} processes"
+            )
         per_process = {p: sum(d.process_index == p for d in devices) for p in processes}
         if any(n != local for n in per_process.values()):
-            raise ValueError(
-                f"make_mesh: local={local} but the processes hold {per_process} devices each")
+            raise ValueError(f"make_mesh: local={local} but the processes hold {per_process} devices each")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(ordered, dtype=object).reshape(nodes, local), AXES)
 

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 def _check_positive(owner: str, field: str, value, allow_zero: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
     if not ok:
-        raise ValueError(f"{owner}.{field} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+        raise ValueError(
+            f"{owner}.{field} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

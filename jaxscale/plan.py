@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxscale.mesh import TOPOLOGIES
 from jaxscale.tables import TableConfig, check_tables
@@ -47,7 +47,8 @@ class TableShards:
         if len(self.shards) != self.row_parts * self.col_parts:
             raise ValueError(
                 f"shards has {len(self.shards)} entries, expected row_parts * col_parts = "
-                f"{self.row_parts * self.col_parts}")
+                f"{self.row_parts * self.col_parts}"
+            )
 
     def shard_of(self, row_part: int, col_part: int) -> int:
         return self.shards[row_part * self.col_parts + col_part]
@@ -84,7 +85,7 @@ class ShardingPlan:
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "ShardingPlan":
+    def from_dict(cls, d: Mapping) -> ShardingPlan:
         try:
             tables = {n: TableShards(**ts) for n, ts in d["tables"].items()}
             return cls(topology=d["topology"], num_shards=int(d["num_shards"]), tables=tables)
@@ -92,7 +93,7 @@ class ShardingPlan:
             raise ValueError(f"not a ShardingPlan: {e}") from e
 
     @classmethod
-    def from_json(cls, s: str) -> "ShardingPlan":
+    def from_json(cls, s: str) -> ShardingPlan:
         return cls.from_dict(json.loads(s))
 
     def check(self, tables: Sequence[TableConfig], nodes: int, local: int) -> None:
@@ -101,7 +102,8 @@ class ShardingPlan:
         if self.num_shards != expected:
             raise ValueError(
                 f"plan was made for {self.num_shards} shards but topology {self.topology!r} on a "
-                f"{nodes}x{local} mesh has {expected}")
+                f"{nodes}x{local} mesh has {expected}"
+            )
         names = {t.name for t in tables}
         missing, extra = names - set(self.tables), set(self.tables) - names
         if missing or extra:
@@ -110,9 +112,12 @@ class ShardingPlan:
             ts = self.tables[t.name]
             if t.stored_dim % ts.col_parts:
                 raise ValueError(
-                    f"table {t.name!r}: dim {t.stored_dim} is not divisible into {ts.col_parts} column shards")
+                    f"table {t.name!r}: dim {t.stored_dim} is not divisible into {ts.col_parts} column shards"
+                )
             if ts.row_parts > t.stored_rows:
-                raise ValueError(f"table {t.name!r}: {t.stored_rows} rows cannot be split into {ts.row_parts} row shards")
+                raise ValueError(
+                    f"table {t.name!r}: {t.stored_rows} rows cannot be split into {ts.row_parts} row shards"
+                )
 
 
 def num_shards(topology: str, nodes: int, local: int) -> int:
@@ -146,7 +151,9 @@ def resolve_plan(
                 raise ValueError(f"sharding names unknown tables {sorted(unknown)}")
             types = {t.name: sharding.get(t.name, "row_wise") for t in tables}
         else:
-            raise TypeError(f"sharding must be a string, a {{table: type}} dict or a ShardingPlan, got {type(sharding).__name__}")
+            raise TypeError(
+                f"sharding must be a string, a {{table: type}} dict or a ShardingPlan, got {type(sharding).__name__}"
+            )
         plan = _place(tables, topology, nodes, local, types)
     if plan.topology != topology:
         raise ValueError(f"plan is for topology {plan.topology!r}, the collection uses {topology!r}")
@@ -165,13 +172,15 @@ def _place(tables, topology, nodes, local, types) -> ShardingPlan:
         if kind == "table_row_wise" and topology != "1d":
             raise ValueError(
                 f"table {t.name!r}: table_row_wise needs topology '1d' (rows over a node's devices, tables "
-                f"across nodes); under {topology!r} the shard group spans one axis only: use row_wise")
+                f"across nodes); under {topology!r} the shard group spans one axis only: use row_wise"
+            )
         if kind == "column_wise":
             cols = min(s, t.stored_dim)
             if t.stored_dim % cols:
                 raise ValueError(
                     f"table {t.name!r}: column_wise splits dim {t.stored_dim} over {cols} shards, which does "
-                    f"not divide it; pick a dim divisible by {cols} or pass a ShardingPlan with col_parts")
+                    f"not divide it; pick a dim divisible by {cols} or pass a ShardingPlan with col_parts"
+                )
         if kind == "row_wise" and t.stored_rows < s:
             raise ValueError(f"table {t.name!r}: row_wise over {s} shards needs at least {s} rows, has {t.stored_rows}")
 
@@ -198,7 +207,7 @@ def _place(tables, topology, nodes, local, types) -> ShardingPlan:
                 load[i] += size // cols
             ts = TableShards(kind, 1, cols, tuple(chosen))
         else:  # table_row_wise: rows over the local devices of the least-loaded node
-            node = min(range(nodes), key=lambda n: (sum(load[n * local:(n + 1) * local]), n))
+            node = min(range(nodes), key=lambda n: (sum(load[n * local : (n + 1) * local]), n))
             shards = tuple(node * local + l for l in range(local))
             for i in shards:
                 load[i] += size // local

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -121,14 +121,19 @@ class CostParams:
     def __post_init__(self):
         for field in ("hbm_bandwidth", "comm_bytes_per_element", "weight_bytes_per_element"):
             _positive("CostParams", field, getattr(self, field))
-        for field in ("optimizer_bytes_per_row", "index_bytes_per_lookup", "backward_compute_multiplier",
-                      "piece_overhead_s"):
+        for field in (
+            "optimizer_bytes_per_row",
+            "index_bytes_per_lookup",
+            "backward_compute_multiplier",
+            "piece_overhead_s",
+        ):
             _positive("CostParams", field, getattr(self, field), allow_zero=True)
         penalties = tuple((int(d), float(f)) for d, f in self.small_dim_penalties)
         if not penalties or penalties[-1][0] != 0 or any(a[0] <= b[0] for a, b in zip(penalties, penalties[1:])):
             raise ValueError(
                 f"CostParams.small_dim_penalties must list (min dim, factor) with strictly decreasing dims "
-                f"ending at 0, got {self.small_dim_penalties!r}")
+                f"ending at 0, got {self.small_dim_penalties!r}"
+            )
         object.__setattr__(self, "small_dim_penalties", penalties)
 
     def dim_penalty(self, dim: int) -> float:
@@ -176,7 +181,7 @@ class FeatureStats:
         object.__setattr__(self, "hot_freqs", hot_freqs)
 
     @classmethod
-    def zipf(cls, num_rows: int, mean_ids_per_example: float, exponent: float, top_k: int = 1024) -> "FeatureStats":
+    def zipf(cls, num_rows: int, mean_ids_per_example: float, exponent: float, top_k: int = 1024) -> FeatureStats:
         """Analytic stats of Zipf(exponent) ids where id i has rank i + 1 (id 0 hottest).
 
         Hot ids being the low ids is the worst case for contiguous row ranges, as with raw catalogue ids.
@@ -213,10 +218,10 @@ def _tail_distinct(draws: float, tail_mass: float, exponent: float, first_rank: 
     scale = draws * tail_mass / _zipf_weight_sum(first_rank, last_rank, exponent)
     split = min(last_rank, first_rank + _EXACT_TAIL_TERMS - 1)
     ranks = np.arange(first_rank, split + 1, dtype=np.float64)
-    total = float(-np.expm1(-scale * ranks ** -exponent).sum())
+    total = float(-np.expm1(-scale * ranks**-exponent).sum())
     if split < last_rank:
         x = np.geomspace(split + 0.5, last_rank + 0.5, _TAIL_GRID_POINTS)
-        y = -np.expm1(-scale * x ** -exponent)
+        y = -np.expm1(-scale * x**-exponent)
         total += float(((y[1:] + y[:-1]) * np.diff(x)).sum() / 2)
     return total
 
@@ -247,7 +252,8 @@ def measure_feature_stats(
         valid = ids[ids >= 0]
         if valid.size and valid.max() >= table.rows:
             raise ValueError(
-                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.rows}")
+                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.rows}"
+            )
         uniq, counts = np.unique(valid, return_counts=True)
         order = np.lexsort((uniq, -counts))  # most frequent first, ties by id: deterministic
         uniq, counts = uniq[order], counts[order]
@@ -274,7 +280,10 @@ def _fit_zipf_exponent(sorted_counts: np.ndarray, min_count: int) -> float:
 
 
 def distinct_ids_per_part(
-    stats: FeatureStats, draws: float, row_parts: int, stored_rows: int | None = None,
+    stats: FeatureStats,
+    draws: float,
+    row_parts: int,
+    stored_rows: int | None = None,
     row_assignment: str = "modulo",
 ) -> np.ndarray:
     """Expected distinct ids of one source's batch slice (`draws` lookups) that land on each row part.
@@ -350,7 +359,9 @@ class PieceCosts:
 
 
 def enumerate_options(
-    tables: Sequence[TableConfig], topology: Topology, overrides: Mapping[str, str] | None = None,
+    tables: Sequence[TableConfig],
+    topology: Topology,
+    overrides: Mapping[str, str] | None = None,
     min_column_dim: int = 128,
 ) -> dict[str, tuple[ShardingOption, ...]]:
     """The options each table may take, in preference order (fewest pieces first).
@@ -384,7 +395,8 @@ def enumerate_options(
             if not opts:
                 raise ValueError(
                     f"override for table {t.name!r}: {wanted} cannot serve {rows} rows x {dim} dims on "
-                    f"{shards} shards of topology {topology.name!r}")
+                    f"{shards} shards of topology {topology.name!r}"
+                )
         options[t.name] = tuple(sorted(opts, key=lambda o: (_PREFERENCE.index(o.sharding), o.num_pieces)))
     return options
 
@@ -397,8 +409,13 @@ def _features_stats(table: TableConfig, stats: Mapping[str, FeatureStats]) -> li
 
 
 def estimate_option(
-    table: TableConfig, option: ShardingOption, stats: Mapping[str, FeatureStats], topology: Topology,
-    batch_size_per_device: int, cost: CostParams = CostParams(), row_assignment: str = "modulo",
+    table: TableConfig,
+    option: ShardingOption,
+    stats: Mapping[str, FeatureStats],
+    topology: Topology,
+    batch_size_per_device: int,
+    cost: CostParams = CostParams(),
+    row_assignment: str = "modulo",
 ) -> PieceCosts:
     """Per-piece lookups, bytes sent (intra/inter), memory and seconds of one option.
 
@@ -409,9 +426,11 @@ def estimate_option(
     sources = topology.num_shards
     intra_peers, inter_peers = topology.remote_sources
     distinct = sum(
-        distinct_ids_per_part(s, batch_size_per_device * s.mean_ids_per_example, option.row_parts,
-                              table.stored_rows, row_assignment)
-        for s in _features_stats(table, stats))
+        distinct_ids_per_part(
+            s, batch_size_per_device * s.mean_ids_per_example, option.row_parts, table.stored_rows, row_assignment
+        )
+        for s in _features_stats(table, stats)
+    )
     piece_dim = table.stored_dim // option.col_parts
     per_piece = np.repeat(distinct, option.col_parts)  # every column piece of a row part sees its ids
     if row_assignment == "modulo":
@@ -422,8 +441,9 @@ def estimate_option(
     piece_rows = np.repeat(part_rows, option.col_parts).astype(np.float64)
     lookups = per_piece * sources
     sent_per_source = per_piece * piece_dim * cost.comm_bytes_per_element
-    read_bytes = lookups * (piece_dim * cost.weight_bytes_per_element * cost.dim_penalty(piece_dim)
-                            + cost.index_bytes_per_lookup)
+    read_bytes = lookups * (
+        piece_dim * cost.weight_bytes_per_element * cost.dim_penalty(piece_dim) + cost.index_bytes_per_lookup
+    )
     compute = read_bytes * (1 + cost.backward_compute_multiplier) / cost.hbm_bandwidth + cost.piece_overhead_s
     bytes_intra, bytes_inter = sent_per_source * intra_peers, sent_per_source * inter_peers
     return PieceCosts(
@@ -458,8 +478,9 @@ class _Placement:
         self.costs: dict[str, PieceCosts] = {}
 
     def load(self, extra_cost=0.0, extra_lookups=0.0) -> np.ndarray:
-        return np.maximum((self.cost + extra_cost) / self.cost_scale,
-                          (self.lookups + extra_lookups) / self.lookup_scale)
+        return np.maximum(
+            (self.cost + extra_cost) / self.cost_scale, (self.lookups + extra_lookups) / self.lookup_scale
+        )
 
     def add(self, pc: PieceCosts, shards: Sequence[int]) -> None:
         shards = np.asarray(shards, dtype=np.int64)
@@ -498,9 +519,11 @@ class _Placement:
             if shards is None:
                 continue
             trial = self.load()
-            trial[shards] = np.maximum((self.cost[shards] + pc.cost_s) / self.cost_scale,
-                                       (self.lookups[shards] + pc.lookups) / self.lookup_scale)
-            key = (trial[shards].max(), trial[node * local:(node + 1) * local].sum(), node)
+            trial[shards] = np.maximum(
+                (self.cost[shards] + pc.cost_s) / self.cost_scale,
+                (self.lookups[shards] + pc.lookups) / self.lookup_scale,
+            )
+            key = (trial[shards].max(), trial[node * local : (node + 1) * local].sum(), node)
             if best_key is None or key < best_key:
                 best, best_key = shards, key
         return best
@@ -564,15 +587,19 @@ def _local_search(placement: _Placement, max_steps: int) -> None:
         _, kind, a, x = best
         if kind == "move":
             e = x
-            load_c[d] -= cost[a]; load_c[e] += cost[a]
-            load_l[d] -= lookups[a]; load_l[e] += lookups[a]
-            mem[d] -= memory[a]; mem[e] += memory[a]
+            load_c[d] -= cost[a]
+            load_c[e] += cost[a]
+            load_l[d] -= lookups[a]
+            load_l[e] += lookups[a]
+            mem[d] -= memory[a]
+            mem[e] += memory[a]
             holds[table_idx[a], d], holds[table_idx[a], e] = False, True
             shard[a] = e
         else:
             b, e = x, shard[x]
             for arr, vals in ((load_c, cost), (load_l, lookups), (mem, memory)):
-                arr[d] += vals[b] - vals[a]; arr[e] += vals[a] - vals[b]
+                arr[d] += vals[b] - vals[a]
+                arr[e] += vals[a] - vals[b]
             if table_idx[a] != table_idx[b]:
                 holds[table_idx[a], d], holds[table_idx[a], e] = False, True
                 holds[table_idx[b], e], holds[table_idx[b], d] = False, True
@@ -582,8 +609,10 @@ def _local_search(placement: _Placement, max_steps: int) -> None:
 
 
 def _place_all(
-    chosen: Mapping[str, list[PieceCosts]], pinned: Mapping[str, tuple[PieceCosts, tuple[int, ...]]],
-    topology: Topology, local_search_steps: int,
+    chosen: Mapping[str, list[PieceCosts]],
+    pinned: Mapping[str, tuple[PieceCosts, tuple[int, ...]]],
+    topology: Topology,
+    local_search_steps: int,
 ) -> _Placement:
     """Greedy largest-first placement (more split options when memory runs short), then local search."""
     first = [pcs[0] for pcs in chosen.values()] + [pc for pc, _ in pinned.values()]
@@ -611,7 +640,8 @@ def _place_all(
             need = min(pc.memory_bytes.max() for pc in chosen[name])
             raise ValueError(
                 f"table {name!r} does not fit: its smallest piece needs {need / 1e9:.3f} GB but no shard has "
-                f"that much of its {topology.device_memory_bytes / 1e9:.3f} GB left")
+                f"that much of its {topology.device_memory_bytes / 1e9:.3f} GB left"
+            )
     _local_search(placement, local_search_steps)
     return placement
 
@@ -667,8 +697,11 @@ def plan_sharding(
             raise ValueError(f"override for table {name!r}: shards {ts.shards} outside [0, {topology.num_shards})")
         option = ShardingOption(name, ts.sharding, ts.row_parts, ts.col_parts)
         pinned[name] = (estimate_option(by_name[name], option, stats, topology, batch_size_per_device, cost), ts.shards)
-    costs = {t.name: [estimate_option(t, o, stats, topology, batch_size_per_device, cost) for o in options[t.name]]
-             for t in tables if t.name not in pinned}
+    costs = {
+        t.name: [estimate_option(t, o, stats, topology, batch_size_per_device, cost) for o in options[t.name]]
+        for t in tables
+        if t.name not in pinned
+    }
     budget = topology.device_memory_bytes
     fitting = {n: [pc for pc in pcs if pc.memory_bytes.max() <= budget] for n, pcs in costs.items()}
     for n, pcs in fitting.items():
@@ -676,7 +709,8 @@ def plan_sharding(
             need = min(pc.memory_bytes.max() for pc in costs[n])
             raise ValueError(
                 f"table {n!r} does not fit: its smallest piece needs {need / 1e9:.3f} GB, more than the "
-                f"{budget / 1e9:.3f} GB device memory")
+                f"{budget / 1e9:.3f} GB device memory"
+            )
     total = sum(pcs[0].cost_s.sum() for pcs in fitting.values()) + sum(pc.cost_s.sum() for pc, _ in pinned.values())
     ideal = total / topology.num_shards
     best, best_key, seen, error = None, None, set(), None
@@ -779,21 +813,28 @@ class PlanReport:
         }
 
     def to_text(self) -> str:
-        head = (f"{'shard':>5} {'lookups':>12} {'intra MB':>10} {'inter MB':>10} {'memory GB':>10} "
-                f"{'compute ms':>11} {'comm ms':>9} {'cost ms':>9}")
-        lines = [f"topology {self.topology}: {self.num_shards} shards, batch {self.batch_size_per_device}/device, "
-                 f"{self.row_assignment} rows, types {dict(self.sharding_counts)}", head]
+        head = (
+            f"{'shard':>5} {'lookups':>12} {'intra MB':>10} {'inter MB':>10} {'memory GB':>10} "
+            f"{'compute ms':>11} {'comm ms':>9} {'cost ms':>9}"
+        )
+        lines = [
+            f"topology {self.topology}: {self.num_shards} shards, batch {self.batch_size_per_device}/device, "
+            f"{self.row_assignment} rows, types {dict(self.sharding_counts)}",
+            head,
+        ]
         for i in range(self.num_shards):
             flag = " !mem" if i in self.over_memory else ""
             lines.append(
                 f"{i:>5} {self.lookups[i]:>12.0f} {self.bytes_intra[i] / 1e6:>10.3f} "
                 f"{self.bytes_inter[i] / 1e6:>10.3f} "
                 f"{self.memory_bytes[i] / 1e9:>10.3f} {self.compute_s[i] * 1e3:>11.4f} {self.comm_s[i] * 1e3:>9.4f} "
-                f"{self.cost_s[i] * 1e3:>9.4f}{flag}")
+                f"{self.cost_s[i] * 1e3:>9.4f}{flag}"
+            )
         lines.append(
             f"max/mean: lookups {self.lookup_imbalance:.3f}, bytes {self.bytes_imbalance:.3f}, cost "
             f"{self.cost_imbalance:.3f}, memory {self.memory_imbalance:.3f}; "
-            f"slowest shard {self.max_cost_s * 1e3:.4f} ms")
+            f"slowest shard {self.max_cost_s * 1e3:.4f} ms"
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -801,8 +842,13 @@ class PlanReport:
 
 
 def report(
-    plan: ShardingPlan, tables: Sequence[TableConfig], stats: Mapping[str, FeatureStats], topology: Topology,
-    batch_size_per_device: int, cost: CostParams = CostParams(), row_assignment: str = "modulo",
+    plan: ShardingPlan,
+    tables: Sequence[TableConfig],
+    stats: Mapping[str, FeatureStats],
+    topology: Topology,
+    batch_size_per_device: int,
+    cost: CostParams = CostParams(),
+    row_assignment: str = "modulo",
 ) -> PlanReport:
     """Per-shard lookups, bytes sent, memory and time of any plan under the planner's cost model.
 
@@ -813,7 +859,8 @@ def report(
     if plan.topology != topology.name or plan.num_shards != topology.num_shards:
         raise ValueError(
             f"plan is for {plan.num_shards} shards of {plan.topology!r}, topology has {topology.num_shards} of "
-            f"{topology.name!r}")
+            f"{topology.name!r}"
+        )
     plan.check(tables, topology.nodes, topology.devices_per_node)
     n = topology.num_shards
     acc = {k: np.zeros(n) for k in ("lookups", "bytes_intra", "bytes_inter", "memory_bytes", "compute_s", "comm_s")}
@@ -821,13 +868,24 @@ def report(
     for t in tables:
         ts = plan.tables[t.name]
         counts[ts.sharding] = counts.get(ts.sharding, 0) + 1
-        pc = estimate_option(t, ShardingOption(t.name, ts.sharding, ts.row_parts, ts.col_parts), stats, topology,
-                             batch_size_per_device, cost, row_assignment)
+        pc = estimate_option(
+            t,
+            ShardingOption(t.name, ts.sharding, ts.row_parts, ts.col_parts),
+            stats,
+            topology,
+            batch_size_per_device,
+            cost,
+            row_assignment,
+        )
         shards = np.array(ts.shards)
         for k, arr in acc.items():
             np.add.at(arr, shards, getattr(pc, k))
     return PlanReport(
-        topology=topology.name, num_shards=n, batch_size_per_device=batch_size_per_device,
-        row_assignment=row_assignment, memory_budget_bytes=float(topology.device_memory_bytes),
+        topology=topology.name,
+        num_shards=n,
+        batch_size_per_device=batch_size_per_device,
+        row_assignment=row_assignment,
+        memory_budget_bytes=float(topology.device_memory_bytes),
         sharding_counts=dict(sorted(counts.items())),
-        **{k: tuple(float(x) for x in v) for k, v in acc.items()})
+        **{k: tuple(float(x) for x in v) for k, v in acc.items()},
+    )

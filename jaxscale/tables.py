@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 POOLINGS = ("sum", "mean", None)
 RESHAPES = (None, "half_dim")
@@ -62,7 +62,9 @@ class TableConfig:
         if self.reshape == "half_dim" and self.dim % 2:
             raise ValueError(f"TableConfig({self.name!r}).reshape='half_dim' needs an even dim, got dim={self.dim}")
         if self.init_scale is not None and not (isinstance(self.init_scale, (int, float)) and self.init_scale >= 0):
-            raise ValueError(f"TableConfig({self.name!r}).init_scale must be a non-negative number, got {self.init_scale!r}")
+            raise ValueError(
+                f"TableConfig({self.name!r}).init_scale must be a non-negative number, got {self.init_scale!r}"
+            )
 
     @property
     def stored_rows(self) -> int:

@@ -15,13 +15,17 @@ import argparse
 import os
 import sys
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "experiments", "configs", "foundation_smoke.yaml")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs", "foundation_smoke.yaml"
+)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxscale.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxscale.train",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", default=None, help="YAML config (default: the smoke foundation config)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. embedding.topology=2d_a2a")
     p.add_argument("--steps", type=int, help="train.steps")
@@ -45,8 +49,12 @@ def main(argv=None) -> int:
     from jaxscale.config import ConfigError, load_config
 
     overrides = list(args.overrides)
-    for flag, key in (("steps", "train.steps"), ("batch_size", "train.batch_size"), ("seed", "train.seed"),
-                      ("workdir", "train.workdir")):
+    for flag, key in (
+        ("steps", "train.steps"),
+        ("batch_size", "train.batch_size"),
+        ("seed", "train.seed"),
+        ("workdir", "train.workdir"),
+    ):
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     try:
@@ -60,8 +68,12 @@ def main(argv=None) -> int:
 
     _, n, _, how = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
     multi = how != "single"
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                           local_devices=cfg.mesh.local if multi else cfg.mesh.nodes * cfg.mesh.local)
+    distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        local_devices=cfg.mesh.local if multi else cfg.mesh.nodes * cfg.mesh.local,
+    )
 
     from jaxscale.trainer import CheckpointError, Trainer
 
@@ -78,10 +90,16 @@ def main(argv=None) -> int:
         if losses:
             k = max(1, min(10, len(losses) // 5))
             first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-            print(f"trained steps {out['final_step'] - len(losses)}..{out['final_step']}: mean loss of the first {k} "
-                  f"steps {first:.4f} -> last {k} steps {last:.4f}")
-        print(f"comm bytes per device per step: intra-node {trainer.comm['intra_node']:.0f}, "
-              f"cross-node {trainer.comm['cross_node']:.0f}" if trainer.comm else "")
+            print(
+                f"trained steps {out['final_step'] - len(losses)}..{out['final_step']}: mean loss of the first {k} "
+                f"steps {first:.4f} -> last {k} steps {last:.4f}"
+            )
+        print(
+            f"comm bytes per device per step: intra-node {trainer.comm['intra_node']:.0f}, "
+            f"cross-node {trainer.comm['cross_node']:.0f}"
+            if trainer.comm
+            else ""
+        )
         print(f"logs and checkpoints: {trainer.workdir}")
     return 0
 

@@ -13,8 +13,9 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,13 @@ def make_task(cfg: Config) -> Task:
         from models.foundation import FoundationModel, foundation_ids, foundation_loss, foundation_tables
 
         m = cfg.model.foundation
-        return Task("foundation", tuple(foundation_tables(m)), lambda b: foundation_ids(m, b),
-                    lambda rngs: FoundationModel(m, rngs=rngs), foundation_loss)
+        return Task(
+            "foundation",
+            tuple(foundation_tables(m)),
+            lambda b: foundation_ids(m, b),
+            lambda rngs: FoundationModel(m, rngs=rngs),
+            foundation_loss,
+        )
     from models.dlrm import DLRM, dlrm_ids, dlrm_loss, dlrm_tables
 
     m = cfg.model.dlrm
@@ -80,16 +86,23 @@ def make_collection(cfg: Config, mesh, tables, capacity_factor="config") -> Embe
         except OSError as err:
             raise ValueError(f"embedding.plan_file: cannot read {e.plan_file!r}: {err}") from err
     return EmbeddingCollection(
-        tables, mesh, topology=e.topology, sharding=sharding, optimizer=optimizer,
+        tables,
+        mesh,
+        topology=e.topology,
+        sharding=sharding,
+        optimizer=optimizer,
         comm=CommConfig(forward=e.comm_forward, backward=e.comm_backward),
         capacity_factor=e.capacity_factor if capacity_factor == "config" else capacity_factor,
-        replica_sync=e.replica_sync, sync_every=e.sync_every)
+        replica_sync=e.replica_sync,
+        sync_every=e.sync_every,
+    )
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     t = cfg.train
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, max(t.warmup_steps, 1), max(t.steps, t.warmup_steps + 1), t.learning_rate * 0.1)
+        0.0, t.learning_rate, max(t.warmup_steps, 1), max(t.steps, t.warmup_steps + 1), t.learning_rate * 0.1
+    )
     parts = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm else []
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
 
@@ -117,20 +130,34 @@ def make_train_step(task: Task, ec: EmbeddingCollection, graphdef, tx):
             return loss, _scalars(metrics)
 
         (loss, metrics), (g_dense, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-            state["dense"], emb)
+            state["dense"], emb
+        )
         finite = jnp.isfinite(loss) & _all_finite(g_dense) & _all_finite(g_emb)
         ok = finite & (lstats["overflow"] == 0)
         updates, new_opt = tx.update(g_dense, state["opt"], state["dense"])
         new_dense = optax.apply_updates(state["dense"], updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+        def keep(new, old):
+            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
         g_emb = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), g_emb)  # no NaN travels even when skipped
         new_emb = ec.update(state["emb"], ids, g_emb, apply=ok)
-        new_state = dict(state, step=state["step"] + 1, dense=keep(new_dense, state["dense"]),
-                         opt=keep(new_opt, state["opt"]), emb=new_emb,
-                         skipped=state["skipped"] + (~finite).astype(jnp.int32))
-        metrics = dict(metrics, loss=loss, nonfinite=(~finite).astype(jnp.int32),
-                       overflow=lstats["overflow"], invalid_ids=lstats["invalid_ids"],
-                       grad_norm=optax.tree.norm(g_dense))
+        new_state = dict(
+            state,
+            step=state["step"] + 1,
+            dense=keep(new_dense, state["dense"]),
+            opt=keep(new_opt, state["opt"]),
+            emb=new_emb,
+            skipped=state["skipped"] + (~finite).astype(jnp.int32),
+        )
+        metrics = dict(
+            metrics,
+            loss=loss,
+            nonfinite=(~finite).astype(jnp.int32),
+            overflow=lstats["overflow"],
+            invalid_ids=lstats["invalid_ids"],
+            grad_norm=optax.tree.norm(g_dense),
+        )
         return new_state, metrics
 
     return train_step
@@ -153,14 +180,17 @@ def make_eval_step(task: Task, ec: EmbeddingCollection, graphdef):
 class Trainer:
     """Builds everything a config describes on a mesh; `run()` trains with logging and checkpoints."""
 
-    def __init__(self, cfg: Config, mesh=None, *, workdir: str | None = None, log: bool | None = None,
-                 progress: bool = True):
+    def __init__(
+        self, cfg: Config, mesh=None, *, workdir: str | None = None, log: bool | None = None, progress: bool = True
+    ):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.nodes, cfg.mesh.local)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         if self.process_count > 1 and self.process_count != cfg.mesh.nodes:
-            raise ValueError(f"mesh.nodes={cfg.mesh.nodes} but {self.process_count} processes are running; "
-                             f"in a multi-process run each process is one node")
+            raise ValueError(
+                f"mesh.nodes={cfg.mesh.nodes} but {self.process_count} processes are running; "
+                f"in a multi-process run each process is one node"
+            )
         self.workdir = Path(workdir or cfg.train.workdir).absolute()
         self.is_writer = self.process_index == 0 if log is None else log
         self.progress = progress and self.is_writer
@@ -172,7 +202,9 @@ class Trainer:
         self._dense_host, self._rest_host = _host_tree(dense), _host_tree(rest)  # numpy: see init_state
         self.replicated = NamedSharding(self.mesh, P())
         self.data = make_data(cfg, split="train", process_index=self.process_index, process_count=self.process_count)
-        self.eval_data = make_data(cfg, split="eval", process_index=self.process_index, process_count=self.process_count)
+        self.eval_data = make_data(
+            cfg, split="eval", process_index=self.process_index, process_count=self.process_count
+        )
         self._compiled = None
         self._eval = None
         self.comm = None
@@ -188,8 +220,14 @@ class Trainer:
         opt = jax.jit(self.tx.init, out_shardings=self.replicated)(dense)
         emb = self.ec.init(jax.random.key(self.cfg.train.seed))
         zero = jax.device_put(np.zeros((), np.int32), self.replicated)
-        return {"step": zero, "dense": dense, "rest": rest, "opt": opt, "emb": emb,
-                "skipped": jax.device_put(np.zeros((), np.int32), self.replicated)}
+        return {
+            "step": zero,
+            "dense": dense,
+            "rest": rest,
+            "opt": opt,
+            "emb": emb,
+            "skipped": jax.device_put(np.zeros((), np.int32), self.replicated),
+        }
 
     def state_shardings(self, state):
         emb = self.ec.state_shardings()
@@ -206,8 +244,9 @@ class Trainer:
         step = make_train_step(self.task, self.ec, self.graphdef, self.tx)
         shardings = self.state_shardings(state)
         batch_sh = jax.tree.map(lambda x: x.sharding, batch)
-        jitted = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, self.replicated),
-                         donate_argnums=0)
+        jitted = jax.jit(
+            step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, self.replicated), donate_argnums=0
+        )
         self._compiled = jitted.lower(state, batch).compile()
         cs = comm_inspect.list_collectives(self._compiled, mesh=self.mesh)
         self.comm = comm_inspect.summarize(cs)
@@ -253,8 +292,9 @@ class Trainer:
         import orbax.checkpoint as ocp
 
         path = self.workdir / "checkpoints"
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.train.keep_checkpoints, create=create,
-                                            enable_async_checkpointing=True)
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=self.cfg.train.keep_checkpoints, create=create, enable_async_checkpointing=True
+        )
         return ocp.CheckpointManager(path, options=opts, item_names=("state", "meta"))
 
     def _meta(self, state) -> dict:
@@ -282,8 +322,11 @@ class Trainer:
         stale = sorted(s for s in mgr.all_steps() if s >= step)
         if stale:
             self._set_aside(mgr, stale)
-        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               meta=ocp.args.JsonSave(self._meta(state))), force=force)
+        mgr.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(self._meta(state))),
+            force=force,
+        )
         return step
 
     def _set_aside(self, mgr, steps):
@@ -298,8 +341,10 @@ class Trainer:
                     target = dest / f"{s}-{stamp}"
                     os.replace(src, target)
                     if self.is_writer:
-                        print(f"checkpoint step {s} is from an abandoned run (this run resumed from an earlier "
-                              f"step): moved to {target}")
+                        print(
+                            f"checkpoint step {s} is from an abandoned run (this run resumed from an earlier "
+                            f"step): moved to {target}"
+                        )
         if self.process_count > 1:
             from jax.experimental import multihost_utils
 
@@ -322,30 +367,33 @@ class Trainer:
         elif step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {path}; available: {sorted(steps)}")
         others = sorted(s for s in steps if s != step)
-        hint = (f"; other checkpoints here: {others} (resume one with --resume-step N)" if others else "")
+        hint = f"; other checkpoints here: {others} (resume one with --resume-step N)" if others else ""
         try:
             meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if not isinstance(meta, dict) or "layout" not in meta or "step" not in meta:
                 raise ValueError(f"metadata is not a jaxscale checkpoint's: {str(meta)[:200]}")
         except Exception as e:  # orbax raises many types for unreadable files
-            raise CheckpointError(f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): "
-                                  f"{_brief(e)}{hint}") from e
+            raise CheckpointError(
+                f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): {_brief(e)}{hint}"
+            ) from e
         self._check_compatible(meta, template_state, step, path, hint)
         same_layout = meta["layout"] == self.ec.layout_signature()
-        abstract = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), template_state)
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), template_state)
         if not same_layout:
             abstract["emb"] = _saved_emb_abstract(meta, self.replicated)
         try:
             restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:
-            raise CheckpointError(f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): "
-                                  f"{_brief(e)}{hint}") from e
+            raise CheckpointError(
+                f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): {_brief(e)}{hint}"
+            ) from e
         if not same_layout:
             restored["emb"] = self._convert_emb(meta, restored["emb"])
         if int(_host(restored["step"])) != meta["step"]:
-            raise CheckpointError(f"checkpoint step {step} in {path} is inconsistent: state step "
-                                  f"{int(_host(restored['step']))} != metadata step {meta['step']}")
+            raise CheckpointError(
+                f"checkpoint step {step} in {path} is inconsistent: state step "
+                f"{int(_host(restored['step']))} != metadata step {meta['step']}"
+            )
         return restored, step
 
     def _check_compatible(self, meta, template_state, step, path, hint=""):
@@ -357,30 +405,44 @@ class Trainer:
         for name in sorted(set(saved) | set(current)):
             a, b = saved.get(name), current.get(name)
             if a is None or b is None:
-                problems.append(f"table {name!r} is {'missing from the checkpoint' if a is None else 'not in this model'}")
+                problems.append(
+                    f"table {name!r} is {'missing from the checkpoint' if a is None else 'not in this model'}"
+                )
                 continue
             for key in ("rows", "dim", "pooling", "reshape"):
                 if a.get(key) != b.get(key):
                     problems.append(f"table {name!r}: {key} {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
-        shapes = _shapes({"dense": template_state["dense"], "opt": template_state["opt"], "rest": template_state["rest"]})
+        shapes = _shapes(
+            {"dense": template_state["dense"], "opt": template_state["opt"], "rest": template_state["rest"]}
+        )
         saved_shapes = meta.get("dense_shapes", {})
         diff = [k for k in sorted(set(shapes) | set(saved_shapes)) if shapes.get(k) != saved_shapes.get(k)]
         if diff:
-            problems.append(f"dense parameters differ at {len(diff)} paths, e.g. {diff[0]}: "
-                            f"{saved_shapes.get(diff[0])} in the checkpoint, {shapes.get(diff[0])} now")
+            problems.append(
+                f"dense parameters differ at {len(diff)} paths, e.g. {diff[0]}: "
+                f"{saved_shapes.get(diff[0])} in the checkpoint, {shapes.get(diff[0])} now"
+            )
         if sorted(meta.get("optimizer_slots", [])) != sorted(self.ec.optimizer.slots):
-            problems.append(f"embedding optimizer slots {meta.get('optimizer_slots')} != {list(self.ec.optimizer.slots)}")
+            problems.append(
+                f"embedding optimizer slots {meta.get('optimizer_slots')} != {list(self.ec.optimizer.slots)}"
+            )
         if problems:
-            raise CheckpointError(f"checkpoint step {step} in {path} is from another model: " + "; ".join(problems)
-                                  + (f" (other checkpoints here: {hint.split(': ', 1)[1]})" if hint else ""))
+            raise CheckpointError(
+                f"checkpoint step {step} in {path} is from another model: "
+                + "; ".join(problems)
+                + (f" (other checkpoints here: {hint.split(': ', 1)[1]})" if hint else "")
+            )
 
     def _convert_emb(self, meta, saved_emb):
         """Saved stacks (another mesh/topology/plan) -> dense tables -> this collection's layout."""
         plan = ShardingPlan.from_dict(meta["layout"]["plan"])
         tables = self.task.tables
         weights = stacks_to_dense(tables, plan, {k: _host(v)[0] for k, v in saved_emb["weights"].items()})
-        slots = {s: slots_to_dense(tables, plan, {k: _host(v)[0] for k, v in saved_emb[s].items()})
-                 for s in self.ec.optimizer.slots if s in saved_emb}
+        slots = {
+            s: slots_to_dense(tables, plan, {k: _host(v)[0] for k, v in saved_emb[s].items()})
+            for s in self.ec.optimizer.slots
+            if s in saved_emb
+        }
         return self.ec.load_dense(weights, slots, step=int(_host(saved_emb["step"])))
 
     # -------------------------------------------------------------- loop
@@ -398,8 +460,14 @@ class Trainer:
             stop = bool(np.max(multihost_utils.process_allgather(np.asarray(stop, np.int32))))
         return stop or (stop_at is not None and step >= stop_at)
 
-    def run(self, *, steps: int | None = None, resume: bool = False, resume_step: int | None = None,
-            stop_at: int | None = None) -> dict:
+    def run(
+        self,
+        *,
+        steps: int | None = None,
+        resume: bool = False,
+        resume_step: int | None = None,
+        stop_at: int | None = None,
+    ) -> dict:
         """Trains to `steps` (default config.train.steps); returns {'losses': [...], 'final': metrics}.
 
         `stop_at` ends the run early at that step (saving a checkpoint), as SIGTERM does.
@@ -439,11 +507,17 @@ class Trainer:
                 if metrics["nonfinite"] and self.cfg.train.nonfinite_policy == "raise":
                     raise FloatingPointError(
                         f"non-finite loss or gradient at step {step} (loss={metrics['loss']}); the update was not "
-                        f"applied. Set train.nonfinite_policy=skip to skip such steps")
+                        f"applied. Set train.nonfinite_policy=skip to skip such steps"
+                    )
                 step += 1
-                metrics.update(step=step, step_time_s=dt, examples_per_s=self.cfg.train.batch_size / dt,
-                               comm_bytes_intra_node=self.comm["intra_node"], comm_bytes_cross_node=self.comm["cross_node"],
-                               skipped_total=float(_host(state["skipped"])))
+                metrics.update(
+                    step=step,
+                    step_time_s=dt,
+                    examples_per_s=self.cfg.train.batch_size / dt,
+                    comm_bytes_intra_node=self.comm["intra_node"],
+                    comm_bytes_cross_node=self.comm["cross_node"],
+                    skipped_total=float(_host(state["skipped"])),
+                )
                 history["losses"].append(metrics["loss"])
                 history["steps"].append(step)
                 if step % cfg.log_every == 0 or step == total or step == start + 1:
@@ -482,11 +556,14 @@ class Trainer:
             raise CapacityOverflowError(
                 f"step {step}: {int(metrics['overflow'])} looked-up rows did not fit the all-to-all capacity "
                 f"(embedding.capacity_factor={cf}); the step was not applied. Raise capacity_factor, set it to "
-                f"null (exact, never overflows) or use train.overflow_policy=grow")
+                f"null (exact, never overflows) or use train.overflow_policy=grow"
+            )
         new_cf = None if cf is None or cf * 2 >= self.ec.num_shards else cf * 2
         if self.is_writer:
-            print(f"step {step}: all-to-all overflow ({int(metrics['overflow'])} rows); growing capacity_factor "
-                  f"{cf} -> {new_cf} and recompiling; the step is re-run")
+            print(
+                f"step {step}: all-to-all overflow ({int(metrics['overflow'])} rows); growing capacity_factor "
+                f"{cf} -> {new_cf} and recompiling; the step is re-run"
+            )
         self.ec = make_collection(self.cfg, self.mesh, self.task.tables, capacity_factor=new_cf)
         self._compiled = None
         # the skipped attempt advanced both step counters (the engine's drives periodic replica sync):
@@ -501,12 +578,18 @@ def _saved_emb_abstract(meta, replicated):
     layout = meta["layout"]
     reps = layout["num_replicas"]
     shards = layout["plan"]["num_shards"]
-    out = {"weights": {k: jax.ShapeDtypeStruct((reps, shards, r, w), jnp.float32, sharding=replicated)
-                       for k, (r, w) in layout["stacks"].items()},
-           "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)}
+    out = {
+        "weights": {
+            k: jax.ShapeDtypeStruct((reps, shards, r, w), jnp.float32, sharding=replicated)
+            for k, (r, w) in layout["stacks"].items()
+        },
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+    }
     for slot in meta.get("optimizer_slots", []):
-        out[slot] = {k: jax.ShapeDtypeStruct((reps, shards, r), jnp.float32, sharding=replicated)
-                     for k, (r, w) in layout["stacks"].items()}
+        out[slot] = {
+            k: jax.ShapeDtypeStruct((reps, shards, r), jnp.float32, sharding=replicated)
+            for k, (r, w) in layout["stacks"].items()
+        }
     return out
 
 
@@ -548,6 +631,7 @@ def _device_tree(tree, sharding):
         if isinstance(x, _HostKey):
             return jax.random.wrap_key_data(jax.device_put(x.data, sharding), impl=x.impl)
         return jax.device_put(x, sharding)
+
     return jax.tree.map(put, tree)
 
 
@@ -576,8 +660,10 @@ class _MetricsWriter:
     def write(self, metrics: Mapping):
         if not self.enabled:
             return
-        self.f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                 for k, v in metrics.items()}) + "\n")
+        self.f.write(
+            json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()})
+            + "\n"
+        )
         self.f.flush()
         if self.tb is not None:
             step = int(metrics.get("step", 0))
@@ -607,8 +693,10 @@ class _progress:
 
     def note(self, ev):
         if self.bar is not None:
-            self.bar.write("eval @ step {step}: ".format(step=ev.get("step")) +
-                           ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k != "step"))
+            self.bar.write(
+                "eval @ step {step}: ".format(step=ev.get("step"))
+                + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k != "step")
+            )
 
     def close(self):
         if self.bar is not None:

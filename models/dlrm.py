@@ -17,7 +17,8 @@ bottom_mlp[-1] == emb_dim) or 'dcn' (DCNv2 cross layers over the concatenation, 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,34 @@ from models.foundation import check_choice, check_int, field_error
 INTERACTIONS = ("dot", "dcn")
 
 # MLPerf DLRMv2 (Criteo 1TB, multi-hot, 40M-row cap) table sizes and multi-hot sizes.
-_MLPERF_ROWS = (40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956,
-                405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152,
-                12_973, 108, 36)
+_MLPERF_ROWS = (
+    40_000_000,
+    39_060,
+    17_295,
+    7_424,
+    20_265,
+    3,
+    7_122,
+    1_543,
+    63,
+    40_000_000,
+    3_067_956,
+    405_282,
+    10,
+    2_209,
+    11_938,
+    155,
+    4,
+    976,
+    14,
+    40_000_000,
+    40_000_000,
+    40_000_000,
+    590_152,
+    12_973,
+    108,
+    36,
+)
 _MLPERF_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
 
 
@@ -64,24 +90,28 @@ class DLRMConfig:
             value = getattr(self, f)
             values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
             if isinstance(value, (tuple, list)) and len(values) != self.num_sparse_features:
-                raise field_error(o, f, f"has {len(values)} entries but num_sparse_features="
-                                        f"{self.num_sparse_features}")
-            if not values or any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1
-                                 or v > 2**31 - 1 for v in values):
+                raise field_error(o, f, f"has {len(values)} entries but num_sparse_features={self.num_sparse_features}")
+            if not values or any(
+                not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1 or v > 2**31 - 1 for v in values
+            ):
                 raise field_error(o, f, f"must be positive int32 integers, got {value!r}")
             if isinstance(value, list):
                 object.__setattr__(self, f, tuple(value))
         for f in ("bottom_mlp", "top_mlp"):
             value = getattr(self, f)
-            if (not isinstance(value, (tuple, list)) or not value
-                    or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value)):
+            if (
+                not isinstance(value, (tuple, list))
+                or not value
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value)
+            ):
                 raise field_error(o, f, f"must be a non-empty list of positive integers, got {value!r}")
             object.__setattr__(self, f, tuple(value))
         check_choice(o, self, "pooling", ("sum", "mean"))
         check_choice(o, self, "interaction", INTERACTIONS)
         if self.interaction == "dot" and self.bottom_mlp[-1] != self.emb_dim:
-            raise field_error(o, "bottom_mlp", f"must end in emb_dim={self.emb_dim} for the 'dot' "
-                                               f"interaction, got {self.bottom_mlp}")
+            raise field_error(
+                o, "bottom_mlp", f"must end in emb_dim={self.emb_dim} for the 'dot' interaction, got {self.bottom_mlp}"
+            )
 
     def table_rows(self) -> tuple[int, ...]:
         return self.rows if isinstance(self.rows, tuple) else (self.rows,) * self.num_sparse_features
@@ -95,16 +125,25 @@ class DLRMConfig:
         return sum(self.table_rows()) * self.emb_dim
 
     @classmethod
-    def smoke(cls, **overrides) -> "DLRMConfig":
+    def smoke(cls, **overrides) -> DLRMConfig:
         """8 tables of 10k x 16, 2-hot, 13 dense features: trains on CPU in seconds."""
         return cls(**overrides)
 
     @classmethod
-    def large(cls, **overrides) -> "DLRMConfig":
+    def large(cls, **overrides) -> DLRMConfig:
         """MLPerf DLRMv2 (DCNv2) shape: 26 tables, 204M rows x 128 (26B embedding params), multi-hot."""
-        base = dict(num_sparse_features=26, rows=_MLPERF_ROWS, emb_dim=128, ids_per_feature=_MLPERF_HOT,
-                    num_dense=13, bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256),
-                    interaction="dcn", dcn_layers=3, dcn_rank=512)
+        base = dict(
+            num_sparse_features=26,
+            rows=_MLPERF_ROWS,
+            emb_dim=128,
+            ids_per_feature=_MLPERF_HOT,
+            num_dense=13,
+            bottom_mlp=(512, 256, 128),
+            top_mlp=(1024, 1024, 512, 256),
+            interaction="dcn",
+            dcn_layers=3,
+            dcn_rank=512,
+        )
         return cls(**(base | overrides))
 
 
@@ -114,8 +153,10 @@ def sparse_features(cfg: DLRMConfig) -> tuple[str, ...]:
 
 def dlrm_tables(cfg: DLRMConfig) -> list[TableConfig]:
     """One pooled table per sparse feature (table name == feature name)."""
-    return [TableConfig(name=f, rows=r, dim=cfg.emb_dim, pooling=cfg.pooling, features=(f,))
-            for f, r in zip(sparse_features(cfg), cfg.table_rows())]
+    return [
+        TableConfig(name=f, rows=r, dim=cfg.emb_dim, pooling=cfg.pooling, features=(f,))
+        for f, r in zip(sparse_features(cfg), cfg.table_rows())
+    ]
 
 
 def dlrm_ids(cfg: DLRMConfig, batch: Mapping) -> dict:
@@ -173,9 +214,9 @@ class DLRM(nnx.Module):
         x = self.bottom(jnp.log1p(jnp.maximum(jnp.asarray(dense, jnp.float32), 0.0)))
         embs = [jnp.asarray(embeddings[f], jnp.float32) for f in sparse_features(cfg)]
         if cfg.interaction == "dot":
-            t = jnp.stack([x, *embs], axis=1)                              # [B, F+1, D]
+            t = jnp.stack([x, *embs], axis=1)  # [B, F+1, D]
             z = jnp.einsum("bid,bjd->bij", t, t)
-            i, j = np.tril_indices(t.shape[1], k=-1)                       # distinct pairs only
+            i, j = np.tril_indices(t.shape[1], k=-1)  # distinct pairs only
             h = jnp.concatenate([x, z[:, i, j]], axis=-1)
         else:
             x0 = h = jnp.concatenate([x, *embs], axis=-1)
@@ -190,8 +231,7 @@ def dlrm_loss(model: DLRM, embeddings: Mapping, batch: Mapping):
     labels = jnp.asarray(batch["label"], jnp.float32)
     loss = jnp.mean(jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
     acc = jnp.mean((logits > 0) == (labels > 0.5))
-    return loss, {"loss": loss, "accuracy": acc, "logits": logits, "probs": jax.nn.sigmoid(logits),
-                  "labels": labels}
+    return loss, {"loss": loss, "accuracy": acc, "logits": logits, "probs": jax.nn.sigmoid(logits), "labels": labels}
 
 
 def auc(labels, scores) -> float:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,7 @@ def check_int(owner: str, obj, field: str, minimum: int = 1) -> None:
         raise field_error(owner, field, f"must be an integer >= {minimum}, got {value!r}")
 
 
-def check_float(owner: str, obj, field: str, low: float, high: float = math.inf,
-                low_open: bool = False) -> None:
+def check_float(owner: str, obj, field: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
     value = getattr(obj, field)
     ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
     ok = ok and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
@@ -112,8 +112,19 @@ class FoundationConfig:
 
     def __post_init__(self):
         o = "FoundationConfig"
-        for f in ("item_rows", "item_dim", "num_item_tables", "num_actions", "num_surfaces", "d_model",
-                  "num_layers", "num_heads", "mlp_ratio", "time_buckets", "recall_k"):
+        for f in (
+            "item_rows",
+            "item_dim",
+            "num_item_tables",
+            "num_actions",
+            "num_surfaces",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "mlp_ratio",
+            "time_buckets",
+            "recall_k",
+        ):
             check_int(o, self, f, 1)
         check_int(o, self, "max_seq_len", 2)
         check_int(o, self, "max_negatives", 0)
@@ -155,18 +166,33 @@ class FoundationConfig:
         return self.num_item_tables * self.item_rows * self.item_dim
 
     @classmethod
-    def smoke(cls, **overrides) -> "FoundationConfig":
+    def smoke(cls, **overrides) -> FoundationConfig:
         """Trains on 8 simulated CPU devices in seconds (20k x 32 item table, 2 layers, d_model 64)."""
         return cls(**overrides)
 
     @classmethod
-    def large(cls, **overrides) -> "FoundationConfig":
+    def large(cls, **overrides) -> FoundationConfig:
         """Production-like: 2 hashed item tables of 100M x 64 (12.8B embedding params), 2k-event
         sequences, a 12-layer d_model-1024 transformer (~150M dense params). Sized for 8x8 H100s."""
-        base = dict(item_rows=100_000_000, item_dim=64, item_vocab=2_000_000_000, num_item_tables=2,
-                    item_combine="concat", num_actions=16, num_surfaces=8, d_model=1024, num_layers=12,
-                    num_heads=16, mlp_ratio=4, max_seq_len=2048, dropout=0.1, time_buckets=64,
-                    max_negatives=8192, recall_k=100, dtype="bfloat16")
+        base = dict(
+            item_rows=100_000_000,
+            item_dim=64,
+            item_vocab=2_000_000_000,
+            num_item_tables=2,
+            item_combine="concat",
+            num_actions=16,
+            num_surfaces=8,
+            d_model=1024,
+            num_layers=12,
+            num_heads=16,
+            mlp_ratio=4,
+            max_seq_len=2048,
+            dropout=0.1,
+            time_buckets=64,
+            max_negatives=8192,
+            recall_k=100,
+            dtype="bfloat16",
+        )
         return cls(**(base | overrides))
 
 
@@ -177,8 +203,10 @@ def item_features(cfg: FoundationConfig) -> tuple[str, ...]:
 
 def foundation_tables(cfg: FoundationConfig) -> list[TableConfig]:
     """The sharded tables: only the item tables (sequence lookups). Actions/surfaces are nnx.Embed."""
-    return [TableConfig(name=f, rows=cfg.item_rows, dim=cfg.item_dim, pooling=None, features=(f,),
-                        reshape=cfg.item_reshape) for f in item_features(cfg)]
+    return [
+        TableConfig(name=f, rows=cfg.item_rows, dim=cfg.item_dim, pooling=None, features=(f,), reshape=cfg.item_reshape)
+        for f in item_features(cfg)
+    ]
 
 
 def _fmix32(h, xp):
@@ -210,8 +238,10 @@ def foundation_ids(cfg: FoundationConfig, batch: Mapping) -> dict:
     """The engine's input: {item feature: int32 [B, L]} from batch['item_ids'] (numpy or jax)."""
     ids = batch["item_ids"]
     rows = cfg.item_rows * 2 if cfg.item_reshape == "half_dim" else cfg.item_rows  # the tables' stored_rows
-    return {f: hash_ids(ids, j, rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
-            for j, f in enumerate(item_features(cfg))}
+    return {
+        f: hash_ids(ids, j, rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
+        for j, f in enumerate(item_features(cfg))
+    }
 
 
 def combine_items(cfg: FoundationConfig, embeddings: Mapping) -> jax.Array:
@@ -328,8 +358,12 @@ class FoundationModel(nnx.Module):
         items = jnp.where(mask[..., None], combine_items(cfg, embeddings), 0.0)
         actions = jnp.clip(jnp.where(mask, batch["actions"], 0), 0, cfg.num_actions - 1)
         surfaces = jnp.clip(jnp.where(mask, batch["surfaces"], 0), 0, cfg.num_surfaces - 1)
-        x = (self.item_in(self.item_ln(items)) + self.action_emb(actions) + self.surface_emb(surfaces)
-             + self.pos_emb(jnp.arange(l))[None])
+        x = (
+            self.item_in(self.item_ln(items))
+            + self.action_emb(actions)
+            + self.surface_emb(surfaces)
+            + self.pos_emb(jnp.arange(l))[None]
+        )
         if cfg.time_encoding != "none":
             x = x + self.time_features(batch["timestamps"], mask)
         x = self.dropout(x)
@@ -358,11 +392,10 @@ def info_nce(query, target, valid, target_ids, *, temperature: float, max_negati
     Returns (mean loss over valid rows, recall@k over valid rows, number of valid rows).
     """
     n = query.shape[0]
-    idx = np.arange(n) if not max_negatives or max_negatives >= n else (
-        np.arange(max_negatives) * n // max_negatives)
+    idx = np.arange(n) if not max_negatives or max_negatives >= n else (np.arange(max_negatives) * n // max_negatives)
     pool, pool_valid, pool_ids = target[idx], valid[idx], target_ids[idx]
-    pos = jnp.sum(query * target, axis=-1) / temperature                     # [N]
-    neg = query @ pool.T / temperature                                        # [N, M]
+    pos = jnp.sum(query * target, axis=-1) / temperature  # [N]
+    neg = query @ pool.T / temperature  # [N, M]
     neg_ok = pool_valid[None, :] & (pool_ids[None, :] != target_ids[:, None])
     neg = jnp.where(neg_ok, neg, -jnp.inf)
     lse = jnp.logaddexp(pos, jax.nn.logsumexp(neg, axis=-1))
@@ -384,8 +417,14 @@ def foundation_loss(model: FoundationModel, embeddings: Mapping, batch: Mapping)
     e = out["query"].shape[-1]
     ids = jnp.asarray(batch["item_ids"])
     retrieval, recall, pairs = info_nce(
-        out["query"][:, :-1].reshape(-1, e), out["item"][:, 1:].reshape(-1, e), pair.reshape(-1),
-        ids[:, 1:].reshape(-1), temperature=cfg.temperature, max_negatives=cfg.max_negatives, k=cfg.recall_k)
+        out["query"][:, :-1].reshape(-1, e),
+        out["item"][:, 1:].reshape(-1, e),
+        pair.reshape(-1),
+        ids[:, 1:].reshape(-1),
+        temperature=cfg.temperature,
+        max_negatives=cfg.max_negatives,
+        k=cfg.recall_k,
+    )
     logits = out["engage_logits"]
     labels = jnp.asarray(batch["engaged"], jnp.float32)[:, 1:]
     w = pair.astype(jnp.float32)
@@ -393,9 +432,17 @@ def foundation_loss(model: FoundationModel, embeddings: Mapping, batch: Mapping)
     bce = jnp.sum(w * _bce(logits, labels)) / count
     acc = jnp.sum(w * ((logits > 0) == (labels > 0.5))) / count
     loss = cfg.retrieval_weight * retrieval + cfg.engage_weight * bce
-    metrics = {"loss": loss, "retrieval_loss": retrieval, f"recall@{cfg.recall_k}": recall,
-               "engage_loss": bce, "engage_accuracy": acc, "pairs": pairs,
-               "engage_probs": jax.nn.sigmoid(logits), "engage_labels": labels, "engage_weights": w}
+    metrics = {
+        "loss": loss,
+        "retrieval_loss": retrieval,
+        f"recall@{cfg.recall_k}": recall,
+        "engage_loss": bce,
+        "engage_accuracy": acc,
+        "pairs": pairs,
+        "engage_probs": jax.nn.sigmoid(logits),
+        "engage_labels": labels,
+        "engage_weights": w,
+    }
     return loss, metrics
 
 

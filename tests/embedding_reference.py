@@ -76,5 +76,5 @@ def adagrad_step(tables, accumulators, configs, ids, grads, lr, eps, col_parts=N
                 else:
                     acc[name][r, c] += np.mean(gb * gb)
                     a = acc[name][r, c]
-                out[name][r, c * w:(c + 1) * w] -= (lr * gb / (np.sqrt(a) + eps)).astype(np.float32)
+                out[name][r, c * w : (c + 1) * w] -= (lr * gb / (np.sqrt(a) + eps)).astype(np.float32)
     return out, acc

@@ -23,9 +23,11 @@ def tables():
     import jaxscale
 
     # one width -> one stack: compile time (XLA:CPU, 2 processes on few cores) dominates this test
-    return [jaxscale.TableConfig("items", rows=120, dim=8, pooling="sum", features=("a", "b")),
-            jaxscale.TableConfig("user", rows=37, dim=8, pooling="mean"),
-            jaxscale.TableConfig("seq", rows=50, dim=8, pooling=None)]
+    return [
+        jaxscale.TableConfig("items", rows=120, dim=8, pooling="sum", features=("a", "b")),
+        jaxscale.TableConfig("user", rows=37, dim=8, pooling="mean"),
+        jaxscale.TableConfig("seq", rows=50, dim=8, pooling=None),
+    ]
 
 
 def dense_tables():
@@ -77,8 +79,9 @@ def run_scenario(mesh) -> dict[str, np.ndarray]:
     for topology, sharding in CONFIGS:
         k = key(topology, sharding)
         print(f"[process {pid}] {k} start at {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-        ec = jaxscale.EmbeddingCollection(tables(), mesh, topology=topology, sharding=sharding,
-                                          optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS))
+        ec = jaxscale.EmbeddingCollection(
+            tables(), mesh, topology=topology, sharding=sharding, optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS)
+        )
         state = ec.from_dense(dense_tables())
         for step, (ids, targets) in enumerate(global_batches()):
             local_ids = ec.shard_batch({f: x[mine] for f, x in ids.items()})

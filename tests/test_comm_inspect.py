@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxscale
 from jaxscale import collectives
@@ -57,8 +58,16 @@ def mesh_2x4():
 
 def test_literal_hlo_all_syntaxes(mesh_2x4):
     found = list_collectives(HLO_MODULE, mesh=mesh_2x4)
-    assert [c.name for c in found] == ["all-to-all", "all-reduce", "all-gather", "reduce-scatter",
-                                       "collective-permute", "all-gather-start", "all-reduce.2", "all-reduce.1"]
+    assert [c.name for c in found] == [
+        "all-to-all",
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "collective-permute",
+        "all-gather-start",
+        "all-reduce.2",
+        "all-reduce.1",
+    ]
     for c, (kind, size, groups, result, per_device, cross) in zip(found, EXPECTED):
         assert (c.kind, c.group_size, c.groups) == (kind, size, groups), c.name
         assert (c.result_bytes, c.bytes_per_device, c.cross_node) == (result, per_device, cross), c.name
@@ -81,22 +90,24 @@ def test_summarize_and_table(mesh_2x4):
 
 
 def test_lowered_style_names_index_comments_and_sub_axes(mesh_2x4):
-    text = "\n".join([
-        # pre-optimisation HLO: names without '%'
-        "  all_to_all.1 = u16[64,16]{1,0} all-to-all(bitcast_convert_type.2), channel_id=1, "
-        "replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}",
-        # long CPU tuples carry /*index=N*/ comments
-        "  %all-to-all.3 = (u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, "
-        "/*index=5*/u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}) all-to-all(%s0, %s1), channel_id=2, "
-        "replica_groups=[1,8]<=[8]",
-        # a sub-axis: local:(2)2 pairs positions 0/2 and 1/3 inside each node
-        "  %all-reduce.5 = f32[8]{0} all-reduce(%r), channel_id=3, "
-        "replica_groups=mesh['node'=2,'local'=4] {'local':(1)2}, to_apply=%add",
-        # explicit device_ids (a reversed mesh): groups over 'node' pair position 7 with 3, ...
-        "  %all-reduce.6 = f32[8]{0} all-reduce(%r), channel_id=4, "
-        "replica_groups=mesh['node'=2,'local'=4], device_ids=(7,6,5,4,3,2,1,0) {'node'}, to_apply=%add",
-        "  %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)",
-    ])
+    text = "\n".join(
+        [
+            # pre-optimisation HLO: names without '%'
+            "  all_to_all.1 = u16[64,16]{1,0} all-to-all(bitcast_convert_type.2), channel_id=1, "
+            "replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}",
+            # long CPU tuples carry /*index=N*/ comments
+            "  %all-to-all.3 = (u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}, "
+            "/*index=5*/u8[8,20]{1,0}, u8[8,20]{1,0}, u8[8,20]{1,0}) all-to-all(%s0, %s1), channel_id=2, "
+            "replica_groups=[1,8]<=[8]",
+            # a sub-axis: local:(2)2 pairs positions 0/2 and 1/3 inside each node
+            "  %all-reduce.5 = f32[8]{0} all-reduce(%r), channel_id=3, "
+            "replica_groups=mesh['node'=2,'local'=4] {'local':(1)2}, to_apply=%add",
+            # explicit device_ids (a reversed mesh): groups over 'node' pair position 7 with 3, ...
+            "  %all-reduce.6 = f32[8]{0} all-reduce(%r), channel_id=4, "
+            "replica_groups=mesh['node'=2,'local'=4], device_ids=(7,6,5,4,3,2,1,0) {'node'}, to_apply=%add",
+            "  %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)",
+        ]
+    )
     a2a, tuple_a2a, sub_axis, explicit = parse_hlo(text, mesh_2x4)
     assert (a2a.name, a2a.dtypes, a2a.result_bytes, a2a.cross_node) == ("all_to_all.1", ("u16",), 2048, True)
     assert len(tuple_a2a.shapes) == 8 and tuple_a2a.result_bytes == 8 * 8 * 20
@@ -118,8 +129,11 @@ def test_rejects_unknown_syntax_and_out_of_mesh_positions(mesh_2x4):
 
 
 def _a2a_step(mesh, axis, precision, fp8_format="e4m3"):
-    return jax.jit(jax.shard_map(lambda b: collectives.all_to_all(b, axis, precision, fp8_format), mesh=mesh,
-                                 in_specs=SPEC, out_specs=SPEC))
+    return jax.jit(
+        jax.shard_map(
+            lambda b: collectives.all_to_all(b, axis, precision, fp8_format), mesh=mesh, in_specs=SPEC, out_specs=SPEC
+        )
+    )
 
 
 def _sharded(mesh, rows, d, dtype=np.float32):
@@ -151,8 +165,11 @@ def test_cross_node_classification(mesh):
     x = _sharded(mesh, mesh.size * mesh.size, 8)
 
     def body(b):
-        return (collectives.all_to_all(b, LOCAL), collectives.all_to_all(b, NODE),
-                collectives.all_to_all(b, (NODE, LOCAL)))
+        return (
+            collectives.all_to_all(b, LOCAL),
+            collectives.all_to_all(b, NODE),
+            collectives.all_to_all(b, (NODE, LOCAL)),
+        )
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPEC, out_specs=(SPEC,) * 3))
     found = {c.group_size: c for c in list_collectives(step, x, mesh=mesh) if c.kind == "all-to-all"}
@@ -170,8 +187,12 @@ def test_accepts_function_compiled_lowered_and_text(mesh_2x4):
     step = _a2a_step(mesh_2x4, NODE, "fp8")
     lowered = step.lower(x)
     compiled = lowered.compile()
-    views = [list_collectives(step, x, mesh=mesh_2x4), list_collectives(compiled, mesh=mesh_2x4),
-             list_collectives(lowered, mesh=mesh_2x4), list_collectives(compiled.as_text(), mesh=mesh_2x4)]
+    views = [
+        list_collectives(step, x, mesh=mesh_2x4),
+        list_collectives(compiled, mesh=mesh_2x4),
+        list_collectives(lowered, mesh=mesh_2x4),
+        list_collectives(compiled.as_text(), mesh=mesh_2x4),
+    ]
     assert all(v == views[0] for v in views)
     (c,) = views[0]
     assert isinstance(c, Collective) and c.cross_node and c.group_size == 2 and set(c.dtypes) == {"u8"}
@@ -203,9 +224,13 @@ def test_quantized_all_to_all_grad_moves_both_precisions(mesh_2x4):
     x = _sharded(mesh_2x4, 8 * 8, 64)
 
     def loss(v):
-        y = jax.shard_map(lambda b: collectives.quantized_all_to_all(b, (NODE, LOCAL), "fp8", "bf16"),
-                          mesh=mesh_2x4, in_specs=SPEC, out_specs=SPEC)(v)
-        return jnp.sum(y ** 2)
+        y = jax.shard_map(
+            lambda b: collectives.quantized_all_to_all(b, (NODE, LOCAL), "fp8", "bf16"),
+            mesh=mesh_2x4,
+            in_specs=SPEC,
+            out_specs=SPEC,
+        )(v)
+        return jnp.sum(y**2)
 
     found = [c for c in list_collectives(jax.grad(loss), x, mesh=mesh_2x4) if c.kind == "all-to-all"]
     assert sorted(set(c.dtypes) for c in found) == sorted([{"u8"}, {"u16"}])

@@ -8,8 +8,10 @@ import pytest
 import jaxscale
 from jaxscale import comm_inspect
 
-TABLES = [jaxscale.TableConfig("seq", rows=400, dim=32, pooling=None),
-          jaxscale.TableConfig("bag", rows=300, dim=32, pooling="sum")]
+TABLES = [
+    jaxscale.TableConfig("seq", rows=400, dim=32, pooling=None),
+    jaxscale.TableConfig("bag", rows=300, dim=32, pooling="sum"),
+]
 B, L = 32, 6
 # Stated bounds: forward per-row relative error (L2) of one lookup; AdaGrad tables after 5 steps vs fp32.
 FORWARD_BOUND = {"fp32": 0.0, "bf16": 0.01, "fp16": 0.002, "fp8": 0.05}
@@ -17,12 +19,21 @@ TRAIN_BOUND = {"fp32": 0.0, "bf16": 0.01, "fp16": 0.002, "fp8": 0.1}
 
 
 def batch(rng):
-    return {"seq": rng.integers(-1, 400, (B, L)).astype(np.int32), "bag": rng.integers(-1, 300, (B, L)).astype(np.int32)}
+    return {
+        "seq": rng.integers(-1, 400, (B, L)).astype(np.int32),
+        "bag": rng.integers(-1, 300, (B, L)).astype(np.int32),
+    }
 
 
 def make(mesh, precision, **kw):
-    return jaxscale.EmbeddingCollection(TABLES, mesh, sharding="row_wise", optimizer=jaxscale.RowWiseAdagrad(0.05),
-                                        comm=jaxscale.CommConfig(forward=precision, backward=precision), **kw)
+    return jaxscale.EmbeddingCollection(
+        TABLES,
+        mesh,
+        sharding="row_wise",
+        optimizer=jaxscale.RowWiseAdagrad(0.05),
+        comm=jaxscale.CommConfig(forward=precision, backward=precision),
+        **kw,
+    )
 
 
 def row_rel_err(a, b):
@@ -37,8 +48,10 @@ def test_lookup_and_training_stay_within_bounds_of_fp32(precision):
     mesh = jaxscale.make_mesh(2, 4)
     rng = np.random.default_rng(0)
     # rows with scales spread over 4 orders of magnitude: per-row scales must keep each row accurate
-    w0 = {t.name: (rng.normal(size=(t.rows, t.dim)) * 10.0 ** rng.uniform(-2, 2, (t.rows, 1))).astype(np.float32)
-          for t in TABLES}
+    w0 = {
+        t.name: (rng.normal(size=(t.rows, t.dim)) * 10.0 ** rng.uniform(-2, 2, (t.rows, 1))).astype(np.float32)
+        for t in TABLES
+    }
     ref, q = make(mesh, "fp32"), make(mesh, precision)
     s_ref, s_q = ref.from_dense(w0), q.from_dense(w0)
     for step in range(5):
@@ -121,9 +134,19 @@ def _train_losses(tmp_path, name, *overrides):
     from jaxscale.config import load_config
     from jaxscale.trainer import Trainer
 
-    cfg = load_config("experiments/configs/foundation_tiny.yaml",
-                      ["train.steps=200", "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=50",
-                       f"train.workdir={tmp_path / name}", "mesh.nodes=2", "mesh.local=4", *overrides])
+    cfg = load_config(
+        "experiments/configs/foundation_tiny.yaml",
+        [
+            "train.steps=200",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "train.log_every=50",
+            f"train.workdir={tmp_path / name}",
+            "mesh.nodes=2",
+            "mesh.local=4",
+            *overrides,
+        ],
+    )
     return Trainer(cfg, progress=False).run()["losses"]
 
 

@@ -13,8 +13,16 @@ from jaxscale.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "dlrm_smoke.yaml")
-SMALL = ["mesh.nodes=2", "mesh.local=4", "model.dlrm.num_sparse_features=2", "model.dlrm.rows=512",
-         "model.dlrm.bottom_mlp=[16]", "model.dlrm.top_mlp=[8]", "model.dlrm.num_dense=2", "train.batch_size=16"]
+SMALL = [
+    "mesh.nodes=2",
+    "mesh.local=4",
+    "model.dlrm.num_sparse_features=2",
+    "model.dlrm.rows=512",
+    "model.dlrm.bottom_mlp=[16]",
+    "model.dlrm.top_mlp=[8]",
+    "model.dlrm.num_dense=2",
+    "train.batch_size=16",
+]
 
 
 def _a2a_rows(rep):
@@ -25,8 +33,10 @@ def _a2a_rows(rep):
 def fp32_fp8():
     reps = {}
     for prec in ("fp32", "fp8"):
-        cfg = load_config(CONFIG, SMALL + ["embedding.topology=1d", f"embedding.comm_forward={prec}",
-                                           f"embedding.comm_backward={prec}"])
+        cfg = load_config(
+            CONFIG,
+            SMALL + ["embedding.topology=1d", f"embedding.comm_forward={prec}", f"embedding.comm_backward={prec}"],
+        )
         reps[prec] = cr.comm_report(cfg)
     return reps
 
@@ -48,14 +58,29 @@ def test_fp8_sends_u8_and_fewer_bytes(fp32_fp8):
     s = f32["per_step"]
     assert s["intra_node_bytes_per_example"] == pytest.approx(s["intra_node_bytes_per_device"] * 8 / 16)
     assert s["intra_node_bytes_per_device"] + s["inter_node_bytes_per_device"] == pytest.approx(
-        s["comm_inspect_cross_node"] + s["comm_inspect_intra_node"])
+        s["comm_inspect_cross_node"] + s["comm_inspect_intra_node"]
+    )
 
 
 def test_cli_json_2d_a2a_keeps_all_to_all_inside_the_node():
     env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "jaxscale.comm_report", "--config", CONFIG, *SMALL,
-                          "embedding.topology=2d_a2a", "--json"], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxscale.comm_report",
+            "--config",
+            CONFIG,
+            *SMALL,
+            "embedding.topology=2d_a2a",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout)
     assert rep["config"]["topology"] == "2d_a2a" and rep["config"]["devices"] == 8
@@ -65,8 +90,17 @@ def test_cli_json_2d_a2a_keeps_all_to_all_inside_the_node():
 
 
 def _coll(kind, groups, result_bytes, bytes_per_device):
-    return Collective(kind=kind, dtypes=("f32",), shapes=((1,),), group_size=len(groups[0]), groups=groups,
-                      result_bytes=result_bytes, bytes_per_device=bytes_per_device, cross_node=True, name="x")
+    return Collective(
+        kind=kind,
+        dtypes=("f32",),
+        shapes=((1,),),
+        group_size=len(groups[0]),
+        groups=groups,
+        result_bytes=result_bytes,
+        bytes_per_device=bytes_per_device,
+        cross_node=True,
+        name="x",
+    )
 
 
 def test_split_bytes_rules():

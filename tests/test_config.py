@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxscale.config import (Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config)
+from jaxscale.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config
 from models.foundation import FoundationConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
@@ -21,7 +21,9 @@ def test_experiment_configs_load_and_round_trip(name):
     assert cfg.model.kind == name.split("_")[0]
     assert config_from_dict(config_to_dict(cfg)) == cfg
     assert config_from_dict(yaml.safe_load(dump_config(cfg))) == cfg
-    params = cfg.model.foundation.embedding_params if cfg.model.kind == "foundation" else cfg.model.dlrm.embedding_params
+    params = (
+        cfg.model.foundation.embedding_params if cfg.model.kind == "foundation" else cfg.model.dlrm.embedding_params
+    )
     assert (params > 1e9) == name.endswith("large")
 
 
@@ -35,11 +37,21 @@ def test_defaults_are_the_smoke_run():
 
 
 def test_overrides_parse_yaml_values():
-    cfg = load_config(str(CONFIGS / "dlrm_smoke.yaml"), [
-        "train.steps=7", "train.learning_rate=1e-3", "train.grad_clip_norm=null", "data.scramble_ids=true",
-        "model.dlrm.rows=[5, 6, 7, 8, 9, 10, 11, 12]", "embedding.capacity_factor=2",
-        "embedding.sharding={sparse_0: table_wise, sparse_1: row_wise}", "mesh.nodes=4", "mesh.local=2",
-        "model.foundation.item_reshape=half_dim"])
+    cfg = load_config(
+        str(CONFIGS / "dlrm_smoke.yaml"),
+        [
+            "train.steps=7",
+            "train.learning_rate=1e-3",
+            "train.grad_clip_norm=null",
+            "data.scramble_ids=true",
+            "model.dlrm.rows=[5, 6, 7, 8, 9, 10, 11, 12]",
+            "embedding.capacity_factor=2",
+            "embedding.sharding={sparse_0: table_wise, sparse_1: row_wise}",
+            "mesh.nodes=4",
+            "mesh.local=2",
+            "model.foundation.item_reshape=half_dim",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.train.learning_rate == 1e-3 and cfg.train.grad_clip_norm is None
     assert cfg.data.scramble_ids is True
     assert cfg.model.dlrm.rows == (5, 6, 7, 8, 9, 10, 11, 12)
@@ -50,34 +62,37 @@ def test_overrides_parse_yaml_values():
     assert load_config(None, ["train.steps=3", "train.steps=4"]).train.steps == 4  # last one wins
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.stepz=3", "train.stepz"),
-    ("trian.steps=3", "trian"),
-    ("train.steps=ten", "train.steps"),
-    ("train.steps=1.5", "train.steps"),
-    ("train.steps=null", "train.steps"),
-    ("train.steps=0", "train.steps"),
-    ("train.learning_rate=fast", "train.learning_rate"),
-    ("data.scramble_ids=1", "data.scramble_ids"),
-    ("embedding.topology=3d", "embedding.topology"),
-    ("embedding.optimizer=adam", "embedding.optimizer"),
-    ("embedding.comm_forward=fp4", "embedding.comm_forward"),
-    ("embedding.sharding=diagonal", "embedding.sharding"),
-    ("embedding.sharding={item_h0: 3}", "embedding.sharding.item_h0"),
-    ("embedding.capacity_factor=-1", "embedding.capacity_factor"),
-    ("model.kind=gpt", "model.kind"),
-    ("model.foundation.d_model=50", "model.foundation.num_heads"),
-    ("model.foundation.item_dim=0", "model.foundation.item_dim"),
-    ("model.foundation.time_encoding=rope", "model.foundation.time_encoding"),
-    ("model.foundation.bogus=1", "model.foundation.bogus"),
-    ("model.dlrm.rows=[1, 2]", "model.dlrm.rows"),
-    ("model.dlrm.bottom_mlp=[64, x]", "model.dlrm.bottom_mlp[1]"),
-    ("model.dlrm=7", "model.dlrm"),
-    ("data.source=parquet", "data.path"),
-    ("mesh.nodes=3", "train.batch_size"),
-    ("train.nonfinite_policy=ignore", "train.nonfinite_policy"),
-    ("train.steps.sub=1", "train.steps"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.stepz=3", "train.stepz"),
+        ("trian.steps=3", "trian"),
+        ("train.steps=ten", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("train.steps=null", "train.steps"),
+        ("train.steps=0", "train.steps"),
+        ("train.learning_rate=fast", "train.learning_rate"),
+        ("data.scramble_ids=1", "data.scramble_ids"),
+        ("embedding.topology=3d", "embedding.topology"),
+        ("embedding.optimizer=adam", "embedding.optimizer"),
+        ("embedding.comm_forward=fp4", "embedding.comm_forward"),
+        ("embedding.sharding=diagonal", "embedding.sharding"),
+        ("embedding.sharding={item_h0: 3}", "embedding.sharding.item_h0"),
+        ("embedding.capacity_factor=-1", "embedding.capacity_factor"),
+        ("model.kind=gpt", "model.kind"),
+        ("model.foundation.d_model=50", "model.foundation.num_heads"),
+        ("model.foundation.item_dim=0", "model.foundation.item_dim"),
+        ("model.foundation.time_encoding=rope", "model.foundation.time_encoding"),
+        ("model.foundation.bogus=1", "model.foundation.bogus"),
+        ("model.dlrm.rows=[1, 2]", "model.dlrm.rows"),
+        ("model.dlrm.bottom_mlp=[64, x]", "model.dlrm.bottom_mlp[1]"),
+        ("model.dlrm=7", "model.dlrm"),
+        ("data.source=parquet", "data.path"),
+        ("mesh.nodes=3", "train.batch_size"),
+        ("train.nonfinite_policy=ignore", "train.nonfinite_policy"),
+        ("train.steps.sub=1", "train.steps"),
+    ],
+)
 def test_errors_name_the_dotted_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(str(CONFIGS / "foundation_smoke.yaml"), [override])

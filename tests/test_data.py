@@ -7,8 +7,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from jaxscale.data import (ParquetData, SyntheticDLRMData, SyntheticFoundationData, ZipfSampler, to_global,
-                           uniform, write_parquet_sample)
+from jaxscale.data import (
+    ParquetData,
+    SyntheticDLRMData,
+    SyntheticFoundationData,
+    ZipfSampler,
+    to_global,
+    uniform,
+    write_parquet_sample,
+)
 from models.dlrm import DLRMConfig
 from models.foundation import FoundationConfig
 
@@ -20,15 +27,21 @@ def equal(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("make", [lambda: SyntheticFoundationData(FCFG, 16, seed=1),
-                                  lambda: SyntheticDLRMData(DCFG, 16, seed=1)], ids=["foundation", "dlrm"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: SyntheticFoundationData(FCFG, 16, seed=1), lambda: SyntheticDLRMData(DCFG, 16, seed=1)],
+    ids=["foundation", "dlrm"],
+)
 def test_deterministic_and_process_slices(make):
     data = make()
     assert equal(data.batch(3), make().batch(3))
     assert not equal(data.batch(3), data.batch(4))
     assert not equal(data.batch(3), data.held_out().batch(3))
-    other = SyntheticFoundationData(FCFG, 16, seed=2) if isinstance(data, SyntheticFoundationData) else \
-        SyntheticDLRMData(DCFG, 16, seed=2)
+    other = (
+        SyntheticFoundationData(FCFG, 16, seed=2)
+        if isinstance(data, SyntheticFoundationData)
+        else SyntheticDLRMData(DCFG, 16, seed=2)
+    )
     assert not equal(data.batch(3), other.batch(3))
     full = data.batch(5)
     for count in (2, 4):
@@ -175,10 +188,12 @@ def test_make_data_follows_the_config(tmp_path):
     direct = SyntheticFoundationData(cfg.model.foundation, 16, seed=0).batch(2, 1, 2)
     assert equal(src.batch(2), direct)
     assert not equal(make_data(cfg, split="eval", process_index=1, process_count=2).batch(2), direct)
-    path = write_parquet_sample(tmp_path / "t.parquet", SyntheticFoundationData(cfg.model.foundation, 16), 64,
-                                row_group_size=16)
-    pcfg = load_config(None, ["train.batch_size=16", "model.foundation.max_seq_len=8", "data.source=parquet",
-                              f"data.path={path}"])
+    path = write_parquet_sample(
+        tmp_path / "t.parquet", SyntheticFoundationData(cfg.model.foundation, 16), 64, row_group_size=16
+    )
+    pcfg = load_config(
+        None, ["train.batch_size=16", "model.foundation.max_seq_len=8", "data.source=parquet", f"data.path={path}"]
+    )
     reader = make_data(pcfg, process_index=1, process_count=2)
     assert reader.row_groups == [1, 3] and reader.batch_size == 8
     assert set(reader.batch(0)) == set(direct) and make_data(pcfg, split="eval") is None

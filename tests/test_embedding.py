@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import MESH_IDS, MESH_SHAPES
+from embedding_reference import adagrad_step, sgd_step
+from embedding_reference import lookup as ref_lookup
 
 import jaxscale
-from conftest import MESH_IDS, MESH_SHAPES
-from embedding_reference import adagrad_step, lookup as ref_lookup, sgd_step
 
 TABLES = [
     jaxscale.TableConfig("items", rows=200, dim=16, pooling=None, features=("seq_a", "seq_b")),
@@ -67,20 +68,30 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
     for opt in ("adagrad", "sgd") if shape == (2, 4) else ("adagrad",):
         optimizer = jaxscale.SGD(lr) if opt == "sgd" else jaxscale.RowWiseAdagrad(lr, eps=eps)
         # pooled features come back as per-bag partial sums by default; the SGD runs cover returned rows
-        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, optimizer=optimizer,
-                                          pooled_comm="rows" if opt == "sgd" else "auto")
+        ec = jaxscale.EmbeddingCollection(
+            tables,
+            mesh,
+            topology=topology,
+            sharding=sharding,
+            optimizer=optimizer,
+            pooled_comm="rows" if opt == "sgd" else "auto",
+        )
         state = ec.from_dense(w0)
         ref_w = {k: v.copy() for k, v in w0.items()}
         col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
-        ref_acc = {k: np.zeros((v.shape[0],) + ((col_parts[k],) if col_parts[k] > 1 else ()), np.float32)
-                   for k, v in w0.items()}
+        ref_acc = {
+            k: np.zeros((v.shape[0],) + ((col_parts[k],) if col_parts[k] > 1 else ()), np.float32)
+            for k, v in w0.items()
+        }
         for step in range(5):
             ids = make_ids(rng, tables=tables)
             out = ec.lookup(state, ids)
             ref_out = ref_lookup(ref_w, tables, ids)
             for f in ids:
                 assert out[f].shape == out_shape(f, tables)
-                np.testing.assert_allclose(np.asarray(out[f]), ref_out[f], rtol=1e-5, atol=1e-6, err_msg=f"{opt} step {step} {f}")
+                np.testing.assert_allclose(
+                    np.asarray(out[f]), ref_out[f], rtol=1e-5, atol=1e-6, err_msg=f"{opt} step {step} {f}"
+                )
             grads = {f: rng.normal(size=out_shape(f, tables)).astype(np.float32) for f in ids}
             state = ec.update(state, ids, {f: jnp.asarray(g) for f, g in grads.items()})
             if opt == "sgd":
@@ -105,8 +116,10 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
         assert int(state["step"]) == 5
 
 
-@pytest.mark.parametrize("topology,sharding", [(t, s) for t in jaxscale.TOPOLOGIES for s in SHARDINGS
-                                               if not (s == "table_row_wise" and t != "1d")])
+@pytest.mark.parametrize(
+    "topology,sharding",
+    [(t, s) for t in jaxscale.TOPOLOGIES for s in SHARDINGS if not (s == "table_row_wise" and t != "1d")],
+)
 def test_dense_round_trip_is_exact(topology, sharding):
     rng = np.random.default_rng(1)
     w = dense_tables(rng)
@@ -132,8 +145,9 @@ def test_init_does_not_depend_on_mesh_or_layout():
 
 
 def test_lookup_and_update_inside_user_jit(mesh):
-    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="2d_a2a" if mesh.shape["node"] > 1 else "1d",
-                                      optimizer=jaxscale.RowWiseAdagrad(0.1))
+    ec = jaxscale.EmbeddingCollection(
+        TABLES, mesh, topology="2d_a2a" if mesh.shape["node"] > 1 else "1d", optimizer=jaxscale.RowWiseAdagrad(0.1)
+    )
     rng = np.random.default_rng(2)
     w0 = dense_tables(rng)
     state = ec.from_dense(w0)
@@ -142,7 +156,7 @@ def test_lookup_and_update_inside_user_jit(mesh):
     @jax.jit
     def step(state, ids):
         def loss_fn(emb):
-            return sum(jnp.sum(v ** 2) for v in emb.values())
+            return sum(jnp.sum(v**2) for v in emb.values())
 
         emb = ec.lookup(state, ids)
         loss, g = jax.value_and_grad(loss_fn)(emb)
@@ -159,8 +173,9 @@ def test_periodic_sync_averages_replicas():
     mesh = jaxscale.make_mesh(2, 4)
     rng = np.random.default_rng(3)
     w0 = dense_tables(rng)
-    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="2d_a2a", optimizer=jaxscale.SGD(0.1),
-                                      replica_sync="periodic", sync_every=2)
+    ec = jaxscale.EmbeddingCollection(
+        TABLES, mesh, topology="2d_a2a", optimizer=jaxscale.SGD(0.1), replica_sync="periodic", sync_every=2
+    )
     state = ec.from_dense(w0)
     ids = make_ids(rng)
     grads = {f: jnp.asarray(rng.normal(size=out_shape(f)).astype(np.float32)) for f in ids}

@@ -16,15 +16,20 @@ B, L = 64, 8  # global batch: 8 examples x 8 ids per device
 
 
 def _collection(mesh, topology, rows=1000, comm=None, sharding="row_wise"):
-    tables = [jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum"),
-              jaxscale.TableConfig("seq", rows=300, dim=DIM, pooling=None)]
-    return jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, comm=comm,
-                                        optimizer=jaxscale.RowWiseAdagrad(0.1))
+    tables = [
+        jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum"),
+        jaxscale.TableConfig("seq", rows=300, dim=DIM, pooling=None),
+    ]
+    return jaxscale.EmbeddingCollection(
+        tables, mesh, topology=topology, sharding=sharding, comm=comm, optimizer=jaxscale.RowWiseAdagrad(0.1)
+    )
 
 
 def _abstract_ids(ec):
-    return {"items": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=ec.batch_sharding),
-            "seq": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=ec.batch_sharding)}
+    return {
+        "items": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=ec.batch_sharding),
+        "seq": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=ec.batch_sharding),
+    }
 
 
 def _train_step(ec):
@@ -32,6 +37,7 @@ def _train_step(ec):
         emb = ec.lookup(state, ids)
         grads = jax.tree.map(lambda e: 2.0 * e, emb)  # d/de sum(e**2)
         return ec.update(state, ids, grads), emb
+
     return jax.jit(step, donate_argnums=0)
 
 
@@ -101,8 +107,10 @@ def test_fp8_lookup_payload_is_under_0p3_of_fp32(topology):
             assert all(set(c.dtypes) == {"u8"} and c.shapes[0][-1] == DIM + 4 for c in rows), format_table(cs)
         else:
             assert all(set(c.dtypes) == {"f32"} and c.shapes[0][-1] == DIM for c in rows), format_table(cs)
-        lookup_bytes[name] = (sum(c.bytes_per_device for c in rows),
-                              sum(c.bytes_per_device for c in cs if c.kind == "all-to-all"))
+        lookup_bytes[name] = (
+            sum(c.bytes_per_device for c in rows),
+            sum(c.bytes_per_device for c in cs if c.kind == "all-to-all"),
+        )
     payload_ratio = lookup_bytes["fp8"][0] / lookup_bytes["fp32"][0]
     total_ratio = lookup_bytes["fp8"][1] / lookup_bytes["fp32"][1]  # ids (never quantized) included
     assert payload_ratio <= 0.3, lookup_bytes
@@ -128,8 +136,13 @@ def test_update_is_sparse_and_donated(topology):
     mesh = jaxscale.make_mesh(2, 4)
     stats = {}
     for rows in (10_000, 1_000_000):
-        ec = jaxscale.EmbeddingCollection([jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum")], mesh,
-                                          topology=topology, sharding="row_wise", optimizer=jaxscale.RowWiseAdagrad(0.1))
+        ec = jaxscale.EmbeddingCollection(
+            [jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum")],
+            mesh,
+            topology=topology,
+            sharding="row_wise",
+            optimizer=jaxscale.RowWiseAdagrad(0.1),
+        )
         m = _compiled_update(ec).memory_analysis()
         stats[rows] = (m.temp_size_in_bytes, m.alias_size_in_bytes, _block_bytes(ec))
     (t_small, _, table_small), (t_big, alias_big, table_big) = stats[10_000], stats[1_000_000]

@@ -7,8 +7,10 @@ import pytest
 
 import jaxscale
 
-T = [jaxscale.TableConfig("items", rows=100, dim=8, pooling="sum", features=("a", "b")),
-     jaxscale.TableConfig("seq", rows=50, dim=8, pooling=None)]
+T = [
+    jaxscale.TableConfig("items", rows=100, dim=8, pooling="sum", features=("a", "b")),
+    jaxscale.TableConfig("seq", rows=50, dim=8, pooling=None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +29,19 @@ def ids(B=8, L=3, **over):
     return x
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(name="", rows=1, dim=1), "name"),
-    (dict(name="t", rows=0, dim=4), r"rows must be a positive integer"),
-    (dict(name="t", rows=-5, dim=4), r"rows must be a positive integer"),
-    (dict(name="t", rows=10, dim=0), r"dim must be a positive integer"),
-    (dict(name="t", rows=10.5, dim=4), r"rows must be a positive integer"),
-    (dict(name="t", rows=10, dim=4, pooling="max"), r"pooling must be one of"),
-    (dict(name="t", rows=10, dim=4, features=("x", "x")), r"features has duplicates"),
-    (dict(name="t", rows=10, dim=5, reshape="half_dim"), r"even dim"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="", rows=1, dim=1), "name"),
+        (dict(name="t", rows=0, dim=4), r"rows must be a positive integer"),
+        (dict(name="t", rows=-5, dim=4), r"rows must be a positive integer"),
+        (dict(name="t", rows=10, dim=0), r"dim must be a positive integer"),
+        (dict(name="t", rows=10.5, dim=4), r"rows must be a positive integer"),
+        (dict(name="t", rows=10, dim=4, pooling="max"), r"pooling must be one of"),
+        (dict(name="t", rows=10, dim=4, features=("x", "x")), r"features has duplicates"),
+        (dict(name="t", rows=10, dim=5, reshape="half_dim"), r"even dim"),
+    ],
+)
 def test_bad_table_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxscale.TableConfig(**kwargs)
@@ -47,8 +52,9 @@ def test_two_tables_one_name_and_shared_feature():
     with pytest.raises(ValueError, match="two tables are named 't'"):
         jaxscale.EmbeddingCollection([jaxscale.TableConfig("t", 10, 8), jaxscale.TableConfig("t", 10, 8)], mesh)
     with pytest.raises(ValueError, match="feature 'f' is read by two tables"):
-        jaxscale.EmbeddingCollection([jaxscale.TableConfig("t", 10, 8, features=("f",)),
-                                      jaxscale.TableConfig("u", 10, 8, features=("f",))], mesh)
+        jaxscale.EmbeddingCollection(
+            [jaxscale.TableConfig("t", 10, 8, features=("f",)), jaxscale.TableConfig("u", 10, 8, features=("f",))], mesh
+        )
 
 
 def test_mesh_that_does_not_fit_the_devices():
@@ -88,17 +94,23 @@ def test_plan_for_another_mesh_is_refused():
         jaxscale.EmbeddingCollection(T, jaxscale.make_mesh(4, 1, devices=jax.devices()[:4]), sharding=plan)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(a=np.full((8, 3), 100, np.int32)), r"feature 'a' \(table 'items', 100 rows\): id 100 is out of range"),
-    (dict(a=np.full((8, 3), -2, np.int32)), r"id -2 is out of range"),
-    (dict(a=np.full((8, 3), 0.5)), r"cannot be converted to int32 without loss"),
-    (dict(a=np.full((8, 3), np.nan)), r"NaN or Inf"),
-    (dict(a=np.full((8, 3), 2**40, np.int64)), r"cannot be converted to int32 without loss"),
-    (dict(a=np.array([["x"] * 3] * 8)), r"ids must be integers"),
-    (dict(a=np.zeros((4, 3), np.int32)), r"feature 'a' has batch size 4 but feature 'b' has 8|feature 'b' has batch size 8 but feature 'a' has 4"),
-    (dict(a=np.zeros((8, 3, 2), np.int32)), r"must be \[B\] or \[B, L\]"),
-    (dict(zzz=np.zeros((8, 3), np.int32)), r"features \['zzz'\] have no table"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(a=np.full((8, 3), 100, np.int32)), r"feature 'a' \(table 'items', 100 rows\): id 100 is out of range"),
+        (dict(a=np.full((8, 3), -2, np.int32)), r"id -2 is out of range"),
+        (dict(a=np.full((8, 3), 0.5)), r"cannot be converted to int32 without loss"),
+        (dict(a=np.full((8, 3), np.nan)), r"NaN or Inf"),
+        (dict(a=np.full((8, 3), 2**40, np.int64)), r"cannot be converted to int32 without loss"),
+        (dict(a=np.array([["x"] * 3] * 8)), r"ids must be integers"),
+        (
+            dict(a=np.zeros((4, 3), np.int32)),
+            r"feature 'a' has batch size 4 but feature 'b' has 8|feature 'b' has batch size 8 but feature 'a' has 4",
+        ),
+        (dict(a=np.zeros((8, 3, 2), np.int32)), r"must be \[B\] or \[B, L\]"),
+        (dict(zzz=np.zeros((8, 3), np.int32)), r"features \['zzz'\] have no table"),
+    ],
+)
 def test_bad_ids_are_refused(ec, state, bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ec.lookup(state, ids(**bad))

@@ -11,12 +11,31 @@ from flax import nnx
 
 from jaxscale.data import SyntheticDLRMData, SyntheticFoundationData
 from models.dlrm import DLRM, DLRMConfig, auc, dlrm_ids, dlrm_loss, dlrm_tables
-from models.foundation import (FoundationConfig, FoundationModel, foundation_ids, foundation_loss,
-                               foundation_tables, hash_ids, info_nce, item_features)
+from models.foundation import (
+    FoundationConfig,
+    FoundationModel,
+    foundation_ids,
+    foundation_loss,
+    foundation_tables,
+    hash_ids,
+    info_nce,
+    item_features,
+)
 
 # One shape family for every foundation test: XLA compiles each new shape once, and on CPU that dominates.
-TINY = dict(item_rows=500, item_dim=8, num_item_tables=2, item_combine="concat", d_model=32, num_layers=2,
-            num_heads=4, max_seq_len=12, num_actions=3, num_surfaces=2, recall_k=5)
+TINY = dict(
+    item_rows=500,
+    item_dim=8,
+    num_item_tables=2,
+    item_combine="concat",
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    max_seq_len=12,
+    num_actions=3,
+    num_surfaces=2,
+    recall_k=5,
+)
 
 
 @nnx.jit
@@ -55,7 +74,7 @@ def test_foundation_tables_and_ids():
     assert all(t.pooling is None and t.rows == 500 and t.dim == 8 for t in tables)
     batch = SyntheticFoundationData(cfg, 4, seed=0).batch(0)
     ids = foundation_ids(cfg, batch)
-    for f, x in ids.items():
+    for x in ids.values():
         assert x.dtype == np.int32 and x.shape == batch["item_ids"].shape
         np.testing.assert_array_equal(x < 0, ~batch["mask"])
         assert x[batch["mask"]].max() < 500
@@ -91,13 +110,16 @@ def test_causal_masking(encoding):
     s = 5  # change every input of events > s
     future = jnp.arange(cfg.max_seq_len) > s
     emb2 = {f: jnp.where(future[None, :, None], v + 1.0, v) for f, v in emb.items()}
-    batch2 = dict(batch, actions=jnp.where(future, (batch["actions"] + 1) % 3, batch["actions"]),
-                  surfaces=jnp.where(future, 1 - jnp.clip(batch["surfaces"], 0, 1), batch["surfaces"]),
-                  timestamps=jnp.where(future, batch["timestamps"] + 977, batch["timestamps"]))
+    batch2 = dict(
+        batch,
+        actions=jnp.where(future, (batch["actions"] + 1) % 3, batch["actions"]),
+        surfaces=jnp.where(future, 1 - jnp.clip(batch["surfaces"], 0, 1), batch["surfaces"]),
+        timestamps=jnp.where(future, batch["timestamps"] + 977, batch["timestamps"]),
+    )
     new = apply(model, emb2, batch2)
     for k in ("hidden", "query"):
         np.testing.assert_allclose(new[k][:, : s + 1], ref[k][:, : s + 1], atol=1e-5)
-        assert float(jnp.max(jnp.abs(new[k][:, s + 1:] - ref[k][:, s + 1:]))) > 1e-3
+        assert float(jnp.max(jnp.abs(new[k][:, s + 1 :] - ref[k][:, s + 1 :]))) > 1e-3
     # engage logit t uses item t+1: logits up to s-1 see nothing of the future
     np.testing.assert_allclose(new["engage_logits"][:, :s], ref["engage_logits"][:, :s], atol=1e-5)
     assert float(jnp.max(jnp.abs(new["engage_logits"][:, s:] - ref["engage_logits"][:, s:]))) > 1e-3
@@ -110,7 +132,9 @@ def test_padding_is_ignored():
     pad = ~batch["mask"]
     assert bool(jnp.any(pad))
     emb2 = {f: jnp.where(pad[..., None], 5.0, v) for f, v in emb.items()}
-    batch2 = dict(batch, actions=jnp.where(pad, 2, batch["actions"]), timestamps=jnp.where(pad, 123, batch["timestamps"]))
+    batch2 = dict(
+        batch, actions=jnp.where(pad, 2, batch["actions"]), timestamps=jnp.where(pad, 123, batch["timestamps"])
+    )
     l1, _ = f_loss(model, emb, batch)
     l2, _ = f_loss(model, emb2, batch2)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
@@ -123,8 +147,9 @@ def test_info_nce_matches_reference():
     valid = np.array([True, True, True, False, True])
     ids = np.array([7, 8, 7, 9, 10])  # rows 0 and 2 share an item: not each other's negatives
     tau, k = 0.5, 1
-    loss, recall, n = jax.jit(info_nce, static_argnames=("temperature", "k", "max_negatives"))(jnp.asarray(q), jnp.asarray(t), jnp.asarray(valid), jnp.asarray(ids),
-                               temperature=tau, k=k)
+    loss, recall, n = jax.jit(info_nce, static_argnames=("temperature", "k", "max_negatives"))(
+        jnp.asarray(q), jnp.asarray(t), jnp.asarray(valid), jnp.asarray(ids), temperature=tau, k=k
+    )
     losses, hits = [], []
     for i in range(5):
         if not valid[i]:
@@ -137,8 +162,9 @@ def test_info_nce_matches_reference():
     np.testing.assert_allclose(float(recall), np.mean(hits), rtol=1e-6)
     assert int(n) == 4
     # a pool subset (max_negatives) changes the negatives, so the loss
-    sub, _, _ = info_nce(jnp.asarray(q), jnp.asarray(t), jnp.asarray(valid), jnp.asarray(ids),
-                         temperature=tau, max_negatives=2, k=k)
+    sub, _, _ = info_nce(
+        jnp.asarray(q), jnp.asarray(t), jnp.asarray(valid), jnp.asarray(ids), temperature=tau, max_negatives=2, k=k
+    )
     assert abs(float(sub) - float(loss)) > 1e-4
 
 
@@ -165,11 +191,23 @@ def test_foundation_dense_training_reduces_loss():
 
 @pytest.mark.parametrize("interaction, train", [("dot", True), ("dcn", False)])
 def test_dlrm_shapes_and_training(interaction, train):
-    cfg = DLRMConfig(num_sparse_features=3, rows=(50, 60, 70), emb_dim=8, ids_per_feature=(1, 2, 3),
-                     num_dense=4, bottom_mlp=(16, 8), top_mlp=(16,), interaction=interaction, dcn_rank=4)
+    cfg = DLRMConfig(
+        num_sparse_features=3,
+        rows=(50, 60, 70),
+        emb_dim=8,
+        ids_per_feature=(1, 2, 3),
+        num_dense=4,
+        bottom_mlp=(16, 8),
+        top_mlp=(16,),
+        interaction=interaction,
+        dcn_rank=4,
+    )
     tables = dlrm_tables(cfg)
-    assert [(t.name, t.rows, t.pooling) for t in tables] == [("sparse_0", 50, "sum"), ("sparse_1", 60, "sum"),
-                                                            ("sparse_2", 70, "sum")]
+    assert [(t.name, t.rows, t.pooling) for t in tables] == [
+        ("sparse_0", 50, "sum"),
+        ("sparse_1", 60, "sum"),
+        ("sparse_2", 70, "sum"),
+    ]
     host = SyntheticDLRMData(cfg, 32, seed=1).batch(0)
     emb = fake_lookup(tables, dlrm_ids(cfg, host))
     batch = {k: jnp.asarray(v) for k, v in host.items()}

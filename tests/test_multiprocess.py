@@ -9,15 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import mp_embedding_worker as scenario
 import numpy as np
 import pytest
+from embedding_reference import adagrad_step
+from embedding_reference import lookup as ref_lookup
 
 import jaxscale
-import mp_embedding_worker as scenario
-from embedding_reference import adagrad_step, lookup as ref_lookup
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 90  # the whole 2-process run (~15-30 s idle, ~45 s at load 17 on 2 CPUs); a hang fails here with the workers' stderr
+TIMEOUT_S = 90  # the whole 2-process run (~15-30 s idle, ~45 s at load 17 on 2 CPUs); a hang fails here with the workers' stderr  # noqa: E501
 KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
 
 
@@ -58,9 +59,15 @@ def _run_two_processes(tmp_path) -> dict:
         for pid in range(2):
             log = open(tmp_path / f"worker{pid}.log", "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "mp_embedding_worker.py"), str(pid), "2", str(port), str(out)],
-                cwd=HERE.parent, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "mp_embedding_worker.py"), str(pid), "2", str(port), str(out)],
+                    cwd=HERE.parent,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
@@ -128,7 +135,9 @@ def test_two_processes_match_single_process_and_reference(tmp_path):
     for topology, sharding in scenario.CONFIGS:
         prefix = scenario.key(topology, sharding)
         for k, v in ref.items():
-            np.testing.assert_allclose(multi[f"{prefix}/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=f"vs reference: {prefix}/{k}")
+            np.testing.assert_allclose(
+                multi[f"{prefix}/{k}"], v, rtol=1e-5, atol=1e-6, err_msg=f"vs reference: {prefix}/{k}"
+            )
         for name, w in w0.items():  # training really moved the tables, and only the looked-up rows
             got = multi[f"{prefix}/table/{name}"]
             changed = np.any(got != w, axis=-1)

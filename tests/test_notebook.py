@@ -25,14 +25,15 @@ def test_py_and_ipynb_in_sync():
     assert len(from_ipynb.cells) >= 8
     assert _sources(from_py) == _sources(from_ipynb), (
         "experiments/notebooks/jaxscale_tour.py and .ipynb differ; regenerate with "
-        "`jupytext --to ipynb experiments/notebooks/jaxscale_tour.py`")
+        "`jupytext --to ipynb experiments/notebooks/jaxscale_tour.py`"
+    )
 
 
 def _kernel_env():
     """A kernelspec named python3 that runs this interpreter (the venv), in a private directory."""
-    from ipykernel.kernelspec import install
-
     import tempfile
+
+    from ipykernel.kernelspec import install
 
     prefix = tempfile.mkdtemp(prefix="jaxscale_kernel_")
     install(kernel_name="python3", prefix=prefix)
@@ -45,8 +46,9 @@ def test_notebook_executes(monkeypatch, tmp_path):
     monkeypatch.setenv("JUPYTER_PATH", os.path.join(prefix, "share", "jupyter"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets its own device count
     nb = nbformat.read(IPYNB, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(NB_DIR)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(NB_DIR)}}
+    )
     t0 = time.time()
     client.execute()  # raises CellExecutionError when any cell fails
     elapsed = time.time() - t0

@@ -60,7 +60,11 @@ def test_tiny_case_places_largest_first_onto_least_loaded_shard():
     topology = Topology(1, 2, 10**15)
     plan = plan_sharding(tables, stats, topology, BATCH)
     assert {n: (ts.sharding, ts.shards) for n, ts in plan.tables.items()} == {
-        "a": ("table_wise", (0,)), "b": ("table_wise", (1,)), "c": ("table_wise", (1,)), "d": ("table_wise", (0,))}
+        "a": ("table_wise", (0,)),
+        "b": ("table_wise", (1,)),
+        "c": ("table_wise", (1,)),
+        "d": ("table_wise", (0,)),
+    }
     rep = report(plan, tables, stats, topology, BATCH)
     assert rep.lookup_imbalance == pytest.approx(1.0, abs=1e-3)
     assert rep.lookups[0] == pytest.approx(2 * 5 * BATCH, rel=1e-3)  # 2 sources x 5 ids/example x batch
@@ -79,8 +83,10 @@ def test_local_search_fixes_what_greedy_cannot():
     units = {s: sum(k for n, k in zip(names, loads) if plan.tables[n].shards == (s,)) for s in (0, 1)}
     assert units == {0: 6, 1: 6}
     # greedy alone (no local search) really is stuck at 7 vs 5
-    whole = {t.name: [estimate_option(t, ShardingOption(t.name, "table_wise", 1, 1), stats, topology, BATCH, cost)]
-             for t in tables}
+    whole = {
+        t.name: [estimate_option(t, ShardingOption(t.name, "table_wise", 1, 1), stats, topology, BATCH, cost)]
+        for t in tables
+    }
     greedy = planner._place_all(whole, {}, topology, local_search_steps=0)
     assert sorted(np.round(greedy.lookups / greedy.lookups.sum() * 12)) == [5, 7]
     assert report(plan, tables, stats, topology, BATCH).lookup_imbalance == pytest.approx(1.0, abs=1e-3)
@@ -190,7 +196,8 @@ def test_balance_bound_on_sixty_tables(nodes, local):
     row_wise = ShardingPlan("1d", n, {t.name: TableShards("row_wise", n, 1, tuple(range(n))) for t in tables})
     contiguous = report(row_wise, tables, stats, topology, 4096, row_assignment="contiguous")
     round_robin = ShardingPlan(
-        "1d", n, {t.name: TableShards("table_wise", 1, 1, (i % n,)) for i, t in enumerate(tables)})
+        "1d", n, {t.name: TableShards("table_wise", 1, 1, (i % n,)) for i, t in enumerate(tables)}
+    )
     assert rep.max_cost_s < contiguous.max_cost_s
     assert rep.max_cost_s < report(round_robin, tables, stats, topology, 4096).max_cost_s
 
@@ -246,8 +253,9 @@ def test_column_wise_pieces_each_see_all_ids_and_small_dims_pay_penalty():
     assert np.allclose(cols.lookups, whole.lookups[0])  # every column block looks up every distinct id
     assert cols.bytes_intra.sum() == pytest.approx(whole.bytes_intra[0])  # bytes split across blocks
     assert cols.compute_s.sum() == pytest.approx(whole.compute_s[0] * 1.75)  # 32-dim blocks: 1.75x penalty
-    bf16 = estimate_option(table, ShardingOption("t", "table_wise", 1, 1), stats, topology, BATCH,
-                           CostParams(comm_bytes_per_element=2.0))
+    bf16 = estimate_option(
+        table, ShardingOption("t", "table_wise", 1, 1), stats, topology, BATCH, CostParams(comm_bytes_per_element=2.0)
+    )
     assert bf16.bytes_intra[0] == pytest.approx(whole.bytes_intra[0] / 2)
 
 
@@ -285,12 +293,15 @@ def test_report_text_and_dict():
     assert d["num_shards"] == 4 and len(d["lookups"]) == 4 and d["cost_imbalance"] >= 1.0
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(nodes=0, devices_per_node=8, device_memory_bytes=GB), "nodes"),
-    (dict(nodes=1, devices_per_node=8, device_memory_bytes=-1), "device_memory_bytes"),
-    (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, inter_node_bandwidth=0), "inter_node_bandwidth"),
-    (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, name="3d"), "name"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(nodes=0, devices_per_node=8, device_memory_bytes=GB), "nodes"),
+        (dict(nodes=1, devices_per_node=8, device_memory_bytes=-1), "device_memory_bytes"),
+        (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, inter_node_bandwidth=0), "inter_node_bandwidth"),
+        (dict(nodes=1, devices_per_node=8, device_memory_bytes=GB, name="3d"), "name"),
+    ],
+)
 def test_topology_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Topology(**kwargs)
@@ -308,13 +319,27 @@ def test_feature_stats_validation():
 def test_planner_does_not_import_jax():
     # The package __init__ imports the JAX engine, so check the planner's own imports (and those of
     # the plan modules it uses) rather than sys.modules.
-    allowed = {"__future__", "dataclasses", "json", "math", "pathlib", "typing", "numpy",
-               "jaxscale.mesh", "jaxscale.plan", "jaxscale.tables"}
+    allowed = {
+        "__future__",
+        "dataclasses",
+        "json",
+        "math",
+        "pathlib",
+        "typing",
+        "numpy",
+        "jaxscale.mesh",
+        "jaxscale.plan",
+        "jaxscale.tables",
+    }
     for module in (planner, jaxscale.plan, jaxscale.tables, jaxscale.mesh):
         tree = ast.parse(inspect.getsource(module))
         top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name for n in top_level if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in top_level if isinstance(n, ast.ImportFrom)}
         assert names <= allowed, (module.__name__, names - allowed)
-    assert "jax" not in {a.name.split(".")[0] for n in ast.walk(ast.parse(inspect.getsource(planner)))
-                         if isinstance(n, ast.Import) for a in n.names}
+    assert "jax" not in {
+        a.name.split(".")[0]
+        for n in ast.walk(ast.parse(inspect.getsource(planner)))
+        if isinstance(n, ast.Import)
+        for a in n.names
+    }

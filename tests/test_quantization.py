@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale import collectives, quantization
 from jaxscale.mesh import LOCAL, NODE
@@ -58,8 +59,10 @@ def test_comm_config_defaults_and_frozen():
         config.forward = "fp8"
 
 
-@pytest.mark.parametrize("field, bad", [("forward", "fp64"), ("backward", "int8"),
-                                        ("fp8_forward_format", "e3m4"), ("fp8_backward_format", "E5M2")])
+@pytest.mark.parametrize(
+    "field, bad",
+    [("forward", "fp64"), ("backward", "int8"), ("fp8_forward_format", "e3m4"), ("fp8_backward_format", "E5M2")],
+)
 def test_comm_config_rejects_bad_values_naming_the_field(field, bad):
     with pytest.raises(ValueError, match=f"CommConfig.{field}"):
         CommConfig(**{field: bad})
@@ -87,8 +90,9 @@ def test_fp8_extreme_rows_stay_finite_and_accurate(fp8_format):
     d = 32
     rng = np.random.default_rng(1)
     base = rng.standard_normal((4, d)).astype(np.float32)
-    x = np.stack([base[0] * 1e30, base[1] * 1e-30, np.zeros(d, np.float32), base[2] / np.abs(base[2]).max() * 3e38,
-                  base[3]]).astype(np.float32)
+    x = np.stack(
+        [base[0] * 1e30, base[1] * 1e-30, np.zeros(d, np.float32), base[2] / np.abs(base[2]).max() * 3e38, base[3]]
+    ).astype(np.float32)
     y = round_trip(x, "fp8", fp8_format)
     assert np.isfinite(y).all()
     np.testing.assert_array_equal(y[2], 0.0)
@@ -128,10 +132,16 @@ def test_quantize_returns_row_scales_only_for_fp8():
     assert values.dtype == jnp.bfloat16 and scale is None
 
 
-@pytest.mark.parametrize("precision, fp8_format, dtype, width",
-                         [("fp32", "e4m3", jnp.float32, 8), ("bf16", "e4m3", jnp.uint16, 8),
-                          ("fp16", "e4m3", jnp.uint16, 8), ("fp8", "e4m3", jnp.uint8, 12),
-                          ("fp8", "e5m2", jnp.uint8, 12)])
+@pytest.mark.parametrize(
+    "precision, fp8_format, dtype, width",
+    [
+        ("fp32", "e4m3", jnp.float32, 8),
+        ("bf16", "e4m3", jnp.uint16, 8),
+        ("fp16", "e4m3", jnp.uint16, 8),
+        ("fp8", "e4m3", jnp.uint8, 12),
+        ("fp8", "e5m2", jnp.uint8, 12),
+    ],
+)
 def test_encode_produces_narrow_unsigned_payload(precision, fp8_format, dtype, width):
     wire = jax.jit(encode, static_argnums=(1, 2))(jnp.ones((2, 3, 8)), precision, fp8_format)
     assert wire.dtype == dtype and wire.shape == (2, 3, width)
@@ -175,9 +185,11 @@ def _group_size(mesh, axis):
 # Every axis runs fp8-e4m3 (the forward default) plus one other precision, so that across the three axes
 # every precision crosses the wire on every mesh while each mesh compiles few collectives (XLA:CPU
 # compiles of 8-device collectives dominate this file's runtime).
-AXIS_CASES = [(LOCAL, [("fp8", "e4m3"), ("bf16", "e4m3")]),
-              (NODE, [("fp8", "e4m3"), ("fp16", "e4m3")]),
-              ((NODE, LOCAL), [("fp8", "e4m3"), ("fp8", "e5m2")])]
+AXIS_CASES = [
+    (LOCAL, [("fp8", "e4m3"), ("bf16", "e4m3")]),
+    (NODE, [("fp8", "e4m3"), ("fp16", "e4m3")]),
+    ((NODE, LOCAL), [("fp8", "e4m3"), ("fp8", "e5m2")]),
+]
 
 
 @pytest.mark.parametrize("axis, variants", AXIS_CASES, ids=list(AXES_UNDER_TEST))
@@ -204,8 +216,9 @@ def test_fp32_all_to_all_is_exact(mesh):
     k, d = 2, 8
     x = rows_with_spread_scales(mesh.size * mesh.size * k, d, seed=6)
     spec = P((NODE, LOCAL))
-    step = jax.jit(jax.shard_map(lambda b: collectives.all_to_all(b, (NODE, LOCAL)), mesh=mesh,
-                                 in_specs=spec, out_specs=spec))
+    step = jax.jit(
+        jax.shard_map(lambda b: collectives.all_to_all(b, (NODE, LOCAL)), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
     out = step(jax.device_put(x, NamedSharding(mesh, spec)))
     np.testing.assert_array_equal(np.asarray(out), _reference_all_to_all(x, mesh.devices.shape, (NODE, LOCAL), k))
 
@@ -231,8 +244,11 @@ def test_all_gather_matches_reference(mesh_2x4, axis):
     outs = [np.asarray(o) for o in step(jax.device_put(x, NamedSharding(mesh, spec)))]
     n, l = mesh.devices.shape
     blocks = x.reshape(n, l, k, d)
-    gathered = np.broadcast_to(blocks[:, None], (n, l, l, k, d)) if axis == LOCAL else \
-        np.broadcast_to(blocks.reshape(1, 1, n * l, k, d), (n, l, n * l, k, d))
+    gathered = (
+        np.broadcast_to(blocks[:, None], (n, l, l, k, d))
+        if axis == LOCAL
+        else np.broadcast_to(blocks.reshape(1, 1, n * l, k, d), (n, l, n * l, k, d))
+    )
     reference = gathered.reshape(-1, d)
     np.testing.assert_array_equal(outs[0], reference)
     for (precision, fp8_format), out in zip(variants[1:], outs[1:]):
@@ -242,8 +258,9 @@ def test_all_gather_matches_reference(mesh_2x4, axis):
 def test_ids_are_never_quantized(mesh):
     spec = P((NODE, LOCAL))
     ids = np.arange(mesh.size * 8, dtype=np.int32) * 7919  # large ids: any float rounding would show
-    out = jax.jit(jax.shard_map(lambda b: collectives.all_to_all_ids(b, LOCAL), mesh=mesh,
-                                in_specs=spec, out_specs=spec))(jax.device_put(ids, NamedSharding(mesh, spec)))
+    out = jax.jit(
+        jax.shard_map(lambda b: collectives.all_to_all_ids(b, LOCAL), mesh=mesh, in_specs=spec, out_specs=spec)
+    )(jax.device_put(ids, NamedSharding(mesh, spec)))
     n, l = mesh.devices.shape
     expected = np.swapaxes(ids.reshape(n, l, l, 8 // l), 1, 2).reshape(-1)
     np.testing.assert_array_equal(np.asarray(out), expected)
@@ -264,8 +281,12 @@ def test_quantized_all_to_all_gradients_match_fp32(mesh_2x4):
     spec = P((NODE, LOCAL))
 
     def loss(x, w, config):
-        y = jax.shard_map(lambda b: collectives.quantized_all_to_all(b, axis, **dataclasses.asdict(config)),
-                          mesh=mesh, in_specs=spec, out_specs=spec)(x)
+        y = jax.shard_map(
+            lambda b: collectives.quantized_all_to_all(b, axis, **dataclasses.asdict(config)),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )(x)
         return jnp.sum(y * w), y
 
     def all_grads(x, w):
@@ -276,8 +297,10 @@ def test_quantized_all_to_all_gradients_match_fp32(mesh_2x4):
     y_ref = _reference_all_to_all(x, mesh.devices.shape, (NODE, LOCAL), k)
     grad_ref = _reference_all_to_all(w, mesh.devices.shape, (NODE, LOCAL), k)
     for config, (grad, y) in zip(GRAD_CONFIGS, results):
-        for precision, fmt, got, want in [(config.forward, config.fp8_forward_format, y, y_ref),
-                                          (config.backward, config.fp8_backward_format, grad, grad_ref)]:
+        for precision, fmt, got, want in [
+            (config.forward, config.fp8_forward_format, y, y_ref),
+            (config.backward, config.fp8_backward_format, grad, grad_ref),
+        ]:
             err = row_rel_err(got, want)
             if precision == "fp32":
                 assert err.max() == 0.0

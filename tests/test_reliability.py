@@ -24,7 +24,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from cli_env import cli_env as make_cli_env
 
 from jaxscale.config import load_config
@@ -33,13 +32,35 @@ from jaxscale.trainer import CapacityOverflowError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DLRM = ["model.kind=dlrm", "model.dlrm.num_sparse_features=2", "model.dlrm.rows=512", "model.dlrm.emb_dim=8",
-        "model.dlrm.bottom_mlp=[8]", "model.dlrm.top_mlp=[8]", "model.dlrm.num_dense=4", "train.batch_size=32",
-        "train.eval_every=0", "train.log_every=1", "train.warmup_steps=1", "mesh.nodes=1", "mesh.local=8"]
-TINY = ["model.foundation.item_rows=2000", "model.foundation.d_model=32", "model.foundation.num_layers=1",
-        "model.foundation.num_heads=2", "model.foundation.mlp_ratio=2", "model.foundation.max_seq_len=16",
-        "model.foundation.item_dim=16", "train.batch_size=32", "train.eval_every=0", "train.log_every=1",
-        "train.warmup_steps=2", "data.eval_batches=0"]
+DLRM = [
+    "model.kind=dlrm",
+    "model.dlrm.num_sparse_features=2",
+    "model.dlrm.rows=512",
+    "model.dlrm.emb_dim=8",
+    "model.dlrm.bottom_mlp=[8]",
+    "model.dlrm.top_mlp=[8]",
+    "model.dlrm.num_dense=4",
+    "train.batch_size=32",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.warmup_steps=1",
+    "mesh.nodes=1",
+    "mesh.local=8",
+]
+TINY = [
+    "model.foundation.item_rows=2000",
+    "model.foundation.d_model=32",
+    "model.foundation.num_layers=1",
+    "model.foundation.num_heads=2",
+    "model.foundation.mlp_ratio=2",
+    "model.foundation.max_seq_len=16",
+    "model.foundation.item_dim=16",
+    "train.batch_size=32",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.warmup_steps=2",
+    "data.eval_batches=0",
+]
 RUN_TIMEOUT_S = 240  # one CLI run, compile included, on a busy 2-core machine
 DEAD_PEER_BOUND_S = 90  # a survivor of a killed peer must have exited (non-zero) within this
 
@@ -49,10 +70,12 @@ DEAD_PEER_BOUND_S = 90  # a survivor of a killed peer must have exited (non-zero
 
 def host_tree(tree) -> dict:
     """{path: numpy copy} of every leaf (PRNG keys as their key data): taken before a donated step."""
+
     def leaf(x):
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         return np.array(x)
+
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(p): leaf(v) for p, v in flat}
 
@@ -113,6 +136,7 @@ def poison(value, key="dense"):
     def edit(b):
         b[key][(3, 1) if b[key].ndim == 2 else 3] = value
         return b
+
     return edit
 
 
@@ -125,7 +149,9 @@ def dlrm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dlrm_overflow(tmp_path_factory):
     """Capacity 4x the uniform share: 4 slots per shard for 8 ids per device, so the skewed batch overflows."""
-    cfg = load_config(None, DLRM + ["embedding.capacity_factor=4", f"train.workdir={tmp_path_factory.mktemp('dlrm_cf')}"])
+    cfg = load_config(
+        None, DLRM + ["embedding.capacity_factor=4", f"train.workdir={tmp_path_factory.mktemp('dlrm_cf')}"]
+    )
     return Trainer(cfg, progress=False)
 
 
@@ -138,8 +164,9 @@ def fresh(trainer, tmp_path, name, data):
 # ------------------------------------------------------------------------------------------------ numerical safety
 
 
-@pytest.mark.parametrize("key,bad", [("dense", np.nan), ("dense", np.inf), ("label", np.nan)],
-                         ids=["dense-nan", "dense-inf", "label-nan"])
+@pytest.mark.parametrize(
+    "key,bad", [("dense", np.nan), ("dense", np.inf), ("label", np.nan)], ids=["dense-nan", "dense-inf", "label-nan"]
+)
 def test_nonfinite_input_never_reaches_the_tables(dlrm, key, bad):
     """The step function itself: a NaN/Inf input -> non-finite loss/gradients -> nothing applied."""
     state = dlrm.init_state()
@@ -197,8 +224,11 @@ def test_nonfinite_policy_raise_names_the_step_and_applies_nothing(dlrm, tmp_pat
     src, spy = dlrm.data, Spy(dlrm)
     try:
         fresh(dlrm, tmp_path, "raise", Patched(src, {1: poison(np.inf)}))
-        with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step 1 \(loss=(nan|inf)\); "
-                                                     r"the update was not applied"):
+        with pytest.raises(
+            FloatingPointError,
+            match=r"non-finite loss or gradient at step 1 \(loss=(nan|inf)\); "
+            r"the update was not applied",
+        ):
             dlrm.run(steps=3)
     finally:
         spy.remove()
@@ -220,8 +250,11 @@ def test_overflow_error_counts_and_applies_nothing(dlrm_overflow, tmp_path):
         fresh(tr, tmp_path, "error", Patched(src, {1: skewed}))
         # both tables share one stack: 2 x 8 distinct rows per device, all for shard 0, whose capacity is
         # 2 x ceil(4 x 8 / 8) = 8 slots: 8 rows dropped on each of the 8 devices
-        with pytest.raises(CapacityOverflowError, match=r"step 1: 64 looked-up rows did not fit the all-to-all "
-                                                        r"capacity \(embedding.capacity_factor=4.0\); the step was not applied"):
+        with pytest.raises(
+            CapacityOverflowError,
+            match=r"step 1: 64 looked-up rows did not fit the all-to-all "
+            r"capacity \(embedding.capacity_factor=4.0\); the step was not applied",
+        ):
             tr.run(steps=3)
     finally:
         spy.remove()
@@ -265,8 +298,13 @@ class Cli:
     def __init__(self, args, env, log: Path):
         self.args, self.log = [str(a) for a in args], log
         self.f = open(log, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "jaxscale.train", *self.args], cwd=ROOT, env=env,
-                                  stdout=self.f, stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "jaxscale.train", *self.args],
+            cwd=ROOT,
+            env=env,
+            stdout=self.f,
+            stderr=subprocess.STDOUT,
+        )
         self.t0 = time.monotonic()
 
     def text(self) -> str:
@@ -393,8 +431,13 @@ def test_sigkill_mid_save_then_sigterm_then_resume_is_bit_exact(cli_env, tmp_pat
     try:
         _wait_for(crash, lambda: len(_steps_logged(wd)) >= 1, "a first step")
         ports = _listening_inodes(crash.p.pid)  # single process: no port is opened at all
-        _wait_for(crash, lambda: len(_steps_logged(wd)) >= kill_at and (
-            _checkpoints(wd)[1] or len(_steps_logged(wd)) >= kill_at + 8), f"step {kill_at}")
+        _wait_for(
+            crash,
+            lambda: (
+                len(_steps_logged(wd)) >= kill_at and (_checkpoints(wd)[1] or len(_steps_logged(wd)) >= kill_at + 8)
+            ),
+            f"step {kill_at}",
+        )
         crash.p.send_signal(signal.SIGKILL)
         assert crash.wait() == -signal.SIGKILL
     finally:
@@ -468,7 +511,9 @@ def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp
             c.stop()
     log = procs[0].log.read_text()
     assert rc != 0 and waited < DEAD_PEER_BOUND_S, (rc, waited, log[-6000:])
-    assert re.search(r"Task 1 heartbeat timeout|tasks are unhealthy \(stopped sending heartbeats\):\s*1", log), log[-6000:]
+    assert re.search(r"Task 1 heartbeat timeout|tasks are unhealthy \(stopped sending heartbeats\):\s*1", log), log[
+        -6000:
+    ]
     # only the explicit coordinator port (process 0) and the CPU collectives' transport listen
     assert port in ports, (port, ports)
 
@@ -496,12 +541,23 @@ def test_python_yaml_tags_are_refused_by_the_cli(cli_env, tmp_path):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.yaml"
     evil.write_text(f'train: !!python/object/apply:os.system ["touch {marker}"]\n')
-    p = subprocess.run([sys.executable, "-m", "jaxscale.train", "--config", str(evil)], cwd=ROOT, env=cli_env,
-                       capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    p = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", "--config", str(evil)],
+        cwd=ROOT,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert p.returncode == 2 and "config error" in p.stderr and "safe" in p.stderr, p.stderr
-    p = subprocess.run([sys.executable, "-m", "jaxscale.train", f"train.workdir=!!python/object/apply:os.system "
-                        f"[\"touch {marker}\"]"], cwd=ROOT, env=cli_env, capture_output=True, text=True,
-                       timeout=RUN_TIMEOUT_S)
+    p = subprocess.run(
+        [sys.executable, "-m", "jaxscale.train", f'train.workdir=!!python/object/apply:os.system ["touch {marker}"]'],
+        cwd=ROOT,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert p.returncode == 2 and "train.workdir" in p.stderr, p.stderr
     assert not marker.exists()
 
@@ -512,8 +568,9 @@ def test_python_yaml_tags_are_refused_by_the_cli(cli_env, tmp_path):
 def test_mesh_that_does_not_fit_the_processes(monkeypatch):
     cfg = load_config(None, DLRM)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="mesh.nodes=1 but 2 processes are running; in a multi-process run each "
-                                         "process is one node"):
+    with pytest.raises(
+        ValueError, match="mesh.nodes=1 but 2 processes are running; in a multi-process run each process is one node"
+    ):
         Trainer(cfg, progress=False)
 
 

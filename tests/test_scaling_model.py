@@ -11,8 +11,17 @@ sys.path.insert(0, os.path.join(ROOT, "experiments", "scaling"))
 import model as M  # noqa: E402
 
 LINKS = M.FABRICS["100 Gbps/node"]
-SHAPE = M.Shape(batch=32, seq_len=2048, tables=2, dim=64, rows=100_000_000, capacity_factor=1.25,
-                dense_params=150_000_000, item_out_dim=128, max_negatives=8192)
+SHAPE = M.Shape(
+    batch=32,
+    seq_len=2048,
+    tables=2,
+    dim=64,
+    rows=100_000_000,
+    capacity_factor=1.25,
+    dense_params=150_000_000,
+    item_out_dim=128,
+    max_negatives=8192,
+)
 
 
 def test_no_cross_node_bytes_scales_perfectly():
@@ -31,16 +40,24 @@ def test_cross_node_bytes_cost_time_and_bandwidth_helps():
 
 
 def test_speedup_is_monotone_in_bytes_and_bounded_by_nodes():
-    for topo, fwd, bwd, half in (("1d", "fp32", "fp32", False), ("1d", "fp8", "bf16", False),
-                                 ("1d", "fp8", "bf16", True), ("2d_a2a", "fp8", "bf16", True)):
-        times = {n: M.step_time(M.step_bytes(SHAPE, n, 8, topo, fwd, bwd, half), 0.2, LINKS, n, 8)["total"]
-                 for n in (1, 2, 4, 8, 16)}
+    for topo, fwd, bwd, half in (
+        ("1d", "fp32", "fp32", False),
+        ("1d", "fp8", "bf16", False),
+        ("1d", "fp8", "bf16", True),
+        ("2d_a2a", "fp8", "bf16", True),
+    ):
+        times = {
+            n: M.step_time(M.step_bytes(SHAPE, n, 8, topo, fwd, bwd, half), 0.2, LINKS, n, 8)["total"]
+            for n in (1, 2, 4, 8, 16)
+        }
         sp = M.speedup(times)
         assert all(sp[n] <= n + 1e-9 for n in sp)
         assert all(sp[a] < sp[b] for a, b in ((1, 2), (2, 4), (4, 8)))
     # each cumulative 1d technique lowers the cross-node embedding bytes at 8 nodes
-    inter = [sum(M.step_bytes(SHAPE, 8, 8, "1d", f, b, h)[c][1] for c in M.EMBEDDING_CATEGORIES)
-             for f, b, h in (("fp32", "fp32", False), ("fp8", "bf16", False), ("fp8", "bf16", True))]
+    inter = [
+        sum(M.step_bytes(SHAPE, 8, 8, "1d", f, b, h)[c][1] for c in M.EMBEDDING_CATEGORIES)
+        for f, b, h in (("fp32", "fp32", False), ("fp8", "bf16", False), ("fp8", "bf16", True))
+    ]
     assert inter[0] > inter[1] > inter[2] > 0
     assert M.step_bytes(SHAPE, 8, 8, "2d_a2a", "fp8", "bf16", True)["emb_rows"][1] == 0
 
@@ -59,16 +76,15 @@ def test_wire_and_capacity_arithmetic():
 
 def test_extrapolation_matches_compiled_2x4_bytes():
     """The closed-form bytes equal the compiled HLO's for a tiny foundation step on the 2x4 mesh."""
-    from jaxscale.comm_report import comm_report
-    from jaxscale.config import load_config
     from run_ablation import agrees, shape_of
     from stages import STAGES, TINY, TINY_BATCH, overrides
 
+    from jaxscale.comm_report import comm_report
+    from jaxscale.config import load_config
     from models.foundation import FoundationConfig
 
     st = dict(STAGES)["2d_a2a"] | {"half_dim": False}
-    rep = comm_report(load_config(os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"),
-                                  overrides(st, 2, 4)))
+    rep = comm_report(load_config(os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"), overrides(st, 2, 4)))
     shape = M.Shape(**{**shape_of(FoundationConfig(**TINY), None).__dict__, "batch": TINY_BATCH // 8})
     pred = M.step_bytes(shape, 2, 4, "2d_a2a", st["fwd"], st["bwd"], False)
     got = rep["per_step"]["by_category"]

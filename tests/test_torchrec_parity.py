@@ -75,11 +75,14 @@ def _data(seed=0):
                 # small id range relative to B*L: many duplicate ids (exact dedup matters for AdaGrad)
                 ids = rng.integers(0, t.rows, (B, L))
                 keep = rng.random((B, L)) < 0.7  # padding anywhere, not only trailing
-                keep[0] = False                  # an empty bag / all-padding sequence
+                keep[0] = False  # an empty bag / all-padding sequence
                 b[f] = np.where(keep, ids, -1).astype(np.int32)
         batches.append(b)
-    G = {f: rng.normal(size=(B, t.dim) if t.pooling else (B, L, t.dim)).astype(np.float32)
-         for t in TABLES for f in t.features}
+    G = {
+        f: rng.normal(size=(B, t.dim) if t.pooling else (B, L, t.dim)).astype(np.float32)
+        for t in TABLES
+        for f in t.features
+    }
     return weights, batches, G
 
 
@@ -99,16 +102,29 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def torchrec_results():
-    jobs = [dict(tables=TABLES, weights=WEIGHTS, batches=BATCHES, grads=G, world_size=ws, sharding=sh,
-                 optimizer=opt, lr=lr, eps=EPS, timeout_s=240)
-            for ws, sh, opt, lr in CONFIGS.values()]
+    jobs = [
+        dict(
+            tables=TABLES,
+            weights=WEIGHTS,
+            batches=BATCHES,
+            grads=G,
+            world_size=ws,
+            sharding=sh,
+            optimizer=opt,
+            lr=lr,
+            eps=EPS,
+            timeout_s=240,
+        )
+        for ws, sh, opt, lr in CONFIGS.values()
+    ]
     results = runner.run_torchrec_subprocess(jobs=jobs, timeout_s=600)
     return dict(zip(CONFIGS, results))
 
 
 def _reference(optimizer, lr, col_blocks=1):
-    return runner.numpy_reference(TABLES, WEIGHTS, BATCHES, G, optimizer=optimizer, lr=lr, eps=EPS,
-                                  col_blocks=col_blocks)
+    return runner.numpy_reference(
+        TABLES, WEIGHTS, BATCHES, G, optimizer=optimizer, lr=lr, eps=EPS, col_blocks=col_blocks
+    )
 
 
 def _assert_same(got, want, what):
@@ -155,14 +171,14 @@ def test_torchrec_column_wise_adagrad_differs_from_unsharded(torchrec_results):
 def test_torchrec_runner_counts_collectives(torchrec_results):
     res = torchrec_results["ws2-row_wise-sgd"]
     step0 = res["comm"][0][0]  # rank 0, step 0
-    assert any(k.startswith("all_to_all_single[int64]") for k in step0), step0       # ids (KJTAllToAll)
-    assert any(k.startswith("reduce_scatter") for k in step0), step0                 # row-wise pooled outputs
+    assert any(k.startswith("all_to_all_single[int64]") for k in step0), step0  # ids (KJTAllToAll)
+    assert any(k.startswith("reduce_scatter") for k in step0), step0  # row-wise pooled outputs
     assert all(len(t) == STEPS for t in res["step_times"])
     assert not torchrec_results["ws1-sgd"]["comm"][0][0]  # world size 1: no collectives
 
 
 # ------------------------------------------------------------------------------------- jaxscale side
-@functools.lru_cache(maxsize=None)  # each jaxscale run compiles; the lookup test reuses step 0 of training
+@functools.cache  # each jaxscale run compiles; the lookup test reuses step 0 of training
 def _jaxscale_run(sharding, optimizer, steps=STEPS, mesh_shape=(1, 8)):
     import jaxscale
 
@@ -198,5 +214,6 @@ def test_jaxscale_training_matches_torchrec(torchrec_results, optimizer):
     got = _jaxscale_run("row_wise", optimizer)
     _assert_run_matches(got, torchrec_results[f"ws2-row_wise-{short}"], f"jaxscale row_wise vs TorchRec {optimizer}")
     got_tw = _jaxscale_run("table_wise", optimizer)
-    _assert_run_matches(got_tw, torchrec_results[f"ws2-table_wise-{short}"],
-                        f"jaxscale table_wise vs TorchRec {optimizer}")
+    _assert_run_matches(
+        got_tw, torchrec_results[f"ws2-table_wise-{short}"], f"jaxscale table_wise vs TorchRec {optimizer}"
+    )

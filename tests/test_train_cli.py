@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cli_env import cli_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +40,9 @@ def _clean(text: str) -> str:
 class Run:
     def __init__(self, args, env, timeout=TIMEOUT_S):
         self.args = [sys.executable, "-m", "jaxscale.train", *map(str, args)]
-        self.p = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        self.p = subprocess.Popen(
+            self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.timeout, self.t0 = timeout, time.monotonic()
 
     def wait(self):
@@ -51,8 +51,10 @@ class Run:
         except subprocess.TimeoutExpired:
             self.kill()
             self.out, self.err = self.p.communicate()
-            pytest.fail(f"{' '.join(self.args[2:])} still running after {self.timeout} s, killed.\n"
-                        f"stdout:\n{_clean(self.out)}\nstderr:\n{_clean(self.err)}")
+            pytest.fail(
+                f"{' '.join(self.args[2:])} still running after {self.timeout} s, killed.\n"
+                f"stdout:\n{_clean(self.out)}\nstderr:\n{_clean(self.err)}"
+            )
         self.rc = self.p.returncode
         return self
 
@@ -66,8 +68,10 @@ class Run:
                 self.p.wait()
 
     def check(self, rc=0):
-        assert self.rc == rc, (f"{' '.join(self.args[2:])} exited {self.rc}, expected {rc}.\n"
-                               f"stdout:\n{_clean(self.out)}\nstderr:\n{_clean(self.err)}")
+        assert self.rc == rc, (
+            f"{' '.join(self.args[2:])} exited {self.rc}, expected {rc}.\n"
+            f"stdout:\n{_clean(self.out)}\nstderr:\n{_clean(self.err)}"
+        )
         return self
 
 
@@ -101,8 +105,9 @@ def restore_final(workdir, *overrides):
     from jaxscale.trainer import Trainer
 
     cfg = load_config(TINY, list(overrides))
-    tr = Trainer(cfg, jaxscale.make_mesh(cfg.mesh.nodes, cfg.mesh.local), workdir=str(workdir), progress=False,
-                 log=False)
+    tr = Trainer(
+        cfg, jaxscale.make_mesh(cfg.mesh.nodes, cfg.mesh.local), workdir=str(workdir), progress=False, log=False
+    )
     state, step = tr.restore(tr.init_state())
     return tr, state, step
 
@@ -186,12 +191,15 @@ def test_stop_and_resume_is_bit_exact(straight, split):
     assert step_a == step_b == 20
     np.testing.assert_array_equal(ta.ec.to_dense(sa["emb"])["item_h0"], tb.ec.to_dense(sb["emb"])["item_h0"])
     for s in ta.ec.optimizer.slots:
-        np.testing.assert_array_equal(ta.ec.slots_to_dense(sa["emb"])[s]["item_h0"],
-                                      tb.ec.slots_to_dense(sb["emb"])[s]["item_h0"])
+        np.testing.assert_array_equal(
+            ta.ec.slots_to_dense(sa["emb"])[s]["item_h0"], tb.ec.slots_to_dense(sb["emb"])[s]["item_h0"]
+        )
     import jax
 
-    for x, y in zip(jax.tree.leaves(sa["dense"]) + jax.tree.leaves(sa["opt"]),
-                    jax.tree.leaves(sb["dense"]) + jax.tree.leaves(sb["opt"])):
+    for x, y in zip(
+        jax.tree.leaves(sa["dense"]) + jax.tree.leaves(sa["opt"]),
+        jax.tree.leaves(sb["dense"]) + jax.tree.leaves(sb["opt"]),
+    ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -200,8 +208,10 @@ def test_resume_onto_other_meshes_and_topologies(env, straight, split, tmp_path)
     _, at10, _, _ = split
     ref = losses(wd_s)
     runs = []
-    for name, overrides in (("1x8", ["mesh.nodes=1", "mesh.local=8"]),
-                            ("4x2_2d_a2a", ["mesh.nodes=4", "mesh.local=2", "embedding.topology=2d_a2a"])):
+    for name, overrides in (
+        ("1x8", ["mesh.nodes=1", "mesh.local=8"]),
+        ("4x2_2d_a2a", ["mesh.nodes=4", "mesh.local=2", "embedding.topology=2d_a2a"]),
+    ):
         wd = tmp_path / name
         shutil.copytree(at10, wd)
         runs.append((name, wd, Run(["--config", TINY, "--workdir", wd, "--no-progress", "--resume", *overrides], env)))
@@ -209,16 +219,34 @@ def test_resume_onto_other_meshes_and_topologies(env, straight, split, tmp_path)
         r.wait().check()
         got = losses(wd, after=10)
         assert sorted(got) == list(range(11, 21)), name
-        np.testing.assert_allclose([got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)], rtol=1e-4,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            [got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)], rtol=1e-4, err_msg=name
+        )
         assert ckpt_steps(wd)[-1] == 20
 
 
 def test_two_processes_match_one(env, straight, tmp_path):
     wd_s, _ = straight
     port = free_port()
-    procs = [Run(["--config", TINY, "--workdir", tmp_path, "--no-progress", "--coordinator", f"127.0.0.1:{port}",
-                  "--num-processes", "2", "--process-id", i], env) for i in range(2)]
+    procs = [
+        Run(
+            [
+                "--config",
+                TINY,
+                "--workdir",
+                tmp_path,
+                "--no-progress",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                i,
+            ],
+            env,
+        )
+        for i in range(2)
+    ]
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and any(r.p.poll() is None for r in procs):
@@ -241,8 +269,9 @@ def test_two_processes_match_one(env, straight, tmp_path):
     # the 2-process checkpoint restores in one process and equals the 1-process one
     ta, sa, _ = restore_final(wd_s)
     tb, sb, _ = restore_final(tmp_path)
-    np.testing.assert_allclose(tb.ec.to_dense(sb["emb"])["item_h0"], ta.ec.to_dense(sa["emb"])["item_h0"],
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        tb.ec.to_dense(sb["emb"])["item_h0"], ta.ec.to_dense(sa["emb"])["item_h0"], rtol=1e-4, atol=1e-6
+    )
 
 
 def test_corrupt_and_mismatched_checkpoints_exit_3_and_are_kept(env, straight, tmp_path):
@@ -259,8 +288,18 @@ def test_corrupt_and_mismatched_checkpoints_exit_3_and_are_kept(env, straight, t
     before = listing()
     r = cli(env, "--config", TINY, "--workdir", wd, "--no-progress", "--resume", rc=3)
     assert "checkpoint error" in r.err and "step 20" in r.err and "corrupt" in r.err and "--resume-step" in r.err
-    r = cli(env, "--config", TINY, "--workdir", wd, "--no-progress", "--resume-step", "15",
-            "model.foundation.item_dim=8", rc=3)
+    r = cli(
+        env,
+        "--config",
+        TINY,
+        "--workdir",
+        wd,
+        "--no-progress",
+        "--resume-step",
+        "15",
+        "model.foundation.item_dim=8",
+        rc=3,
+    )
     assert "checkpoint error" in r.err and "another model" in r.err and "dim" in r.err, r.err
     after = {k: v for k, v in listing().items() if not k.startswith(("metrics.jsonl", "tensorboard"))}
     assert after == before, "a refused resume changed the checkpoints"
@@ -276,8 +315,17 @@ def test_corrupt_and_mismatched_checkpoints_exit_3_and_are_kept(env, straight, t
 
 
 def test_sigterm_saves_and_exits_0_then_resumes(env, tmp_path):
-    args = ["--config", TINY, "--workdir", tmp_path, "--no-progress", "--steps", "5000", "train.checkpoint_every=0",
-            "train.eval_every=0"]
+    args = [
+        "--config",
+        TINY,
+        "--workdir",
+        tmp_path,
+        "--no-progress",
+        "--steps",
+        "5000",
+        "train.checkpoint_every=0",
+        "train.eval_every=0",
+    ]
     r = Run(args, env)
     log = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
@@ -300,8 +348,20 @@ def test_sigterm_saves_and_exits_0_then_resumes(env, tmp_path):
 
 
 def test_dlrm_end_to_end_logs_auc(env, tmp_path):
-    r = cli(env, "--config", DLRM, "--workdir", tmp_path, "--no-progress", "--steps", "6", "train.eval_every=3",
-            "train.log_every=1", "data.eval_batches=1", "train.checkpoint_every=3")
+    r = cli(
+        env,
+        "--config",
+        DLRM,
+        "--workdir",
+        tmp_path,
+        "--no-progress",
+        "--steps",
+        "6",
+        "train.eval_every=3",
+        "train.log_every=1",
+        "data.eval_batches=1",
+        "train.checkpoint_every=3",
+    )
     assert "trained steps 0..6" in r.out
     ms = metrics(tmp_path)
     assert sorted(m["step"] for m in ms if "loss" in m) == list(range(1, 7))

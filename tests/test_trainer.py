@@ -27,8 +27,13 @@ def _cfg(*overrides):
 
 def _trainer(workdir, *overrides, mesh=None):
     cfg = _cfg(*overrides)
-    return Trainer(cfg, mesh if mesh is not None else jaxscale.make_mesh(cfg.mesh.nodes, cfg.mesh.local),
-                   workdir=str(workdir), progress=False, log=False)
+    return Trainer(
+        cfg,
+        mesh if mesh is not None else jaxscale.make_mesh(cfg.mesh.nodes, cfg.mesh.local),
+        workdir=str(workdir),
+        progress=False,
+        log=False,
+    )
 
 
 def _nontrivial_state(tr, seed=1):
@@ -37,8 +42,10 @@ def _nontrivial_state(tr, seed=1):
     state = tr.init_state()
     rng = np.random.default_rng(seed)
     tables = {t.name: rng.standard_normal((t.rows, t.dim)).astype(np.float32) for t in tr.task.tables}
-    slots = {s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.task.tables}
-             for s in tr.ec.optimizer.slots}
+    slots = {
+        s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.task.tables}
+        for s in tr.ec.optimizer.slots
+    }
     state["emb"] = tr.ec.load_dense(tables, slots, step=7)
     return state, tables, slots
 
@@ -59,8 +66,10 @@ def _save(tr, *states):
 
 
 def _listing(root: Path) -> dict:
-    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _dense_host(state):
@@ -73,10 +82,12 @@ def test_restore_is_exact_across_meshes_and_topologies(tmp_path):
     assert _save(src, _at_step(src, state, 3)) == [3]
     dense = _dense_host(state)
 
-    targets = [("mesh.nodes=1", "mesh.local=8"),  # same plan, other mesh: orbax reshards
-               ("mesh.nodes=4", "mesh.local=2", "embedding.topology=2d_a2a"),  # 2 shards x 4 replicas
-               ("mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_ar"),  # 2 shards x 4 replicas
-               ("mesh.nodes=2", "mesh.local=4", "embedding.sharding=column_wise")]
+    targets = [
+        ("mesh.nodes=1", "mesh.local=8"),  # same plan, other mesh: orbax reshards
+        ("mesh.nodes=4", "mesh.local=2", "embedding.topology=2d_a2a"),  # 2 shards x 4 replicas
+        ("mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_ar"),  # 2 shards x 4 replicas
+        ("mesh.nodes=2", "mesh.local=4", "embedding.sharding=column_wise"),
+    ]
     for overrides in targets:
         tr = _trainer(tmp_path, *overrides)
         restored, step = tr.restore(tr.init_state())
@@ -107,9 +118,11 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_them(tm
     ckpts = tmp_path / "checkpoints"
 
     # Another model shape: refused before any array is read, naming what differs.
-    for overrides, words in ((("model.foundation.item_dim=8",), ["another model", "item_h0", "dim 16", "8 now"]),
-                             (("model.foundation.d_model=16",), ["another model", "dense parameters differ"]),
-                             (("embedding.optimizer=sgd",), ["another model", "optimizer slots"])):
+    for overrides, words in (
+        (("model.foundation.item_dim=8",), ["another model", "item_h0", "dim 16", "8 now"]),
+        (("model.foundation.d_model=16",), ["another model", "dense parameters differ"]),
+        (("embedding.optimizer=sgd",), ["another model", "optimizer slots"]),
+    ):
         other = _trainer(tmp_path, *overrides)
         with pytest.raises(CheckpointError) as e:
             other.restore(other.init_state())
@@ -121,7 +134,7 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_them(tm
     assert data_files
     blob = bytearray(data_files[0].read_bytes())
     mid = len(blob) // 3
-    blob[mid:mid + 2000] = b"\x7f" * 2000
+    blob[mid : mid + 2000] = b"\x7f" * 2000
     data_files[0].write_bytes(bytes(blob))
     before = _listing(ckpts)
 
@@ -133,8 +146,10 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_them(tm
     with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
         tr.restore(tr.init_state(), step=7)
     # A truncated file and a garbage metadata file are refused as well (on copies).
-    for name, damage in (("trunc", lambda d: _truncate(sorted((d / "10" / "state" / "d").iterdir())[0])),
-                         ("meta", lambda d: (d / "10" / "meta" / "metadata").write_text("{garbage"))):
+    for name, damage in (
+        ("trunc", lambda d: _truncate(sorted((d / "10" / "state" / "d").iterdir())[0])),
+        ("meta", lambda d: (d / "10" / "meta" / "metadata").write_text("{garbage")),
+    ):
         wd = tmp_path / name
         import shutil
 

@@ -46,13 +46,19 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
-OPTIMIZERS = {"sgd": "EXACT_SGD", "exact_sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
-              "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adagrad": "EXACT_ROWWISE_ADAGRAD"}
+OPTIMIZERS = {
+    "sgd": "EXACT_SGD",
+    "exact_sgd": "EXACT_SGD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "adagrad": "EXACT_ROWWISE_ADAGRAD",
+}
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
 
@@ -62,7 +68,7 @@ class Table:
     name: str
     rows: int
     dim: int
-    pooling: Optional[str] = "sum"  # 'sum' | 'mean' | None (sequence)
+    pooling: str | None = "sum"  # 'sum' | 'mean' | None (sequence)
     features: tuple = ()
 
     def __post_init__(self):
@@ -81,8 +87,8 @@ def as_table(t: Any) -> Table:
         return Table(t["name"], int(t["rows"]), int(t["dim"]), t.get("pooling", "sum"), tuple(t.get("features", ())))
     if isinstance(t, (tuple, list)):
         return Table(*t)
-    rows = getattr(t, "rows", None) or getattr(t, "num_embeddings")
-    dim = getattr(t, "dim", None) or getattr(t, "embedding_dim")
+    rows = getattr(t, "rows", None) or t.num_embeddings
+    dim = getattr(t, "dim", None) or t.embedding_dim
     return Table(t.name, int(rows), int(dim), getattr(t, "pooling", "sum"), tuple(getattr(t, "features", ()) or ()))
 
 
@@ -150,16 +156,25 @@ def numpy_reference(tables, weights, batches, grads=None, optimizer="sgd", lr=0.
                 w[r] = (w[r] - lr * g[r]).astype(np.float32)
             else:
                 gb = g[r].reshape(len(r), col_blocks, t.dim // col_blocks)
-                acc[t.name][r] += (gb ** 2).mean(2)
+                acc[t.name][r] += (gb**2).mean(2)
                 denom = np.repeat(np.sqrt(acc[t.name][r]) + eps, t.dim // col_blocks, axis=1)
                 w[r] = (w[r] - lr * g[r] / denom).astype(np.float32)
     return {"outputs": outs, "tables": W}
 
 
 # ------------------------------------------------------------------------------- collective accounting
-_COLLECTIVES = ("all_to_all_single", "all_to_all", "reduce_scatter_tensor", "reduce_scatter",
-                "all_gather_into_tensor", "all_gather", "all_reduce", "allreduce_coalesced",
-                "all_reduce_coalesced", "broadcast")
+_COLLECTIVES = (
+    "all_to_all_single",
+    "all_to_all",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce",
+    "allreduce_coalesced",
+    "all_reduce_coalesced",
+    "broadcast",
+)
 
 
 def _tensor_bytes(x) -> int:
@@ -197,9 +212,14 @@ class CommCounter:
         self.calls.clear(), self.bytes.clear(), self.offrank_bytes.clear()
 
     def snapshot(self):
-        return {f"{op}[{dt}]": {"calls": self.calls[(op, dt)], "bytes": self.bytes[(op, dt)],
-                                "offrank_bytes": self.offrank_bytes[(op, dt)]}
-                for (op, dt) in sorted(self.calls)}
+        return {
+            f"{op}[{dt}]": {
+                "calls": self.calls[(op, dt)],
+                "bytes": self.bytes[(op, dt)],
+                "offrank_bytes": self.offrank_bytes[(op, dt)],
+            }
+            for (op, dt) in sorted(self.calls)
+        }
 
     def _wrap(self, mod, name, input_pos, input_kw):
         orig = getattr(mod, name, None)
@@ -226,10 +246,17 @@ class CommCounter:
         import torch.distributed._functional_collectives as fc
 
         # input position/keyword of the tensor this rank contributes
-        spec = {"all_to_all_single": (1, "input"), "all_to_all": (1, "input_tensor_list"),
-                "reduce_scatter_tensor": (1, "input"), "reduce_scatter": (1, "input_list"),
-                "all_gather_into_tensor": (1, "input_tensor"), "all_gather": (1, "tensor"),
-                "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"), "broadcast": (0, "tensor")}
+        spec = {
+            "all_to_all_single": (1, "input"),
+            "all_to_all": (1, "input_tensor_list"),
+            "reduce_scatter_tensor": (1, "input"),
+            "reduce_scatter": (1, "input_list"),
+            "all_gather_into_tensor": (1, "input_tensor"),
+            "all_gather": (1, "tensor"),
+            "all_reduce": (0, "tensor"),
+            "all_reduce_coalesced": (0, "tensors"),
+            "broadcast": (0, "tensor"),
+        }
         for name, (pos, kw) in spec.items():
             self._wrap(dist, name, pos, kw)
         self._wrap(fc, "all_to_all_single", 0, "self")
@@ -271,14 +298,14 @@ def _comm_type(p: str):
     return {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16, "fp8": CommType.FP8}[p]
 
 
-def _build_model(tables: List[Table]):
+def _build_model(tables: list[Table]):
     import torch
     from torch import nn
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     pooled = [t for t in tables if t.pooling is not None]
-    seq_by_dim: Dict[int, List[Table]] = defaultdict(list)
+    seq_by_dim: dict[int, list[Table]] = defaultdict(list)
     for t in tables:
         if t.pooling is None:
             seq_by_dim[t.dim].append(t)
@@ -289,18 +316,33 @@ def _build_model(tables: List[Table]):
             self.ebc = None
             if pooled:
                 self.ebc = EmbeddingBagCollection(
-                    tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
-                                               feature_names=list(t.features),
-                                               pooling=PoolingType.SUM if t.pooling == "sum" else PoolingType.MEAN)
-                            for t in pooled],
-                    device=torch.device("cpu"))
+                    tables=[
+                        EmbeddingBagConfig(
+                            name=t.name,
+                            embedding_dim=t.dim,
+                            num_embeddings=t.rows,
+                            feature_names=list(t.features),
+                            pooling=PoolingType.SUM if t.pooling == "sum" else PoolingType.MEAN,
+                        )
+                        for t in pooled
+                    ],
+                    device=torch.device("cpu"),
+                )
             # EmbeddingCollection needs one embedding dim for all its tables: one module per dim.
-            self.ecs = nn.ModuleDict({
-                f"d{d}": EmbeddingCollection(
-                    tables=[EmbeddingConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
-                                            feature_names=list(t.features)) for t in ts],
-                    device=torch.device("cpu"))
-                for d, ts in sorted(seq_by_dim.items())})
+            self.ecs = nn.ModuleDict(
+                {
+                    f"d{d}": EmbeddingCollection(
+                        tables=[
+                            EmbeddingConfig(
+                                name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features)
+                            )
+                            for t in ts
+                        ],
+                        device=torch.device("cpu"),
+                    )
+                    for d, ts in sorted(seq_by_dim.items())
+                }
+            )
 
         def forward(self, inputs):
             out = {}
@@ -323,13 +365,21 @@ def _kjt(features: Sequence[str], ids_by_f, lo: int, hi: int):
         mask = ids >= 0
         lengths.append(mask.sum(1).astype(np.int64))
         values.append(ids[mask].astype(np.int64))
-    return KeyedJaggedTensor(keys=list(features), values=torch.from_numpy(np.concatenate(values)),
-                             lengths=torch.from_numpy(np.concatenate(lengths)))
+    return KeyedJaggedTensor(
+        keys=list(features),
+        values=torch.from_numpy(np.concatenate(values)),
+        lengths=torch.from_numpy(np.concatenate(lengths)),
+    )
 
 
 def _plan(model, tables_pooled, seq_by_dim, sharding, world, local_size, sharders):
-    from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, row_wise,
-                                                    table_row_wise, table_wise)
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingPlan
 
     n_hosts = max(world // local_size, 1)
@@ -355,6 +405,7 @@ def _plan(model, tables_pooled, seq_by_dim, sharding, world, local_size, sharder
             ps = g(*a, **k)
             ps.compute_kernel = "fused"
             return ps
+
         return inner
 
     plan = {}
@@ -364,16 +415,17 @@ def _plan(model, tables_pooled, seq_by_dim, sharding, world, local_size, sharder
         for t in tables_pooled:
             per[t.name] = fused(gen(i, t))
             i += 1
-        plan["ebc"] = construct_module_sharding_plan(model.ebc, per, sharder=sharders["ebc"], local_size=local_size,
-                                                     world_size=world, device_type="cpu")
+        plan["ebc"] = construct_module_sharding_plan(
+            model.ebc, per, sharder=sharders["ebc"], local_size=local_size, world_size=world, device_type="cpu"
+        )
     for d, ts in sorted(seq_by_dim.items()):
         per = {}
         for t in ts:
             per[t.name] = fused(gen(i, t))
             i += 1
-        plan[f"ecs.d{d}"] = construct_module_sharding_plan(model.ecs[f"d{d}"], per, sharder=sharders["ec"],
-                                                           local_size=local_size, world_size=world,
-                                                           device_type="cpu")
+        plan[f"ecs.d{d}"] = construct_module_sharding_plan(
+            model.ecs[f"d{d}"], per, sharder=sharders["ec"], local_size=local_size, world_size=world, device_type="cpu"
+        )
     return ShardingPlan(plan)
 
 
@@ -420,11 +472,22 @@ def _run_rank(rank: int, world: int, port: int, job: dict) -> dict:
 
     torch.set_num_threads(int(job.get("threads", 1)))
     local_size = int(job.get("local_size") or world)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % local_size), LOCAL_WORLD_SIZE=str(local_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local_size),
+        LOCAL_WORLD_SIZE=str(local_size),
+    )
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=__import__("datetime").timedelta(seconds=int(job.get("timeout_s", 300))))
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=__import__("datetime").timedelta(seconds=int(job.get("timeout_s", 300))),
+        )
     try:
         return _train(rank, world, local_size, job)
     finally:
@@ -455,17 +518,25 @@ def _train(rank, world, local_size, job):
     bwd_p = job.get("qcomms_bwd") or fwd_p
     registry = None
     if world > 1 and (fwd_p, bwd_p) != ("fp32", "fp32"):
-        registry = get_qcomm_codecs_registry(QCommsConfig(forward_precision=_comm_type(fwd_p),
-                                                          backward_precision=_comm_type(bwd_p)),
-                                             device=torch.device("cpu"))
-    sharders = {"ebc": EmbeddingBagCollectionSharder(fused_params=dict(fused_params), qcomm_codecs_registry=registry),
-                "ec": EmbeddingCollectionSharder(fused_params=dict(fused_params), qcomm_codecs_registry=registry)}
+        registry = get_qcomm_codecs_registry(
+            QCommsConfig(forward_precision=_comm_type(fwd_p), backward_precision=_comm_type(bwd_p)),
+            device=torch.device("cpu"),
+        )
+    sharders = {
+        "ebc": EmbeddingBagCollectionSharder(fused_params=dict(fused_params), qcomm_codecs_registry=registry),
+        "ec": EmbeddingCollectionSharder(fused_params=dict(fused_params), qcomm_codecs_registry=registry),
+    }
 
     torch.manual_seed(0)
     model, pooled, seq_by_dim = _build_model(tables)
     plan = _plan(model, pooled, seq_by_dim, job.get("sharding", "row_wise"), world, local_size, sharders)
-    dmp = DistributedModelParallel(module=model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   plan=plan, sharders=list(sharders.values()), device=torch.device("cpu"))
+    dmp = DistributedModelParallel(
+        module=model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        plan=plan,
+        sharders=list(sharders.values()),
+        device=torch.device("cpu"),
+    )
 
     # Load the given dense weights into this rank's shards (views into the TBE weights).
     weights = job["weights"]
@@ -539,14 +610,36 @@ def _train(rank, world, local_size, job):
         if name in table_names and key.endswith(".weight"):
             for r0, c0, tensor in _local_shards(v):
                 shards.append((name, int(r0), int(c0), tensor.detach().numpy().copy()))
-    return {"outputs": outputs, "shards": shards, "step_times": step_times, "comm": comm,
-            "plan": str(plan) if rank == 0 and job.get("return_plan") else None}
+    return {
+        "outputs": outputs,
+        "shards": shards,
+        "step_times": step_times,
+        "comm": comm,
+        "plan": str(plan) if rank == 0 and job.get("return_plan") else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------ the driver
-def run_torchrec(tables, weights, batches, grads=None, *, sharding="row_wise", world_size=2, local_size=None,
-                 optimizer="sgd", lr=0.1, eps=1e-8, qcomms="fp32", qcomms_bwd=None, gradient_division=False,
-                 threads=1, timeout_s=300, start_method=None, return_plan=False) -> dict:
+def run_torchrec(
+    tables,
+    weights,
+    batches,
+    grads=None,
+    *,
+    sharding="row_wise",
+    world_size=2,
+    local_size=None,
+    optimizer="sgd",
+    lr=0.1,
+    eps=1e-8,
+    qcomms="fp32",
+    qcomms_bwd=None,
+    gradient_division=False,
+    threads=1,
+    timeout_s=300,
+    start_method=None,
+    return_plan=False,
+) -> dict:
     """Run TorchRec DMP on ``world_size`` gloo ranks (in-process when 1) and gather results to dense numpy.
 
     tables: Table / jaxscale.TableConfig-like / dict; weights: {table: float32 [rows, dim]};
@@ -560,11 +653,23 @@ def run_torchrec(tables, weights, batches, grads=None, *, sharding="row_wise", w
         raise ValueError(f"qcomms precision must be one of {PRECISIONS}")
     if sharding not in SHARDING_TYPES:
         raise ValueError(f"sharding must be one of {SHARDING_TYPES}")
-    job = dict(tables=[dataclasses.asdict(t) for t in tables], weights={k: np.asarray(v, np.float32) for k, v in weights.items()},
-               batches=[{f: np.asarray(x) for f, x in b.items()} for b in batches],
-               grads=grads, sharding=sharding, optimizer=optimizer, lr=lr, eps=eps, qcomms=qcomms,
-               qcomms_bwd=qcomms_bwd, gradient_division=gradient_division, threads=threads, timeout_s=timeout_s,
-               local_size=local_size, return_plan=return_plan)
+    job = dict(
+        tables=[dataclasses.asdict(t) for t in tables],
+        weights={k: np.asarray(v, np.float32) for k, v in weights.items()},
+        batches=[{f: np.asarray(x) for f, x in b.items()} for b in batches],
+        grads=grads,
+        sharding=sharding,
+        optimizer=optimizer,
+        lr=lr,
+        eps=eps,
+        qcomms=qcomms,
+        qcomms_bwd=qcomms_bwd,
+        gradient_division=gradient_division,
+        threads=threads,
+        timeout_s=timeout_s,
+        local_size=local_size,
+        return_plan=return_plan,
+    )
     with tempfile.TemporaryDirectory(prefix="torchrec_runner_") as out_dir:
         port = _free_port()
         if world_size == 1:
@@ -579,8 +684,10 @@ def run_torchrec(tables, weights, batches, grads=None, *, sharding="row_wise", w
                 if here not in sys.path:
                     sys.path.insert(0, here)
             ctx = mp.get_context(start_method)
-            procs = [ctx.Process(target=_worker, args=(r, world_size, port, job, out_dir), daemon=True)
-                     for r in range(world_size)]
+            procs = [
+                ctx.Process(target=_worker, args=(r, world_size, port, job, out_dir), daemon=True)
+                for r in range(world_size)
+            ]
             for p in procs:
                 p.start()
             deadline = time.time() + timeout_s + 60
@@ -602,15 +709,21 @@ def run_torchrec(tables, weights, batches, grads=None, *, sharding="row_wise", w
     if errors:
         first = errors[0]
         if "fp8" in (qcomms, qcomms_bwd):
-            first["error"] = ("FP8 QComms is not supported by TorchRec/FBGEMM on CPU (a 1-D buffer reaches "
-                              "fbgemm's FP8 quantize kernel; its row-wise FP8 mode rejects CPU): " + first["error"])
-        raise RuntimeError(f"TorchRec run failed on rank {first['rank']}: {first['error']}\n{first.get('traceback', '')}")
-    outputs = [{f: np.concatenate([res["outputs"][s][f] for res in results]) for f in results[0]["outputs"][s]}
-               for s in range(len(batches))]
+            first["error"] = (
+                "FP8 QComms is not supported by TorchRec/FBGEMM on CPU (a 1-D buffer reaches "
+                "fbgemm's FP8 quantize kernel; its row-wise FP8 mode rejects CPU): " + first["error"]
+            )
+        raise RuntimeError(
+            f"TorchRec run failed on rank {first['rank']}: {first['error']}\n{first.get('traceback', '')}"
+        )
+    outputs = [
+        {f: np.concatenate([res["outputs"][s][f] for res in results]) for f in results[0]["outputs"][s]}
+        for s in range(len(batches))
+    ]
     dense = {t.name: np.full((t.rows, t.dim), np.nan, np.float32) for t in tables}
     for res in results:
         for name, r0, c0, arr in res["shards"]:
-            dense[name][r0:r0 + arr.shape[0], c0:c0 + arr.shape[1]] = arr
+            dense[name][r0 : r0 + arr.shape[0], c0 : c0 + arr.shape[1]] = arr
     for name, arr in dense.items():
         if np.isnan(arr).any():
             raise RuntimeError(f"table {name}: some rows/columns were not gathered from any shard")
@@ -623,13 +736,20 @@ def run_torchrec(tables, weights, batches, grads=None, *, sharding="row_wise", w
         notes.append("sequence tables ran row_wise: TorchRec EmbeddingCollection has no table_row_wise")
     if world_size == 1:
         notes.append("world size 1: no collectives, QComms not applied")
-    return {"outputs": outputs, "tables": dense, "step_times": [res["step_times"] for res in results],
-            "comm": [res["comm"] for res in results], "plan": results[0].get("plan"),
-            "config": {k: job[k] for k in ("sharding", "optimizer", "lr", "eps", "qcomms", "qcomms_bwd",
-                                           "gradient_division")} | {"world_size": world_size, "notes": notes}}
+    return {
+        "outputs": outputs,
+        "tables": dense,
+        "step_times": [res["step_times"] for res in results],
+        "comm": [res["comm"] for res in results],
+        "plan": results[0].get("plan"),
+        "config": {
+            k: job[k] for k in ("sharding", "optimizer", "lr", "eps", "qcomms", "qcomms_bwd", "gradient_division")
+        }
+        | {"world_size": world_size, "notes": notes},
+    }
 
 
-def run_torchrec_subprocess(*args, jobs: Optional[List[dict]] = None, timeout_s: int = 900, **kwargs):
+def run_torchrec_subprocess(*args, jobs: list[dict] | None = None, timeout_s: int = 900, **kwargs):
     """Same as run_torchrec, in a fresh Python interpreter (use this from a process that runs JAX).
 
     With ``jobs=[{...run_torchrec kwargs incl. tables/weights/batches/grads...}, ...]`` runs several
@@ -645,11 +765,18 @@ def run_torchrec_subprocess(*args, jobs: Optional[List[dict]] = None, timeout_s:
             pickle.dump([_plain_job(j) for j in jobs], fh)
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--input", inp, "--output", out],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--input", inp, "--output", out],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"torchrec_runner subprocess failed (rc={proc.returncode}):\n"
-                               f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            raise RuntimeError(
+                f"torchrec_runner subprocess failed (rc={proc.returncode}):\n"
+                f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            )
         with open(out, "rb") as fh:
             results = pickle.load(fh)
     if single:
@@ -666,14 +793,18 @@ def _plain_job(job: dict) -> dict:
     job["batches"] = [{f: np.asarray(x) for f, x in b.items()} for b in job["batches"]]
     g = job.get("grads")
     if g is not None:
-        job["grads"] = ({f: np.asarray(x, np.float32) for f, x in g.items()} if isinstance(g, Mapping)
-                        else [{f: np.asarray(x, np.float32) for f, x in gi.items()} for gi in g])
+        job["grads"] = (
+            {f: np.asarray(x, np.float32) for f, x in g.items()}
+            if isinstance(g, Mapping)
+            else [{f: np.asarray(x, np.float32) for f, x in gi.items()} for gi in g]
+        )
     return job
 
 
 # --------------------------------------------------------------------------------------- synthetic data
-def synthetic(num_tables=3, rows=1000, dim=16, poolings=("sum", "mean", None), batch=64, hotness=8, steps=3,
-              seed=0, zipf=None):
+def synthetic(
+    num_tables=3, rows=1000, dim=16, poolings=("sum", "mean", None), batch=64, hotness=8, steps=3, seed=0, zipf=None
+):
     """Tables cycling through ``poolings``, random weights, -1 padded ids (ragged), random output grads."""
     rng = np.random.default_rng(seed)
     tables = [Table(f"t{i}", rows, dim, poolings[i % len(poolings)], (f"f{i}",)) for i in range(num_tables)]
@@ -683,7 +814,11 @@ def synthetic(num_tables=3, rows=1000, dim=16, poolings=("sum", "mean", None), b
         b, g = {}, {}
         for t in tables:
             for f in t.features:
-                ids = (rng.zipf(zipf, size=(batch, hotness)) - 1) % t.rows if zipf else rng.integers(0, t.rows, (batch, hotness))
+                ids = (
+                    (rng.zipf(zipf, size=(batch, hotness)) - 1) % t.rows
+                    if zipf
+                    else rng.integers(0, t.rows, (batch, hotness))
+                )
                 lengths = rng.integers(0, hotness + 1, batch)
                 ids = np.where(np.arange(hotness)[None] < lengths[:, None], ids, -1).astype(np.int32)
                 b[f] = ids
@@ -694,7 +829,7 @@ def synthetic(num_tables=3, rows=1000, dim=16, poolings=("sum", "mean", None), b
     return tables, weights, batches, grads
 
 
-def compare(res, ref, rtol=1e-5, atol=1e-6) -> List[str]:
+def compare(res, ref, rtol=1e-5, atol=1e-6) -> list[str]:
     problems = []
     for s, (o, r) in enumerate(zip(res["outputs"], ref["outputs"])):
         for f in r:
@@ -708,16 +843,24 @@ def compare(res, ref, rtol=1e-5, atol=1e-6) -> List[str]:
 
 def _summarize(res) -> dict:
     times = np.array(res["step_times"])  # [rank, step]
-    per_step = [{k: sum(rank_steps[s].get(k, {}).get("bytes", 0) for rank_steps in res["comm"])
-                 for k in set().union(*(rank_steps[s].keys() for rank_steps in res["comm"]))}
-                for s in range(times.shape[1])]
-    return {"median_step_s": float(np.median(times.max(0))), "step_s_max_over_ranks": times.max(0).round(5).tolist(),
-            "collective_bytes_all_ranks_step0": per_step[0] if per_step else {}}
+    per_step = [
+        {
+            k: sum(rank_steps[s].get(k, {}).get("bytes", 0) for rank_steps in res["comm"])
+            for k in set().union(*(rank_steps[s].keys() for rank_steps in res["comm"]))
+        }
+        for s in range(times.shape[1])
+    ]
+    return {
+        "median_step_s": float(np.median(times.max(0))),
+        "step_s_max_over_ranks": times.max(0).round(5).tolist(),
+        "collective_bytes_all_ranks_step0": per_step[0] if per_step else {},
+    }
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks on 127.0.0.1 (1 = in-process)")
     p.add_argument("--local-size", type=int, default=None, help="ranks per simulated host (table_row_wise)")
     p.add_argument("--sharding", choices=SHARDING_TYPES, default="row_wise")
@@ -737,13 +880,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default=None,
-                   help="how ranks start (default: fork, spawn when JAX is imported)")
+    p.add_argument(
+        "--start-method",
+        choices=("fork", "spawn", "forkserver"),
+        default=None,
+        help="how ranks start (default: fork, spawn when JAX is imported)",
+    )
     p.add_argument("--check", action="store_true", help="compare with the NumPy reference of FBGEMM semantics")
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-6)
     p.add_argument("--json", default=None, help="write the summary (timings, collective bytes) here")
-    p.add_argument("--input", help=argparse.SUPPRESS)   # pickled job list (run_torchrec_subprocess)
+    p.add_argument("--input", help=argparse.SUPPRESS)  # pickled job list (run_torchrec_subprocess)
     p.add_argument("--output", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
 
@@ -761,13 +908,27 @@ def main(argv=None):
         return 0
 
     poolings = tuple(None if x.strip().lower() == "none" else x.strip() for x in a.poolings.split(","))
-    tables, weights, batches, grads = synthetic(a.num_tables, a.rows, a.dim, poolings, a.batch, a.hotness, a.steps,
-                                                a.seed, a.zipf)
+    tables, weights, batches, grads = synthetic(
+        a.num_tables, a.rows, a.dim, poolings, a.batch, a.hotness, a.steps, a.seed, a.zipf
+    )
     try:
-        res = run_torchrec(tables, weights, batches, grads, sharding=a.sharding, world_size=a.world_size,
-                           local_size=a.local_size, optimizer=a.optimizer, lr=a.lr, eps=a.eps, qcomms=a.qcomms,
-                           qcomms_bwd=a.qcomms_bwd, gradient_division=a.gradient_division, threads=a.threads,
-                           start_method=a.start_method)
+        res = run_torchrec(
+            tables,
+            weights,
+            batches,
+            grads,
+            sharding=a.sharding,
+            world_size=a.world_size,
+            local_size=a.local_size,
+            optimizer=a.optimizer,
+            lr=a.lr,
+            eps=a.eps,
+            qcomms=a.qcomms,
+            qcomms_bwd=a.qcomms_bwd,
+            gradient_division=a.gradient_division,
+            threads=a.threads,
+            start_method=a.start_method,
+        )
     except RuntimeError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1

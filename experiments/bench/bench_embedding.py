@@ -35,8 +35,12 @@ def parse_args():
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (mesh 2 x devices/2)")
     p.add_argument("--topology", default="1d", help="topology of the multi-device runs")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="EmbeddingCollection capacity_factor of the multi-device runs (default: exact worst case)")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="EmbeddingCollection capacity_factor of the multi-device runs (default: exact worst case)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed rounds (>= 20 for the recorded run)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--gather-rows", type=float, default=1e6, help="table rows for the gather comparison (b)")
@@ -72,8 +76,14 @@ def zipf_ids(rng, rows: int, shape, a: float) -> np.ndarray:
 
 def summary(ts) -> dict:
     ts = sorted(ts)
-    return {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * ts[0], "max_ms": 1e3 * ts[-1],
-            "p10_ms": 1e3 * ts[len(ts) // 10], "p90_ms": 1e3 * ts[(9 * len(ts)) // 10], "n": len(ts)}
+    return {
+        "median_ms": 1e3 * statistics.median(ts),
+        "min_ms": 1e3 * ts[0],
+        "max_ms": 1e3 * ts[-1],
+        "p10_ms": 1e3 * ts[len(ts) // 10],
+        "p90_ms": 1e3 * ts[(9 * len(ts)) // 10],
+        "n": len(ts),
+    }
 
 
 def make_step(ec):
@@ -81,22 +91,30 @@ def make_step(ec):
         emb = ec.lookup(state, ids)
         grads = jax.tree.map(lambda e: 2.0 * e, emb)  # d/de sum(e**2)
         return ec.update(state, ids, grads), emb["f"][0, 0]
+
     return jax.jit(step, donate_argnums=0)
 
 
 # ---------------------------------------------------------------- (a) step time vs table size
 
+
 def bench_steps(rows_list, rng):
     devs = jax.devices()
     setups = []
     for label, mesh, topology in (
-            (f"{ARGS.devices}dev_{ARGS.topology}", jaxscale.make_mesh(2, ARGS.devices // 2, devices=devs), ARGS.topology),
-            ("1dev", jaxscale.make_mesh(1, 1, devices=devs[:1]), "1d")):
+        (f"{ARGS.devices}dev_{ARGS.topology}", jaxscale.make_mesh(2, ARGS.devices // 2, devices=devs), ARGS.topology),
+        ("1dev", jaxscale.make_mesh(1, 1, devices=devs[:1]), "1d"),
+    ):
         for rows in rows_list:
             table = jaxscale.TableConfig("t", rows=rows, dim=ARGS.dim, pooling="sum", features=("f",))
-            ec = jaxscale.EmbeddingCollection([table], mesh, topology=topology, sharding="row_wise",
-                                              optimizer=jaxscale.RowWiseAdagrad(0.01),
-                                              capacity_factor=ARGS.capacity_factor if label != "1dev" else None)
+            ec = jaxscale.EmbeddingCollection(
+                [table],
+                mesh,
+                topology=topology,
+                sharding="row_wise",
+                optimizer=jaxscale.RowWiseAdagrad(0.01),
+                capacity_factor=ARGS.capacity_factor if label != "1dev" else None,
+            )
             t0 = time.perf_counter()
             state = ec.init(jax.random.key(0))  # generated on the devices: no host table
             jax.block_until_ready(state)
@@ -107,25 +125,40 @@ def bench_steps(rows_list, rng):
             state, probe = step(state, ids)
             jax.block_until_ready(probe)
             t_compile = time.perf_counter() - t0
-            setups.append({"label": label, "rows": rows, "ec": ec, "state": state, "ids": ids, "step": step,
-                           "init_s": t_init, "first_step_s": t_compile, "times": []})
-            print(f"  ready {label} rows={rows:.0e}: init {t_init:.1f} s, first step {t_compile:.1f} s",
-                  file=sys.stderr, flush=True)
+            setups.append(
+                {
+                    "label": label,
+                    "rows": rows,
+                    "ec": ec,
+                    "state": state,
+                    "ids": ids,
+                    "step": step,
+                    "init_s": t_init,
+                    "first_step_s": t_compile,
+                    "times": [],
+                }
+            )
+            print(
+                f"  ready {label} rows={rows:.0e}: init {t_init:.1f} s, first step {t_compile:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     for _ in range(ARGS.warmup):
         for s in setups:
             s["state"], probe = s["step"](s["state"], s["ids"])
             jax.block_until_ready((s["state"], probe))
     for r in range(ARGS.steps):  # interleaved: one step of every configuration per round
-        for s in (setups if r % 2 == 0 else setups[::-1]):
+        for s in setups if r % 2 == 0 else setups[::-1]:
             t0 = time.perf_counter()
             s["state"], probe = s["step"](s["state"], s["ids"])
             jax.block_until_ready((s["state"], probe))
             s["times"].append(time.perf_counter() - t0)
     out = {}
     for s in setups:
-        out.setdefault(s["label"], {})[f"{s['rows']:.0e}"] = dict(summary(s["times"]), init_s=s["init_s"],
-                                                                  first_step_s=s["first_step_s"])
-    for label, by_rows in out.items():
+        out.setdefault(s["label"], {})[f"{s['rows']:.0e}"] = dict(
+            summary(s["times"]), init_s=s["init_s"], first_step_s=s["first_step_s"]
+        )
+    for by_rows in out.values():
         keys = list(by_rows)
         by_rows["ratio_largest_over_smallest"] = by_rows[keys[-1]]["median_ms"] / by_rows[keys[0]]["median_ms"]
     # free the big tables before the next part
@@ -136,15 +169,22 @@ def bench_steps(rows_list, rng):
 
 # ---------------------------------------------------------------- (b) lookup rows/s vs NumPy
 
+
 def bench_gather(rng):
     rows = int(ARGS.gather_rows)
     mesh = jaxscale.make_mesh(1, 1, devices=jax.devices()[:1])
-    ec = jaxscale.EmbeddingCollection([jaxscale.TableConfig("t", rows=rows, dim=ARGS.dim, pooling="sum", features=("f",))],
-                                      mesh, topology="1d", sharding="row_wise")
+    ec = jaxscale.EmbeddingCollection(
+        [jaxscale.TableConfig("t", rows=rows, dim=ARGS.dim, pooling="sum", features=("f",))],
+        mesh,
+        topology="1d",
+        sharding="row_wise",
+    )
     state = ec.init(jax.random.key(1))
     host_ids = zipf_ids(rng, rows, (ARGS.batch, ARGS.hotness), ARGS.zipf)
     ids = ec.shard_batch({"f": host_ids})
-    table_dev = state["weights"]["w64"][0, 0] if "w64" in state["weights"] else next(iter(state["weights"].values()))[0, 0]
+    table_dev = (
+        state["weights"]["w64"][0, 0] if "w64" in state["weights"] else next(iter(state["weights"].values()))[0, 0]
+    )
     table = np.asarray(table_dev)  # 1 shard, 1 piece: the block IS the table
     flat = jax.device_put(jnp.asarray(host_ids))
 
@@ -155,15 +195,17 @@ def bench_gather(rng):
     ref = numpy_gather()
     np.testing.assert_allclose(np.asarray(lookup()), ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(take(table_dev, flat)), ref, rtol=1e-4, atol=1e-5)
-    variants = {"engine_lookup": lambda: jax.block_until_ready(lookup()),
-                "jnp_take_clip": lambda: jax.block_until_ready(take(table_dev, flat)),
-                "numpy_fancy_index": numpy_gather}
+    variants = {
+        "engine_lookup": lambda: jax.block_until_ready(lookup()),
+        "jnp_take_clip": lambda: jax.block_until_ready(take(table_dev, flat)),
+        "numpy_fancy_index": numpy_gather,
+    }
     times = {k: [] for k in variants}
     for _ in range(3):
         for fn in variants.values():
             fn()
     for r in range(ARGS.gather_reps):
-        for k in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+        for k in list(variants) if r % 2 == 0 else list(variants)[::-1]:
             t0 = time.perf_counter()
             variants[k]()
             times[k].append(time.perf_counter() - t0)
@@ -179,6 +221,7 @@ def bench_gather(rng):
 
 # ---------------------------------------------------------------- (c) where the time goes
 
+
 def timeit(fn, reps=31):
     fn()
     ts = []
@@ -191,7 +234,7 @@ def timeit(fn, reps=31):
 
 def breakdown(ec, state, ids):
     """Pieces of the 1-device engine step, each jitted alone (the engine's own methods)."""
-    (key, st), = ec._stacks.items()
+    ((key, st),) = ec._stacks.items()
     feats = ("f",)
     w = state["weights"][key]
     acc = state["accumulator"][key]
@@ -204,17 +247,31 @@ def breakdown(ec, state, ids):
     r = route_j(ids)
     S, C = r["send_rows"].shape
     n = r["dest"].shape[0]
-    gather_j = jax.jit(lambda w, recv: jnp.where((recv >= 0)[..., None],
-                                                  jnp.take(w[0, 0], jnp.clip(recv, 0, st.rows - 1), axis=0, mode="clip"), 0.0))
+    gather_j = jax.jit(
+        lambda w, recv: jnp.where(
+            (recv >= 0)[..., None], jnp.take(w[0, 0], jnp.clip(recv, 0, st.rows - 1), axis=0, mode="clip"), 0.0
+        )
+    )
     back = gather_j(w, r["send_rows"])
-    unpack_j = jax.jit(lambda back, r: (back.at[r["dest"], r["slot"]].get(mode="fill", fill_value=0.0)
-                                        * r["keep"][:, None]).reshape(ARGS.batch, ARGS.hotness, -1).sum(1))
+    unpack_j = jax.jit(
+        lambda back, r: (
+            (back.at[r["dest"], r["slot"]].get(mode="fill", fill_value=0.0) * r["keep"][:, None])
+            .reshape(ARGS.batch, ARGS.hotness, -1)
+            .sum(1)
+        )
+    )
     g = jnp.ones((ARGS.batch, ARGS.dim), jnp.float32)
-    req_grads_j = jax.jit(lambda r, g: jnp.zeros((S, C, st.width), jnp.float32).at[r["dest"], r["slot"]].add(
-        jnp.repeat(g, ARGS.hotness, axis=0) * r["keep"][:, None], mode="drop"))
+    req_grads_j = jax.jit(
+        lambda r, g: (
+            jnp.zeros((S, C, st.width), jnp.float32)
+            .at[r["dest"], r["slot"]]
+            .add(jnp.repeat(g, ARGS.hotness, axis=0) * r["keep"][:, None], mode="drop")
+        )
+    )
     send_g = req_grads_j(r, g)
-    apply_j = jax.jit(lambda w, acc, rows, g: ec._apply_rows(w, {"accumulator": acc}, rows, g, st.rows, True),
-                      donate_argnums=(0, 1))
+    apply_j = jax.jit(
+        lambda w, acc, rows, g: ec._apply_rows(w, {"accumulator": acc}, rows, g, st.rows, True), donate_argnums=(0, 1)
+    )
     rows_flat, g_flat = r["send_rows"].reshape(-1), send_g.reshape(-1, st.width)
     holder = {"w": w, "acc": acc}
 
@@ -228,8 +285,9 @@ def breakdown(ec, state, ids):
     iota = jnp.arange(n, dtype=jnp.int32)
     # the route's 3-operand, 2-key sort vs one packed uint32 key (dest * R_w + row < 2**31 by _layout)
     sort3 = jax.jit(lambda d, r: jax.lax.sort((d, r, iota), num_keys=2))
-    sort_packed = jax.jit(lambda d, r: jax.lax.sort((d.astype(jnp.uint32) * jnp.uint32(st.rows) + r.astype(jnp.uint32), iota),
-                                                    num_keys=1))
+    sort_packed = jax.jit(
+        lambda d, r: jax.lax.sort((d.astype(jnp.uint32) * jnp.uint32(st.rows) + r.astype(jnp.uint32), iota), num_keys=1)
+    )
     out = {
         "shapes": {"requests_n": n, "send_buffer": [S, C, st.width], "unique_rows": int(jnp.sum(r["send_rows"] >= 0))},
         "full_lookup_ms": timeit(lambda: ec.lookup(state, ids)["f"]),  # before apply_once donates the table
@@ -251,7 +309,7 @@ def a2a_cost(setups):
     ec = s["ec"]
     S = ec.num_shards
     mesh = ec.mesh
-    (key, st), = ec._stacks.items()
+    ((key, st),) = ec._stacks.items()
     per_dev = ARGS.batch * ARGS.hotness // (mesh.shape["node"] * mesh.shape["local"])
     C = ec._capacity(key, ("f",), {"f": np.zeros((ARGS.batch // (mesh.size), ARGS.hotness))})
     P = jax.sharding.PartitionSpec
@@ -259,18 +317,31 @@ def a2a_cost(setups):
     x = jnp.zeros((mesh.size * S, C, st.width), jnp.float32, device=jax.sharding.NamedSharding(mesh, spec))
     i = jnp.zeros((mesh.size * S, C), jnp.int32, device=jax.sharding.NamedSharding(mesh, spec))
     axes = ec.shard_axes
-    f = jax.jit(jax.shard_map(lambda x, i: (collectives.all_to_all(x, axes), collectives.all_to_all_ids(i, axes)),
-                              mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
-    return {"mesh": f"{mesh.shape['node']}x{mesh.shape['local']}", "requests_per_device": per_dev,
-            "capacity_per_destination": C, "rows_buffer_per_device_MB": S * C * st.width * 4 / 1e6,
-            "one_a2a_rows_plus_ids_ms": timeit(lambda: f(x, i))}
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, i: (collectives.all_to_all(x, axes), collectives.all_to_all_ids(i, axes)),
+            mesh=mesh,
+            in_specs=(spec, spec),
+            out_specs=(spec, spec),
+        )
+    )
+    return {
+        "mesh": f"{mesh.shape['node']}x{mesh.shape['local']}",
+        "requests_per_device": per_dev,
+        "capacity_per_destination": C,
+        "rows_buffer_per_device_MB": S * C * st.width * 4 / 1e6,
+        "one_a2a_rows_plus_ids_ms": timeit(lambda: f(x, i)),
+    }
 
 
 def main():
     rng = np.random.default_rng(0)
     rows_list = [int(float(r)) for r in ARGS.rows.split(",")]
-    result = {"machine": machine(), "command": " ".join([Path(sys.executable).name] + sys.argv),
-              "config": {k: v for k, v in vars(ARGS).items()}}
+    result = {
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "config": {k: v for k, v in vars(ARGS).items()},
+    }
     steps, setups = bench_steps(rows_list, rng)
     result["step_time"] = steps
     result["a2a_alone"] = a2a_cost(setups)
@@ -285,8 +356,10 @@ def main():
         Path(ARGS.json).write_text(text)
 
     m = result["machine"]
-    print(f"\n**Machine**: {m['nproc']} CPUs, {m['cpu_model']}; jax {m['jax']}; load average at start "
-          f"{m['loadavg_1_5_15_at_start'][0]:.1f}, at end {result['loadavg_1_5_15_at_end'][0]:.1f}\n")
+    print(
+        f"\n**Machine**: {m['nproc']} CPUs, {m['cpu_model']}; jax {m['jax']}; load average at start "
+        f"{m['loadavg_1_5_15_at_start'][0]:.1f}, at end {result['loadavg_1_5_15_at_end'][0]:.1f}\n"
+    )
     print("| config | rows | median ms | p10 | p90 | ratio largest/smallest |")
     print("|---|---|---|---|---|---|")
     for label, by_rows in steps.items():
@@ -294,18 +367,24 @@ def main():
             if isinstance(v, dict):
                 print(f"| {label} | {k} | {v['median_ms']:.1f} | {v['p10_ms']:.1f} | {v['p90_ms']:.1f} | |")
         print(f"| {label} | | | | | **{by_rows['ratio_largest_over_smallest']:.2f}** |")
-    print(f"\n| 1-device gather of {gather['ids']} ids ({gather['unique_ids']} unique), table {gather['table_rows']:.0e}x{ARGS.dim} "
-          f"| median ms | rows/s |\n|---|---|---|")
+    print(
+        f"\n| 1-device gather of {gather['ids']} ids ({gather['unique_ids']} unique), table {gather['table_rows']:.0e}x{ARGS.dim} "  # noqa: E501
+        f"| median ms | rows/s |\n|---|---|---|"
+    )
     for k in ("engine_lookup", "jnp_take_clip", "numpy_fancy_index"):
         print(f"| {k} | {gather[k]['median_ms']:.2f} | {gather[k]['rows_per_s']:.3g} |")
-    print(f"\nengine / NumPy: **{gather['engine_over_numpy']:.2f}x**; jnp.take / NumPy: {gather['jnp_take_over_numpy']:.2f}x\n")
+    print(
+        f"\nengine / NumPy: **{gather['engine_over_numpy']:.2f}x**; jnp.take / NumPy: {gather['jnp_take_over_numpy']:.2f}x\n"  # noqa: E501
+    )
     print("| 1-device step piece | ms |\n|---|---|")
     for k, v in result["breakdown_1dev"].items():
         if k != "shapes":
             print(f"| {k.strip()} | {v:.2f} |")
     a = result["a2a_alone"]
-    print(f"\n{a['mesh']} all_to_all alone (ids + fp32 rows, C={a['capacity_per_destination']}, "
-          f"{a['rows_buffer_per_device_MB']:.1f} MB/device): {a['one_a2a_rows_plus_ids_ms']:.1f} ms")
+    print(
+        f"\n{a['mesh']} all_to_all alone (ids + fp32 rows, C={a['capacity_per_destination']}, "
+        f"{a['rows_buffer_per_device_MB']:.1f} MB/device): {a['one_a2a_rows_plus_ids_ms']:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

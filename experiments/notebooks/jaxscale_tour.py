@@ -55,9 +55,11 @@ assert jax.device_count() == 8
 
 # %%
 mesh = jaxscale.make_mesh(2, 4)
-tables = [jaxscale.TableConfig("items", rows=20_000, dim=32, pooling="sum", features=("history",)),
-          jaxscale.TableConfig("users", rows=5_000, dim=32, pooling="sum"),
-          jaxscale.TableConfig("category", rows=500, dim=32, pooling="mean")]
+tables = [
+    jaxscale.TableConfig("items", rows=20_000, dim=32, pooling="sum", features=("history",)),
+    jaxscale.TableConfig("users", rows=5_000, dim=32, pooling="sum"),
+    jaxscale.TableConfig("category", rows=500, dim=32, pooling="mean"),
+]
 rng = np.random.default_rng(0)
 B = 64
 
@@ -80,9 +82,14 @@ print(planner.report(plan, tables, stats, topo, batch_size_per_device=B // 8))
 # jitted; `comm_inspect` lists every collective of the compiled HLO with its bytes per device.
 
 # %%
-ec = jaxscale.EmbeddingCollection(tables, mesh, topology="1d", sharding=plan,
-                                  optimizer=jaxscale.RowWiseAdagrad(0.002),
-                                  comm=jaxscale.CommConfig(forward="fp8", backward="bf16"))
+ec = jaxscale.EmbeddingCollection(
+    tables,
+    mesh,
+    topology="1d",
+    sharding=plan,
+    optimizer=jaxscale.RowWiseAdagrad(0.002),
+    comm=jaxscale.CommConfig(forward="fp8", backward="bf16"),
+)
 state = ec.init(jax.random.key(0))
 ids = ec.shard_batch(host_ids)
 
@@ -90,7 +97,7 @@ ids = ec.shard_batch(host_ids)
 @jax.jit
 def train_step(state, ids):
     emb = ec.lookup(state, ids)
-    loss, grads = jax.value_and_grad(lambda e: sum(jax.numpy.mean(v ** 2) for v in e.values()))(emb)
+    loss, grads = jax.value_and_grad(lambda e: sum(jax.numpy.mean(v**2) for v in e.values()))(emb)
     return ec.update(state, ids, grads), loss
 
 
@@ -115,10 +122,20 @@ from jaxscale.config import load_config
 from jaxscale.trainer import Trainer
 
 workdir = tempfile.mkdtemp(prefix="jaxscale_tour_")
-cfg = load_config(str(REPO / "experiments/configs/foundation_smoke.yaml"),
-                  ["train.steps=8", "train.eval_every=0", "train.log_every=2", f"train.workdir={workdir}",
-                   "model.foundation.num_layers=1", "model.foundation.d_model=32", "model.foundation.max_seq_len=16",
-                   "train.batch_size=32", "data.eval_batches=0"])
+cfg = load_config(
+    str(REPO / "experiments/configs/foundation_smoke.yaml"),
+    [
+        "train.steps=8",
+        "train.eval_every=0",
+        "train.log_every=2",
+        f"train.workdir={workdir}",
+        "model.foundation.num_layers=1",
+        "model.foundation.d_model=32",
+        "model.foundation.max_seq_len=16",
+        "train.batch_size=32",
+        "data.eval_batches=0",
+    ],
+)
 trainer = Trainer(cfg, progress=False, log=True)
 history = trainer.run()
 print("loss per step:", [round(x, 3) for x in history["losses"]])
@@ -132,12 +149,14 @@ assert len(history["losses"]) == 8 and np.isfinite(history["losses"]).all()
 # (cumulative), read from the compiled HLO (the same function `python -m jaxscale.bench` uses).
 
 # %%
-from jaxscale.bench import foundation_stages, STAGES
+from jaxscale.bench import STAGES, foundation_stages
 
 stages = foundation_stages([name for name, _ in STAGES])
 for s in stages:
-    print(f"{s['stage']:<12} intra {s['intra_node_bytes_per_example']:>9,.0f}  "
-          f"inter {s['inter_node_bytes_per_example']:>9,.0f}  B/example")
+    print(
+        f"{s['stage']:<12} intra {s['intra_node_bytes_per_example']:>9,.0f}  "
+        f"inter {s['inter_node_bytes_per_example']:>9,.0f}  B/example"
+    )
 
 # %%
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.5))

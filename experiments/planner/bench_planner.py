@@ -54,8 +54,10 @@ def baselines(tables, topology: Topology) -> dict[str, ShardingPlan]:
     n = topology.num_shards
     row_wise = {t.name: TableShards("row_wise", n, 1, tuple(range(n))) for t in tables}
     round_robin = {t.name: TableShards("table_wise", 1, 1, (i % n,)) for i, t in enumerate(tables)}
-    return {"row_wise": ShardingPlan(topology.name, n, row_wise),
-            "table_wise": ShardingPlan(topology.name, n, round_robin)}
+    return {
+        "row_wise": ShardingPlan(topology.name, n, row_wise),
+        "table_wise": ShardingPlan(topology.name, n, round_robin),
+    }
 
 
 def run(num_tables: int, seed: int) -> list[dict]:
@@ -69,32 +71,42 @@ def run(num_tables: int, seed: int) -> list[dict]:
         base = baselines(tables, topology)
         candidates = [
             ("planner (modulo rows)", report(plan, tables, stats, topology, BATCH_SIZE_PER_DEVICE), seconds),
-            ("row_wise, contiguous rows (TorchRec)",
-             report(base["row_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE,
-                    row_assignment="contiguous"), None),
-            ("row_wise, modulo rows",
-             report(base["row_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE), None),
-            ("table_wise round-robin",
-             report(base["table_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE), None),
+            (
+                "row_wise, contiguous rows (TorchRec)",
+                report(base["row_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE, row_assignment="contiguous"),
+                None,
+            ),
+            ("row_wise, modulo rows", report(base["row_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE), None),
+            (
+                "table_wise round-robin",
+                report(base["table_wise"], tables, stats, topology, BATCH_SIZE_PER_DEVICE),
+                None,
+            ),
         ]
         for plan_name, rep, secs in candidates:
-            rows.append({
-                "cluster": label, "shards": topology.num_shards, "plan": plan_name,
-                "lookup_max_over_mean": round(rep.lookup_imbalance, 4),
-                "bytes_max_over_mean": round(rep.bytes_imbalance, 4),
-                "cost_max_over_mean": round(rep.cost_imbalance, 4),
-                "slowest_shard_ms": round(rep.max_cost_s * 1e3, 4),
-                "max_memory_gb": round(max(rep.memory_bytes) / 1e9, 2),
-                "over_memory_shards": len(rep.over_memory),
-                "types": dict(rep.sharding_counts),
-                "plan_seconds": None if secs is None else round(secs, 2),
-            })
+            rows.append(
+                {
+                    "cluster": label,
+                    "shards": topology.num_shards,
+                    "plan": plan_name,
+                    "lookup_max_over_mean": round(rep.lookup_imbalance, 4),
+                    "bytes_max_over_mean": round(rep.bytes_imbalance, 4),
+                    "cost_max_over_mean": round(rep.cost_imbalance, 4),
+                    "slowest_shard_ms": round(rep.max_cost_s * 1e3, 4),
+                    "max_memory_gb": round(max(rep.memory_bytes) / 1e9, 2),
+                    "over_memory_shards": len(rep.over_memory),
+                    "types": dict(rep.sharding_counts),
+                    "plan_seconds": None if secs is None else round(secs, 2),
+                }
+            )
     return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = ("| cluster | plan | lookups max/mean | bytes max/mean | cost max/mean | slowest shard ms | "
-            "max memory GB | shards over memory | types | plan s |")
+    head = (
+        "| cluster | plan | lookups max/mean | bytes max/mean | cost max/mean | slowest shard ms | "
+        "max memory GB | shards over memory | types | plan s |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         types = ", ".join(f"{k} {v}" for k, v in r["types"].items())
@@ -102,7 +114,8 @@ def to_markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['cluster']} | {r['plan']} | {r['lookup_max_over_mean']:.3f} | {r['bytes_max_over_mean']:.3f} | "
             f"{r['cost_max_over_mean']:.3f} | {r['slowest_shard_ms']:.3f} | {r['max_memory_gb']:.1f} | "
-            f"{r['over_memory_shards']} | {types} | {secs} |")
+            f"{r['over_memory_shards']} | {types} | {secs} |"
+        )
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ on it (each side limits its own egress, so both directions are limited). Both ph
 compiled step (median of --steps after 2 warm-up steps); process 0 prints one JSON line with the
 measured medians, the compiled inter-node bytes, and the predicted phase-B time for the same rate.
 """
+
 import argparse
 import json
 import os
@@ -23,22 +24,35 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 # A small foundation model with visible all-to-all payloads (sequence lookups of 32 events).
-EMU_MODEL = dict(item_rows=4096, item_dim=32, item_vocab=100000, num_item_tables=2, item_combine="concat",
-                 num_layers=1, d_model=16, num_heads=1, max_seq_len=32, time_encoding="none", max_negatives=64)
+EMU_MODEL = dict(
+    item_rows=4096,
+    item_dim=32,
+    item_vocab=100000,
+    num_item_tables=2,
+    item_combine="concat",
+    num_layers=1,
+    d_model=16,
+    num_heads=1,
+    max_seq_len=32,
+    time_encoding="none",
+    max_negatives=64,
+)
 
 
 def tc(dev, rate):
     subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
     if rate:
-        subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb",
-                        "latency", "400ms"], check=True)
+        subprocess.run(
+            ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "400ms"],
+            check=True,
+        )
 
 
 def rate_bytes(rate: str) -> float:
     units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
     for u, f in units.items():
         if rate.endswith(u):
-            return float(rate[:-len(u)]) * f
+            return float(rate[: -len(u)]) * f
     raise ValueError(rate)
 
 
@@ -83,16 +97,18 @@ def main():
     distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
     import jax
     from jax.experimental import multihost_utils
+    from stages import STAGES, overrides
 
     from jaxscale.comm_report import split_bytes
     from jaxscale.config import load_config
     from jaxscale.trainer import Trainer
-    from stages import STAGES, overrides
 
     st = dict(STAGES)[a.stage]
     ov = overrides(st, a.nodes, a.local, tiny=EMU_MODEL, batch=a.batch_per_device * a.nodes * a.local)
-    cfg = load_config(os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"),
-                      ov + ["train.overflow_policy=grow", "train.warmup_steps=1"])
+    cfg = load_config(
+        os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"),
+        ov + ["train.overflow_policy=grow", "train.warmup_steps=1"],
+    )
     trainer = Trainer(cfg, progress=False, log=False)
     _globalize_host_state(trainer)
     state = trainer.init_state()
@@ -122,15 +138,25 @@ def main():
     if a.process_id == 0:
         per_node_inter = inter * a.local  # the node's devices share its one link
         r = rate_bytes(a.rate)
-        print(json.dumps({
-            "stage": a.stage, "nodes": a.nodes, "local": a.local, "rate": a.rate,
-            "inter_bytes_per_device": inter, "intra_bytes_per_device": intra,
-            "measured_unlimited_s": out["unlimited"], "measured_limited_s": out["limited"],
-            # alpha-beta with a full-duplex link: t = t_unlimited + per-node inter bytes / rate
-            "predicted_duplex_s": out["unlimited"] + per_node_inter / r,
-            # gloo on this transport does not overlap the two directions (JAX_ON_CPU.md item 10)
-            "predicted_gloo_s": out["unlimited"] + 2 * per_node_inter / r,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "stage": a.stage,
+                    "nodes": a.nodes,
+                    "local": a.local,
+                    "rate": a.rate,
+                    "inter_bytes_per_device": inter,
+                    "intra_bytes_per_device": intra,
+                    "measured_unlimited_s": out["unlimited"],
+                    "measured_limited_s": out["limited"],
+                    # alpha-beta with a full-duplex link: t = t_unlimited + per-node inter bytes / rate
+                    "predicted_duplex_s": out["unlimited"] + per_node_inter / r,
+                    # gloo on this transport does not overlap the two directions (JAX_ON_CPU.md item 10)
+                    "predicted_gloo_s": out["unlimited"] + 2 * per_node_inter / r,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

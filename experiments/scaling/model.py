@@ -128,8 +128,9 @@ def negatives_pool(shape: Shape, devices: int) -> int:
     return devices * shape.batch * (shape.seq_len - 1)
 
 
-def step_bytes(shape: Shape, nodes: int, local: int, topology: str, fwd: str, bwd: str, half_dim: bool,
-               replica_sync: str = "exact") -> dict[str, tuple[float, float]]:
+def step_bytes(
+    shape: Shape, nodes: int, local: int, topology: str, fwd: str, bwd: str, half_dim: bool, replica_sync: str = "exact"
+) -> dict[str, tuple[float, float]]:
     """{category: (intra-node, inter-node) bytes one device sends per step}."""
     S, rep = shard_group(topology, nodes, local)
     G = nodes * local
@@ -188,8 +189,16 @@ def collective_time(intra: float, inter: float, links: Links, local: int, alpha_
     return a_i * links.alpha_intra + a_x * links.alpha_inter + intra / links.intra_bw + inter / links.inter_bw(local)
 
 
-def step_time(bytes_: dict, compute_s: float, links: Links, nodes: int, local: int, *, imbalance: float = 1.0,
-              overlap: float = 2 / 3) -> dict:
+def step_time(
+    bytes_: dict,
+    compute_s: float,
+    links: Links,
+    nodes: int,
+    local: int,
+    *,
+    imbalance: float = 1.0,
+    overlap: float = 2 / 3,
+) -> dict:
     """Step-time breakdown (seconds). `imbalance` scales the embedding all-to-all time; `overlap` is the
     fraction of compute (the backward pass) the dense all-reduce can hide behind."""
     msgs = (1, 1 if nodes > 1 else 0)
@@ -205,8 +214,12 @@ def step_time(bytes_: dict, compute_s: float, links: Links, nodes: int, local: i
             t[cat] *= imbalance
     exposed_dense = max(0.0, t.get("dense_grad", 0.0) - overlap * compute_s)
     critical = sum(v for k, v in t.items() if k != "dense_grad")
-    return {"compute": compute_s, "comm": t, "exposed_dense": exposed_dense,
-            "total": compute_s + critical + exposed_dense}
+    return {
+        "compute": compute_s,
+        "comm": t,
+        "exposed_dense": exposed_dense,
+        "total": compute_s + critical + exposed_dense,
+    }
 
 
 def speedup(times_by_nodes: dict[int, float]) -> dict[int, float]:
@@ -227,14 +240,16 @@ def transformer_step_flops(shape: Shape, d_model: int, num_layers: int) -> float
     return tokens * (6 * shape.dense_params + 12 * num_layers * shape.seq_len * d_model)
 
 
-def compute_time_from_flops(shape: Shape, d_model: int, num_layers: int, mfu: float = 0.4,
-                            peak: float = H100_BF16_DENSE_FLOPS) -> float:
+def compute_time_from_flops(
+    shape: Shape, d_model: int, num_layers: int, mfu: float = 0.4, peak: float = H100_BF16_DENSE_FLOPS
+) -> float:
     """mfu 0.4: an assumed, typical model-FLOPs utilisation for a bf16 transformer on H100 (not fitted)."""
     return transformer_step_flops(shape, d_model, num_layers) / (mfu * peak)
 
 
-def compute_time_from_published(batch_per_gpu: int, examples_per_s: float = 490e3, gpus: int = 64,
-                                efficiency: float = 0.9375) -> float:
+def compute_time_from_published(
+    batch_per_gpu: int, examples_per_s: float = 490e3, gpus: int = 64, efficiency: float = 0.9375
+) -> float:
     """Per-step compute implied by the published 490k examples/s on 64 GPUs at 93.75% of ideal: the ideal
     per-GPU rate is 490k / 64 / 0.9375; a step of `batch_per_gpu` examples takes batch / rate.
     (Upper bound on compute: the 6.25% loss is all attributed to communication.)"""

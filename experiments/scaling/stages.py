@@ -28,15 +28,32 @@ CAPACITY_FACTOR = 1.25  # foundation_large.yaml's value: padded a2a slots = 1.25
 
 # A tiny foundation model (compiles in ~30 s on a loaded 2-core CPU) with the large preset's table
 # structure: 2 hashed item tables, concatenated, sequence lookups, a strided in-batch negative pool.
-TINY = dict(item_rows=256, item_dim=8, item_vocab=100000, num_item_tables=2, item_combine="concat",
-            num_layers=1, d_model=8, num_heads=1, max_seq_len=4, time_encoding="none", max_negatives=8)
+TINY = dict(
+    item_rows=256,
+    item_dim=8,
+    item_vocab=100000,
+    num_item_tables=2,
+    item_combine="concat",
+    num_layers=1,
+    d_model=8,
+    num_heads=1,
+    max_seq_len=4,
+    time_encoding="none",
+    max_negatives=8,
+)
 TINY_BATCH = 16
 
 
 def overrides(stage: dict, nodes: int, local: int, tiny: dict = TINY, batch: int = TINY_BATCH) -> list[str]:
-    out = [f"mesh.nodes={nodes}", f"mesh.local={local}", f"train.batch_size={batch}",
-           f"embedding.topology={stage['topology']}", f"embedding.comm_forward={stage['fwd']}",
-           f"embedding.comm_backward={stage['bwd']}", f"embedding.capacity_factor={CAPACITY_FACTOR}"]
+    out = [
+        f"mesh.nodes={nodes}",
+        f"mesh.local={local}",
+        f"train.batch_size={batch}",
+        f"embedding.topology={stage['topology']}",
+        f"embedding.comm_forward={stage['fwd']}",
+        f"embedding.comm_backward={stage['bwd']}",
+        f"embedding.capacity_factor={CAPACITY_FACTOR}",
+    ]
     out += [f"model.foundation.{k}={v}" for k, v in effective_tiny(stage, tiny).items()]
     return out
 

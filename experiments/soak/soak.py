@@ -8,7 +8,8 @@ kept) and samples, every --window steps: resident memory (VmRSS of this process)
 window's steps and the checkpoint count. Reports RSS and throughput of the first window after compilation
 vs the last one and exits 1 if RSS grew by more than --max-rss-growth-mb or throughput fell by more than
 --max-slowdown (fraction). RSS growth is judged from the first window after the first checkpoint (orbax
-allocates its thread pools and caches once, at the first save); the growth from the start is reported too. Not part of the test suite (minutes of CPU).
+allocates its thread pools and caches once, at the first save); the growth from the start is reported too.
+Not part of the test suite (minutes of CPU).
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ def main(argv=None) -> int:
     from jaxscale.config import load_config
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxscale_soak_")
-    cfg = load_config(args.config, list(args.overrides) + [
-        f"train.steps={args.steps}", f"train.checkpoint_every={args.checkpoint_every}", "train.eval_every=0",
-        f"train.log_every={args.window}", f"train.workdir={workdir}"])
+    cfg = load_config(
+        args.config,
+        list(args.overrides)
+        + [
+            f"train.steps={args.steps}",
+            f"train.checkpoint_every={args.checkpoint_every}",
+            "train.eval_every=0",
+            f"train.log_every={args.window}",
+            f"train.workdir={workdir}",
+        ],
+    )
     import jax
 
     jax.config.update("jax_num_cpu_devices", cfg.mesh.nodes * cfg.mesh.local)
@@ -74,13 +83,21 @@ def main(argv=None) -> int:
             now = time.perf_counter()
             steps = n - samples[-1]["step"]
             ckpt = Path(workdir) / "checkpoints"
-            samples.append({"step": n, "rss_mb": rss_mb(),
-                            "examples_per_s": steps * cfg.train.batch_size / (now - state["t"]),
-                            "checkpoints_on_disk": len([d for d in os.listdir(ckpt) if d.isdigit()]) if ckpt.exists() else 0})
+            samples.append(
+                {
+                    "step": n,
+                    "rss_mb": rss_mb(),
+                    "examples_per_s": steps * cfg.train.batch_size / (now - state["t"]),
+                    "checkpoints_on_disk": len([d for d in os.listdir(ckpt) if d.isdigit()]) if ckpt.exists() else 0,
+                }
+            )
             state["t"] = now
             s = samples[-1]
-            print(f"step {n:6d}  rss {s['rss_mb']:8.1f} MB  {s['examples_per_s']:8.0f} ex/s  "
-                  f"checkpoints on disk {s['checkpoints_on_disk']}", flush=True)
+            print(
+                f"step {n:6d}  rss {s['rss_mb']:8.1f} MB  {s['examples_per_s']:8.0f} ex/s  "
+                f"checkpoints on disk {s['checkpoints_on_disk']}",
+                flush=True,
+            )
         return out
 
     trainer.train_step = probe
@@ -95,21 +112,32 @@ def main(argv=None) -> int:
     # orbax allocates its thread pools and tensorstore caches at the first save: steady state starts after it
     steady = next((s for s in timed if s["step"] >= args.checkpoint_every + args.window), first)
     summary = {
-        "steps": args.steps, "batch_size": cfg.train.batch_size, "checkpoint_every": args.checkpoint_every,
-        "wall_s": wall, "rss_mb_after_first_step": samples[0]["rss_mb"], "rss_mb_first_window": first["rss_mb"],
-        "rss_mb_end": last["rss_mb"], "rss_growth_mb": last["rss_mb"] - first["rss_mb"],
-        "rss_mb_steady_start": steady["rss_mb"], "rss_mb_steady_start_step": steady["step"],
+        "steps": args.steps,
+        "batch_size": cfg.train.batch_size,
+        "checkpoint_every": args.checkpoint_every,
+        "wall_s": wall,
+        "rss_mb_after_first_step": samples[0]["rss_mb"],
+        "rss_mb_first_window": first["rss_mb"],
+        "rss_mb_end": last["rss_mb"],
+        "rss_growth_mb": last["rss_mb"] - first["rss_mb"],
+        "rss_mb_steady_start": steady["rss_mb"],
+        "rss_mb_steady_start_step": steady["step"],
         "rss_growth_steady_mb": last["rss_mb"] - steady["rss_mb"],
-        "examples_per_s_first_window": first["examples_per_s"], "examples_per_s_last_window": last["examples_per_s"],
+        "examples_per_s_first_window": first["examples_per_s"],
+        "examples_per_s_last_window": last["examples_per_s"],
         "throughput_ratio_last_over_first": last["examples_per_s"] / first["examples_per_s"],
-        "loss_first": out["losses"][0], "loss_last": out["losses"][-1],
-        "nonfinite_skipped": int(out["final_state"]["skipped"]), "workdir": workdir,
+        "loss_first": out["losses"][0],
+        "loss_last": out["losses"][-1],
+        "nonfinite_skipped": int(out["final_state"]["skipped"]),
+        "workdir": workdir,
     }
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "samples": samples}, indent=2))
-    ok = summary["rss_growth_steady_mb"] <= args.max_rss_growth_mb and \
-        summary["throughput_ratio_last_over_first"] >= 1 - args.max_slowdown
+    ok = (
+        summary["rss_growth_steady_mb"] <= args.max_rss_growth_mb
+        and summary["throughput_ratio_last_over_first"] >= 1 - args.max_slowdown
+    )
     print("PASS: memory flat and throughput steady" if ok else "FAIL: memory grew or throughput fell")
     return 0 if ok else 1
 
