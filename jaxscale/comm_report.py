@@ -121,15 +121,10 @@ def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = No
 
 def _replica_groups(mesh, topology: str) -> frozenset:
     """The replica groups of a 2D topology as sets of flat mesh positions (empty for 1d)."""
-    import numpy as np
+    from jaxscale.mesh import Topology
 
-    nodes, local = mesh.devices.shape
-    pos = np.arange(nodes * local).reshape(nodes, local)
-    if topology == "2d_ar":  # replicas inside a node
-        return frozenset(frozenset(int(v) for v in row) for row in pos)
-    if topology == "2d_a2a":  # replicas across nodes
-        return frozenset(frozenset(int(v) for v in col) for col in pos.T)
-    return frozenset()
+    groups = Topology.of(topology, mesh).replica_groups()
+    return frozenset(frozenset(g) for g in groups if len(g) > 1)
 
 
 def comm_report(cfg) -> dict:

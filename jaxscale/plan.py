@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
-from jaxscale.mesh import TOPOLOGIES
+from jaxscale.mesh import TOPOLOGIES, Topology
 from jaxscale.tables import TableConfig, check_tables
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
@@ -122,7 +122,7 @@ class ShardingPlan:
 
 def num_shards(topology: str, nodes: int, local: int) -> int:
     """Size of the shard group (the all-to-all group) of a topology on a (nodes, local) mesh."""
-    return {"1d": nodes * local, "2d_ar": nodes, "2d_a2a": local}[topology]
+    return Topology(topology, nodes, local).num_shards
 
 
 def resolve_plan(

@@ -321,6 +321,7 @@ def test_planner_does_not_import_jax():
     # the plan modules it uses) rather than sys.modules.
     allowed = {
         "__future__",
+        "collections.abc",
         "dataclasses",
         "json",
         "math",
