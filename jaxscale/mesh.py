@@ -94,6 +94,16 @@ class Topology:
             return tuple(tuple(int(v) for v in row) for row in pos)
         return tuple(tuple(int(v) for v in col) for col in pos.T)
 
+    def shard_of(self, positions):
+        """Shard index (within its group) of flat mesh positions (NumPy arrays or ints)."""
+        node, local = np.divmod(np.asarray(positions), self.local)
+        return {"1d": np.asarray(positions), "2d_ar": node, "2d_a2a": local}[self.name]
+
+    def replica_of(self, positions):
+        """Replica index of flat mesh positions: which copy of the shard group they belong to."""
+        node, local = np.divmod(np.asarray(positions), self.local)
+        return {"1d": np.zeros_like(node), "2d_ar": local, "2d_a2a": node}[self.name]
+
     @property
     def shard_peers(self) -> tuple[int, int]:
         """(intra-node, inter-node) peers of one device in its all-to-all group."""

@@ -31,9 +31,9 @@ class SGD:
     def __post_init__(self):
         _check_positive("SGD", "learning_rate", self.learning_rate, allow_zero=True)
 
-    def row_update(self, rows_w, rows_slots, g):
+    def row_update(self, rows_w, rows_slots, g, grad_sq_mean=None):
         """(delta for the rows' weights, new slot values) given the rows' summed gradients g [n, d]."""
-        del rows_w
+        del rows_w, grad_sq_mean
         return -self.learning_rate * g, rows_slots
 
 
@@ -43,11 +43,18 @@ class RowWiseAdagrad:
 
     Per touched row r with summed gradient g: acc_r += mean(g**2 over the dim);
     w_r -= lr * g / (sqrt(acc_r) + eps). One float of state per row.
+
+    A column-sharded table still keeps ONE accumulator per row, the mean over the full dim (each column
+    shard adds up its part of the row's squared gradient with the others'), so a model trains the same
+    whatever sharding the planner picks. `per_column_shard=True` instead keeps one accumulator per row
+    and column shard, each the mean over its own columns: what TorchRec/FBGEMM do (every column shard
+    is its own TBE), for bit-parity with TorchRec column-wise runs.
     """
 
     learning_rate: float
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
+    per_column_shard: bool = False
 
     slots: tuple[str, ...] = dataclasses.field(default=("accumulator",), init=False, repr=False)
 
@@ -55,10 +62,15 @@ class RowWiseAdagrad:
         _check_positive("RowWiseAdagrad", "learning_rate", self.learning_rate, allow_zero=True)
         _check_positive("RowWiseAdagrad", "eps", self.eps, allow_zero=True)
         _check_positive("RowWiseAdagrad", "initial_accumulator_value", self.initial_accumulator_value, allow_zero=True)
+        if not isinstance(self.per_column_shard, bool):
+            raise ValueError(f"RowWiseAdagrad.per_column_shard must be a bool, got {self.per_column_shard!r}")
 
-    def row_update(self, rows_w, rows_slots, g):
+    def row_update(self, rows_w, rows_slots, g, grad_sq_mean=None):
+        """`grad_sq_mean` [n]: the rows' mean squared gradient over the full dim, when g holds only some
+        of the columns (a column shard); None: the mean over g's columns."""
         del rows_w
-        acc = rows_slots["accumulator"] + jnp.mean(g * g, axis=-1)
+        sq = jnp.mean(g * g, axis=-1) if grad_sq_mean is None else grad_sq_mean
+        acc = rows_slots["accumulator"] + sq
         delta = -(self.learning_rate * g / (jnp.sqrt(acc)[:, None] + self.eps))
         return delta, {"accumulator": acc}
 

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from jaxscale import comm_inspect
 from jaxscale.config import Config, config_to_dict
 from jaxscale.data import make_data, to_global
-from jaxscale.embedding import EmbeddingCollection, slots_to_dense, stacks_to_dense
+from jaxscale.embedding import EmbeddingCollection
+from jaxscale.embedding.layout import build_layout, slots_to_dense, stacks_to_dense
 from jaxscale.mesh import make_mesh
 from jaxscale.optimizers import SGD, RowWiseAdagrad
 from jaxscale.plan import ShardingPlan
@@ -437,9 +438,10 @@ class Trainer:
         """Saved stacks (another mesh/topology/plan) -> dense tables -> this collection's layout."""
         plan = ShardingPlan.from_dict(meta["layout"]["plan"])
         tables = self.task.tables
-        weights = stacks_to_dense(tables, plan, {k: _host(v)[0] for k, v in saved_emb["weights"].items()})
+        layout = build_layout(tables, plan)
+        weights = stacks_to_dense(layout, {k: _host(v)[0] for k, v in saved_emb["weights"].items()})
         slots = {
-            s: slots_to_dense(tables, plan, {k: _host(v)[0] for k, v in saved_emb[s].items()})
+            s: slots_to_dense(layout, {k: _host(v)[0] for k, v in saved_emb[s].items()}, per_column_shard=True)
             for s in self.ec.optimizer.slots
             if s in saved_emb
         }

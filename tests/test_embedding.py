@@ -78,11 +78,8 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
         )
         state = ec.from_dense(w0)
         ref_w = {k: v.copy() for k, v in w0.items()}
-        col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
-        ref_acc = {
-            k: np.zeros((v.shape[0],) + ((col_parts[k],) if col_parts[k] > 1 else ()), np.float32)
-            for k, v in w0.items()
-        }
+        # one accumulator per row over the full dim, whatever the sharding: the unsharded reference
+        ref_acc = {k: np.zeros(v.shape[0], np.float32) for k, v in w0.items()}
         for step in range(5):
             ids = make_ids(rng, tables=tables)
             out = ec.lookup(state, ids)
@@ -97,7 +94,7 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
             if opt == "sgd":
                 ref_w = sgd_step(ref_w, tables, ids, grads, lr)
             else:
-                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps, col_parts)
+                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps)
         got = ec.to_dense(state)
         for name in ref_w:
             np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=f"{opt} table {name}")
@@ -114,6 +111,42 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
             for name in got:
                 np.testing.assert_array_equal(other[name], got[name])
         assert int(state["step"]) == 5
+
+
+@pytest.mark.parametrize("shape,topology", [((1, 8), "1d"), ((2, 4), "2d_a2a"), ((4, 2), "2d_ar")], ids=str)
+def test_per_column_shard_adagrad_keeps_torchrec_semantics(shape, topology):
+    """RowWiseAdagrad(per_column_shard=True): one accumulator per row AND column shard (each column shard is
+    its own TBE in TorchRec/FBGEMM), for bit-parity with TorchRec column-wise runs; the default differs."""
+    mesh = jaxscale.make_mesh(*shape)
+    rng = np.random.default_rng(5)
+    tables = GRID_TABLES
+    w0 = dense_tables(rng, tables)
+    lr, eps = 0.05, 0.25
+    per_shard = jaxscale.RowWiseAdagrad(lr, eps=eps, per_column_shard=True)
+    ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding="column_wise", optimizer=per_shard)
+    col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
+    assert all(cp > 1 for cp in col_parts.values())
+    default = jaxscale.EmbeddingCollection(
+        tables, mesh, topology=topology, sharding="column_wise", optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps)
+    )
+    state, state_default = ec.from_dense(w0), default.from_dense(w0)
+    ref_w = {k: v.copy() for k, v in w0.items()}
+    ref_acc = {k: np.zeros((v.shape[0], col_parts[k]), np.float32) for k, v in w0.items()}
+    for _ in range(3):
+        ids = make_ids(rng, tables=tables)
+        grads = {f: rng.normal(size=out_shape(f, tables)).astype(np.float32) for f in ids}
+        state = ec.update(state, ids, {f: jnp.asarray(g) for f, g in grads.items()})
+        state_default = default.update(state_default, ids, {f: jnp.asarray(g) for f, g in grads.items()})
+        ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps, col_parts)
+    got, acc = ec.to_dense(state), ec.slots_to_dense(state)["accumulator"]
+    for name in ref_w:
+        np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert acc[name].shape == (w0[name].shape[0], col_parts[name])
+        np.testing.assert_allclose(acc[name], ref_acc[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    # the layout-invariant default trains differently on the same column-wise plan
+    other = default.to_dense(state_default)
+    assert max(np.abs(other[n] - got[n]).max() for n in got) > 1e-3
+    assert all(v.shape == (w0[n].shape[0],) for n, v in default.slots_to_dense(state_default)["accumulator"].items())
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,713 @@
+"""`EmbeddingCollection`: sharded tables looked up and trained inside one `shard_map`.
+
+Lookup (forward), per stack, on every device, for its slice of the batch:
+  1. every (id, column block) becomes a request (owner shard, row in the owner's block); padding and
+     invalid ids become no request (`routing`);
+  2. requests are de-duplicated and given slots of a static `[shards, capacity]` send buffer, sized for
+     this batch by the host (`capacity`), or the worst case / a fixed factor;
+  3. the row ids travel to their owners (one all-to-all over the shard axes), the owners gather the rows
+     (`kernels`) and send them back (a second all-to-all, in the forward comm precision);
+  4. each request reads its row; column blocks are concatenated and bags pooled (or returned as sequences).
+  Pooled features with several ids per bag instead send (row, bag) pairs and get back one partial sum per
+  bag from each owner (B x dim instead of B x L x dim on the wire).
+
+Update (backward) runs the reverse path: per-request output gradients are summed per unique row on the
+requester, sent to the owners (backward precision), summed again there over all requesters and, under
+exact replica sync, over all replicas (`sync`); the optimizer then touches only those rows, in place
+(the state is donated). No dense [rows, dim] gradient is ever built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxscale import collectives
+from jaxscale.embedding import capacity as capacity_lib
+from jaxscale.embedding import kernels, routing, sync
+from jaxscale.embedding.ids import PADDING_ID, ShardedIds, check_ids
+from jaxscale.embedding.layout import build_layout, piece_meta
+from jaxscale.embedding.state import StateSpec
+from jaxscale.mesh import BATCH_AXES, Topology
+from jaxscale.optimizers import OPTIMIZERS, RowWiseAdagrad
+from jaxscale.plan import ShardingPlan, resolve_plan
+from jaxscale.quantization import CommConfig, payload_bytes
+from jaxscale.tables import TableConfig, check_tables
+
+REPLICA_SYNC_MODES = ("exact", "periodic")
+SYNC_STRATEGIES = ("auto",) + capacity_lib.SYNC_STRATEGIES
+POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
+_NO_STATS = {"overflow": P(), "invalid_ids": P()}
+
+
+class EmbeddingCollection:
+    """A set of embedding tables sharded over a ('node', 'local') mesh.
+
+    Args:
+      tables: the `TableConfig`s.
+      mesh: a mesh from `jaxscale.make_mesh`.
+      topology: '1d' (shard over every device), '2d_ar' (shard over nodes, replicate inside a node) or
+        '2d_a2a' (shard inside a node, replicate across nodes: the all-to-all never leaves a node).
+      sharding: a sharding type for every table ('table_wise', 'row_wise', 'column_wise',
+        'table_row_wise'), a {table: type} dict, or a `ShardingPlan` (object or its dict/JSON form).
+      optimizer: `SGD` or `RowWiseAdagrad`, applied sparsely to the looked-up rows.
+      comm: `CommConfig`: precision of the embedding payloads forward and backward (ids never quantized).
+      capacity_factor: None (default): every exchange is sized for the batch it carries, counted on the
+        host (exact: nothing can overflow), or for the worst case when the ids are only known inside jit. A
+        float f fixes the shape instead: each row-wise piece gets f times its uniform share of a device's
+        requests (smaller messages; overflow is then possible, counted and reported).
+      replica_sync: 'exact' (default: replicas apply the same combined update every step) or 'periodic'
+        (replicas update independently; weights and optimizer state are averaged every `sync_every`
+        steps, TorchRec DMPCollection semantics).
+      sync_strategy: how the exact sync moves gradients between replicas: 'gather', 'owner', or 'auto'
+        (default: the cheaper for each batch, from the host's counts; see `jaxscale.embedding.sync`).
+      pooled_comm: how pooled features come back. 'rows' returns every looked-up row and pools on the
+        requester; 'partial_sums' has each owner pool its rows per bag and return one partial sum per
+        bag (the output all-to-all carries B x dim instead of B x L x dim, fp8 included). 'auto'
+        (default) uses partial sums for pooled features with more than one id per example.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        mesh,
+        *,
+        topology: str = "1d",
+        sharding: str | Mapping | ShardingPlan = "row_wise",
+        optimizer=None,
+        comm: CommConfig | None = None,
+        capacity_factor: float | None = None,
+        replica_sync: str = "exact",
+        sync_every: int = 1,
+        sync_strategy: str = "auto",
+        pooled_comm: str = "auto",
+    ):
+        self.tables = check_tables(tables)
+        self.mesh = mesh
+        self.topology = Topology.of(topology, mesh)
+        self.nodes, self.local = self.topology.nodes, self.topology.local
+        self.plan = resolve_plan(self.tables, topology, self.nodes, self.local, sharding)
+        self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad(0.01)
+        if not isinstance(self.optimizer, OPTIMIZERS):
+            raise TypeError(
+                f"optimizer must be jaxscale.SGD or jaxscale.RowWiseAdagrad, got {type(self.optimizer).__name__}"
+            )
+        self.comm = comm if comm is not None else CommConfig()
+        if not isinstance(self.comm, CommConfig):
+            raise TypeError(f"comm must be a jaxscale.CommConfig, got {type(self.comm).__name__}")
+        if capacity_factor is not None and not (
+            isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool) and capacity_factor > 0
+        ):
+            raise ValueError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
+        self.capacity_factor = capacity_factor
+        if replica_sync not in REPLICA_SYNC_MODES:
+            raise ValueError(f"replica_sync must be one of {REPLICA_SYNC_MODES}, got {replica_sync!r}")
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        if sync_strategy not in SYNC_STRATEGIES:
+            raise ValueError(f"sync_strategy must be one of {SYNC_STRATEGIES}, got {sync_strategy!r}")
+        if pooled_comm not in POOLED_COMM_MODES:
+            raise ValueError(f"pooled_comm must be one of {POOLED_COMM_MODES}, got {pooled_comm!r}")
+        self.replica_sync, self.sync_every = replica_sync, sync_every
+        self.sync_strategy, self.pooled_comm = sync_strategy, pooled_comm
+
+        self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
+        self.layout = build_layout(self.tables, self.plan)
+        self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer)
+        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        self._capacity_cache = capacity_lib.CapacityCache()
+        self._lookup_jit = jax.jit(self._lookup)
+        self._update_jit = jax.jit(self._update, donate_argnums=0)
+
+    @classmethod
+    def from_config(cls, tables, mesh, config, *, plan=None, capacity_factor="config") -> EmbeddingCollection:
+        """A collection from an `EmbeddingConfig` (the trainer's `embedding` section), field for field."""
+        return cls(
+            tables,
+            mesh,
+            topology=config.topology,
+            sharding=plan if plan is not None else config.sharding,
+            optimizer=config.optimizer.build(),
+            comm=config.comm.build(),
+            capacity_factor=config.capacity_factor if capacity_factor == "config" else capacity_factor,
+            replica_sync=config.replica_sync,
+            sync_every=config.sync_every,
+            sync_strategy=config.sync_strategy,
+            pooled_comm=config.pooled_comm,
+        )
+
+    # ------------------------------------------------------------------ layout facts
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        return self.topology.shard_axes
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        return self.topology.replica_axes
+
+    @property
+    def num_shards(self) -> int:
+        return self.topology.num_shards
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+    @property
+    def _exact_sync(self) -> bool:
+        return self.num_replicas > 1 and self.replica_sync == "exact"
+
+    @property
+    def _invariant_adagrad(self) -> bool:
+        """Row-wise AdaGrad with one accumulator per row over the full dim (the default)."""
+        return isinstance(self.optimizer, RowWiseAdagrad) and not self.optimizer.per_column_shard
+
+    # ------------------------------------------------------------------ state
+
+    def state_shardings(self):
+        """NamedShardings of the state pytree (for jit in/out shardings and checkpoint restore)."""
+        return self.state_spec.shardings()
+
+    def abstract_state(self):
+        """ShapeDtypeStructs (with shardings) of the state: a restore target for orbax."""
+        return self.state_spec.abstract()
+
+    def init(self, key):
+        """Initial state, generated on the devices (no table is built on the host).
+
+        Row r of table t is uniform(-s, s) with s = `TableConfig.scale`, drawn from
+        fold_in(fold_in(key, t), r): the values do not depend on the mesh, topology or sharding.
+        """
+        return self._init_fn(key)
+
+    @functools.cached_property
+    def _init_fn(self):
+        return self.state_spec.init_fn()
+
+    def from_dense(self, tables: Mapping[str, np.ndarray]):
+        """State holding the given dense tables ({name: [rows, dim]}; stored shape under 'half_dim')."""
+        return self.state_spec.from_dense(tables)
+
+    def load_dense(self, tables, slots=None, step: int = 0):
+        """Like `from_dense`, also setting the optimizer state ({slot: {table: [rows] | [rows, k]}}) and the
+        step. A slot saved per column shard ([rows, k]) is read per column piece when k matches, else
+        averaged over its columns."""
+        return self.state_spec.from_dense(tables, slots, step)
+
+    def to_dense(self, state, replica: int = 0) -> dict[str, np.ndarray]:
+        """The tables of `state` as dense host arrays {name: [rows, dim]}, read from one replica."""
+        return self.state_spec.to_dense(state, replica)
+
+    def slots_to_dense(self, state, replica: int = 0) -> dict[str, dict[str, np.ndarray]]:
+        """Per-row optimizer state as {slot: {table: [rows]}}; [rows, col_parts] for a column-wise table
+        under `RowWiseAdagrad(per_column_shard=True)` (one state per column shard, as in TorchRec)."""
+        per_shard = bool(getattr(self.optimizer, "per_column_shard", False))
+        return self.state_spec.slots_to_dense(state, replica, per_shard)
+
+    def layout_signature(self) -> dict:
+        """What the stored arrays' layout depends on; equal signatures mean a state can be reused as is."""
+        return self.state_spec.signature()
+
+    # ------------------------------------------------------------------ ids
+
+    def validate_ids(self, ids: Mapping[str, object], *, global_batch: bool = True) -> dict[str, np.ndarray]:
+        """Checks host ids and returns them as int32 [B, L]; raises ValueError/TypeError naming the problem.
+
+        Accepts [B] (one id per example) or [B, L]; integer or float dtypes are converted to int32 when
+        the conversion is lossless, refused otherwise. Ids must be in [0, rows) or the padding id -1.
+        """
+        out, invalid = check_ids(ids, self.tables, self.feature_table)
+        if invalid:
+            raise ValueError(invalid[0].message())
+        if out and global_batch:
+            b = next(iter(out.values())).shape[0]
+            devices = self.nodes * self.local
+            if b % devices:
+                raise ValueError(f"batch size {b} is not divisible by the {devices} devices of the mesh")
+        return out
+
+    def capacities(self, ids: Mapping[str, np.ndarray]):
+        """Exchange capacities for host ids (this process's rows): counted from the ids when
+        capacity_factor is None (the smallest already-compiled set that fits them, see
+        `capacity.CapacityCache`), else None (the fixed shapes)."""
+        if self.capacity_factor is not None:
+            return None
+        exchange = None
+        first, devices = 0, self.nodes * self.local
+        if jax.process_count() > 1:
+            exchange = _exchange_across_processes
+            first, devices = jax.process_index() * self.local, self.local
+        need = capacity_lib.count_capacities(
+            self.layout,
+            self.feature_table,
+            self.topology,
+            ids,
+            self.pooled_comm,
+            self._exact_sync,
+            self.sync_strategy,
+            lambda w: payload_bytes(1, w, self.comm.backward),
+            first_device=first,
+            num_devices=devices,
+            exchange=exchange,
+        )
+        return self._capacity_cache.choose(need)
+
+    def shard_batch(self, batch: Mapping[str, np.ndarray]) -> ShardedIds:
+        """Host ids (this process's slice of the global batch) -> a `ShardedIds` of global arrays sharded by
+        batch, carrying this batch's exchange capacities (see `capacities`)."""
+        arrays = {}
+        host = {name: np.asarray(x) for name, x in batch.items()}
+        for name, x in host.items():
+            if jax.process_count() == 1:
+                arrays[name] = jax.device_put(x, self.batch_sharding)
+            else:
+                shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+                arrays[name] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
+        known = all(n in self.feature_table for n in host) and all(x.ndim == 2 for x in host.values())
+        return ShardedIds(arrays, self.capacities(host) if known and host else None)
+
+    def _prepare(self, ids):
+        """Host inputs are validated and sharded; traced/global arrays pass through (policy inside jit)."""
+        if isinstance(ids, ShardedIds) or all(isinstance(x, jax.Array) for x in ids.values()):
+            for f, x in ids.items():
+                if f not in self.feature_table:
+                    raise ValueError(f"feature {f!r} has no table; known features: {sorted(self.feature_table)}")
+                if not jnp.issubdtype(x.dtype, jnp.integer):
+                    raise TypeError(f"feature {f!r}: ids must be int32, got {x.dtype}")
+            if isinstance(ids, ShardedIds) and all(x.ndim == 2 and x.dtype == jnp.int32 for x in ids.values()):
+                return ids
+            caps = ids.capacities if isinstance(ids, ShardedIds) else None
+            return ShardedIds({f: (x if x.ndim == 2 else x[:, None]).astype(jnp.int32) for f, x in ids.items()}, caps)
+        return self.shard_batch(self.validate_ids(ids, global_batch=jax.process_count() == 1))
+
+    def _capacities_in_trace(self, ids: ShardedIds) -> capacity_lib.Capacities:
+        """The batch's counted capacities, or static ones from the per-device shapes."""
+        if ids.capacities is not None:
+            return ids.capacities
+        devices = self.nodes * self.local
+        shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
+        return capacity_lib.static_capacities(
+            self.layout,
+            self.feature_table,
+            self.topology,
+            shapes,
+            self.pooled_comm,
+            self.capacity_factor,
+            self._exact_sync,
+        )
+
+    def _shard_map(self, body, in_specs, out_specs):
+        """The one place the collection enters `shard_map` (bodies see one device's blocks)."""
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, state, ids, *, return_stats: bool = False):
+        """{feature: [B, dim]} (pooled) or {feature: [B, L, dim]} (sequence), sharded by batch.
+
+        Inside jit, an id out of range (>= rows, or negative other than -1) is treated as padding and
+        counted in stats['invalid_ids']; outside jit, host ids are validated and such an id raises.
+        With return_stats, also returns {'overflow': unique rows that did not fit a fixed capacity (always
+        0 unless capacity_factor is set), 'invalid_ids': count}, summed over every device.
+        """
+        ids = self._prepare(ids)
+        out, stats = self._lookup_jit(state, ids)
+        return (out, stats) if return_stats else out
+
+    def _lookup(self, state, ids: ShardedIds):
+        feats = tuple(sorted(ids))
+        caps = self._capacities_in_trace(ids)
+        spec = self.state_spec.spec
+        fn = self._shard_map(
+            functools.partial(self._lookup_body, feats, caps),
+            in_specs=({k: spec for k in self.layout.stacks}, {f: P(BATCH_AXES) for f in feats}),
+            out_specs=({f: P(BATCH_AXES) for f in feats}, _NO_STATS),
+        )
+        return fn(state["weights"], {f: ids[f] for f in feats})
+
+    def _partial(self, feats, ids) -> frozenset:
+        return capacity_lib.pair_features(
+            self.layout, self.feature_table, feats, {f: ids[f].shape[1] for f in feats}, self.pooled_comm
+        )
+
+    def _lookup_body(self, feats, caps, weights, ids):
+        partial = self._partial(feats, ids)
+        parts: dict[str, dict[int, jax.Array]] = {}  # feature -> column block -> [b, (L,) w]
+        overflow = jnp.zeros((), jnp.int32)
+        for key in self.layout.stacks:
+            table = weights[key][0, 0]
+            pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
+            row_feats = [f for f in feats if f not in partial]
+            if pair_feats:
+                overflow += self._lookup_pairs(key, table, pair_feats, ids, caps[key].pairs, parts)
+            if any(self.layout.routes[self.feature_table[f]].stack == key for f in row_feats):
+                overflow += self._lookup_rows(key, table, row_feats, ids, caps[key].rows, parts)
+        outputs, invalid = {}, jnp.zeros((), jnp.int32)
+        for f in feats:
+            t = self.tables[self.feature_table[f]]
+            x = ids[f]
+            valid = (x >= 0) & (x < t.stored_rows)
+            invalid += jnp.sum((x != PADDING_ID) & ~valid, dtype=jnp.int32)
+            blocks = jnp.concatenate([parts[f][c] for c in range(len(parts[f]))], axis=-1)
+            if f in partial:  # the owners' partial sums, added up; mean divides by the valid ids
+                if t.pooling == "mean":
+                    blocks = blocks / jnp.maximum(valid.sum(-1, keepdims=True), 1).astype(blocks.dtype)
+                outputs[f] = blocks
+            else:
+                outputs[f] = kernels.pool(blocks.reshape(x.shape + (t.stored_dim,)), valid, t.pooling)
+        return outputs, self._stats(overflow, invalid)
+
+    def _stats(self, overflow, invalid):
+        # Each device counts its own requests (and its own sync rows), so the sums over every device are the
+        # totals: nothing is divided by the replica count.
+        return {"overflow": jax.lax.psum(overflow, BATCH_AXES), "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
+
+    def _lookup_rows(self, key, table, feats, ids, capacity, parts):
+        """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
+        st = self.layout.stacks[key]
+        req = routing.row_requests(self.layout, self.feature_table, key, feats, ids)
+        if self.num_shards == 1:  # every row is local: no routing, no all-to-all
+            vals = kernels.gather_rows(table, jnp.where(req.dest < 1, req.row, -1))
+            for seg in req.segments:
+                parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
+            return jnp.zeros((), jnp.int32)
+        route = routing.route_rows(req, self.num_shards, st.rows, capacity)
+        wanted = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C] rows asked of me
+        rows = kernels.gather_rows(table, wanted)
+        back = collectives.all_to_all(rows, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
+        vals = back.at[route.dest, route.slot].get(mode="fill", fill_value=0.0) * route.keep[:, None]
+        for seg in req.segments:
+            parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
+        return route.overflow
+
+    def _lookup_pairs(self, key, table, feats, ids, capacity, parts):
+        """Pair strategy: (row, bag) pairs to the owners, one partial sum per bag back from each holder."""
+        st = self.layout.stacks[key]
+        req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
+        route = routing.route_pairs(req, self.num_shards, st.rows, capacity)
+        recv = collectives.all_to_all_ids(route.send, self.shard_axes)  # (row, bag) pairs for me
+        rrow, rbag = routing.unpack_pairs(recv, route, req.bags)
+        S, G = self.num_shards, req.bags
+        rows = kernels.gather_rows(table, rrow)
+        bag = jnp.where(rrow >= 0, rbag, G)  # G: dropped
+        sums = jnp.zeros((S, G, st.width), jnp.float32).at[jnp.arange(S)[:, None], bag].add(rows, mode="drop")
+        back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
+        for seg in req.segments:  # add the partial sums of every owner holding a piece of this block
+            partial_sums = [back[d, seg.offsets[d] : seg.offsets[d] + seg.bags] for d in seg.holders]
+            parts.setdefault(seg.feature, {})[seg.col_block] = functools.reduce(jnp.add, partial_sums)
+        return route.overflow
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, state, ids, grads, *, apply=True, return_stats: bool = False):
+        """Applies the optimizer to the looked-up rows, given gradients w.r.t. the lookup outputs.
+
+        `apply` may be a traced boolean: False leaves weights and optimizer state unchanged (used to skip
+        a step on a non-finite loss or on overflow without copying the tables). The state is donated.
+        """
+        ids = self._prepare(ids)
+        new_state, stats = self._update_jit(state, ids, grads, apply)
+        return (new_state, stats) if return_stats else new_state
+
+    def _update(self, state, ids: ShardedIds, grads, apply=True):
+        feats = tuple(sorted(ids))
+        missing = [f for f in feats if f not in grads]
+        if missing:
+            raise ValueError(f"update: no gradient for features {missing}")
+        caps = self._capacities_in_trace(ids)
+        slots = self.optimizer.slots
+        spec = self.state_spec.spec
+        stacks = {k: spec for k in self.layout.stacks}
+        batch = {f: P(BATCH_AXES) for f in feats}
+        fn = self._shard_map(
+            functools.partial(self._update_body, feats, caps),
+            in_specs=(stacks, {s: stacks for s in slots}, batch, batch, P(), P()),
+            out_specs=(stacks, {s: stacks for s in slots}, _NO_STATS),
+        )
+        weights, slot_state, stats = fn(
+            state["weights"],
+            {s: state[s] for s in slots},
+            {f: ids[f] for f in feats},
+            {f: grads[f].astype(jnp.float32) for f in feats},
+            jnp.asarray(apply, jnp.bool_),
+            state["step"],
+        )
+        return dict(state, weights=weights, step=state["step"] + 1, **slot_state), stats
+
+    def _update_body(self, feats, caps, weights, slot_state, ids, grads, apply, step):
+        weights, slot_state = dict(weights), {s: dict(v) for s, v in slot_state.items()}
+        overflow, invalid = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+        for f in feats:
+            t = self.tables[self.feature_table[f]]
+            x = ids[f]
+            invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
+        partial = self._partial(feats, ids)
+        for key, st in self.layout.stacks.items():
+            pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
+            row_feats = [f for f in feats if f not in partial]
+            received = []  # (exchange, rows i32[S, C], grads f32[S, C, w]) that reached this owner
+            if pair_feats:
+                ex, ov = self._pair_grads_to_owner(key, pair_feats, ids, grads, caps[key].pairs)
+                received.append(ex)
+                overflow += ov
+            if any(self.layout.routes[self.feature_table[f]].stack == key for f in row_feats):
+                ex, ov = self._row_grads_to_owner(key, row_feats, ids, grads, caps[key].rows)
+                received.append(ex)
+                overflow += ov
+            if not received:
+                continue
+            rows = jnp.concatenate([ex.rows.reshape(-1) for ex in received])
+            g = jnp.concatenate([ex.grads.reshape(-1, st.width) for ex in received])
+            if self._exact_sync:
+                rows, g, ov = self._exact_replica_sync(st, rows, g, caps[key])
+                overflow += ov
+            sq = None
+            if self._invariant_adagrad and st.has_column_pieces:
+                rows, g, sq = self._full_dim_sq_means(key, rows, g, received)
+            weights[key], new_slots = self._apply(
+                weights[key], {s: slot_state[s][key] for s in slot_state}, rows, g, apply, sq
+            )
+            for s, v in new_slots.items():
+                slot_state[s][key] = v
+        if self.num_replicas > 1 and self.replica_sync == "periodic":
+            do_sync = (step + 1) % self.sync_every == 0
+            average = functools.partial(sync.average, replica_axes=self.replica_axes, num_replicas=self.num_replicas)
+            weights, slot_state = jax.lax.cond(do_sync, average, lambda tree: tree, (weights, slot_state))
+        return weights, slot_state, self._stats(overflow, invalid)
+
+    def _apply(self, w_block, slot_blocks, rows, g, apply, grad_sq_mean):
+        w, new = kernels.apply_rows(
+            w_block[0, 0],
+            {s: v[0, 0] for s, v in slot_blocks.items()},
+            rows,
+            g,
+            optimizer=self.optimizer,
+            apply=apply,
+            grad_sq_mean=grad_sq_mean,
+        )
+        return w[None, None], {s: v[None, None] for s, v in new.items()}
+
+    def _row_grads_to_owner(self, key, feats, ids, grads, capacity):
+        """Reverse path of the row strategy: per-request gradients summed per unique row on the requester,
+        sent to the owners (backward precision)."""
+        st = self.layout.stacks[key]
+        req = routing.row_requests(self.layout, self.feature_table, key, feats, ids)
+        g = jnp.concatenate(
+            [self._request_grads(seg, st.width, ids[seg.feature], grads[seg.feature]) for seg in req.segments], axis=0
+        )  # [n, w], request order
+        if self.num_shards == 1:  # every row is local: the owner sums duplicates when applying
+            rows = jnp.where(req.dest < 1, req.row, -1)
+            return _Exchange(rows[None], g[None], _spans(req), None), jnp.zeros((), jnp.int32)
+        route = routing.route_rows(req, self.num_shards, st.rows, capacity)
+        S, C = route.send_rows.shape
+        send_g = (
+            jnp.zeros((S, C, st.width), jnp.float32)
+            .at[route.dest, route.slot]
+            .add(g * route.keep[:, None], mode="drop")
+        )
+        recv_rows = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C]
+        recv_g = collectives.all_to_all(
+            send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+        )
+        return _Exchange(recv_rows, recv_g, _spans(req), route), route.overflow
+
+    def _pair_grads_to_owner(self, key, feats, ids, grads, capacity):
+        """Reverse path of the pair strategy: each owner gets the bag gradients of the segments it holds
+        and the (row, bag) pairs, and credits every pair's row with its bag's gradient."""
+        st = self.layout.stacks[key]
+        req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
+        route = routing.route_pairs(req, self.num_shards, st.rows, capacity)
+        S, G = self.num_shards, req.bags
+        per_owner = [[] for _ in range(S)]
+        for seg in req.segments:
+            gb = self._bag_grads(seg, st.width, ids[seg.feature], grads[seg.feature])
+            for d in seg.holders:
+                per_owner[d].append(gb)
+        send_g = jnp.stack(
+            [
+                jnp.concatenate(blocks + [jnp.zeros((G - sum(x.shape[0] for x in blocks), st.width), jnp.float32)])
+                for blocks in per_owner
+            ]
+        )
+        recv_g = collectives.all_to_all(
+            send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+        )  # [S, G, w]
+        recv = collectives.all_to_all_ids(route.send, self.shard_axes)
+        rrow, rbag = routing.unpack_pairs(recv, route, G)
+        pair_g = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
+        sizes = [ids[seg.feature].size for seg in req.segments]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+        spans = tuple((seg.feature, int(a), n) for seg, a, n in zip(req.segments, starts, sizes))
+        return _Exchange(rrow, pair_g, spans, route), route.overflow
+
+    def _bag_grads(self, seg, width, x, g):
+        """Per-bag gradient [b, width] of one column block of a partial-sum feature (mean: / ids per bag)."""
+        t = self.tables[self.feature_table[seg.feature]]
+        g = g[:, seg.col_block * width : (seg.col_block + 1) * width]
+        if t.pooling == "mean":
+            valid = ((x >= 0) & (x < t.stored_rows)).sum(-1, keepdims=True)
+            g = g / jnp.maximum(valid, 1).astype(g.dtype)
+        return g
+
+    def _request_grads(self, seg, width, x, g):
+        """Per-request gradient [b*L, width] of one column block of a feature (zero for padding)."""
+        t = self.tables[self.feature_table[seg.feature]]
+        b, L = x.shape
+        valid = ((x >= 0) & (x < t.stored_rows)).astype(jnp.float32)
+        g = g[..., seg.col_block * width : (seg.col_block + 1) * width]
+        if t.pooling is None:
+            per = g * valid[..., None]
+        else:
+            if t.pooling == "mean":
+                g = g / jnp.maximum(valid.sum(-1, keepdims=True), 1.0)
+            per = g[:, None, :] * valid[..., None]
+        return per.reshape(b * L, width)
+
+    # ------------------------------------------------------------------ replica sync
+
+    def _exact_replica_sync(self, st, rows, g, cap):
+        """This replica's received (rows, gradients) -> every replica's, combined (see `sync`)."""
+        urows, gsum, count, _ = kernels.sum_by_row(rows, g, block_rows=st.rows)
+        if cap.sync_strategy == "owner":
+            return sync.owner_sync(
+                urows,
+                gsum,
+                replica_axes=self.replica_axes,
+                num_replicas=self.num_replicas,
+                comm=self.comm,
+                send_capacity=cap.sync,
+                owned_capacity=cap.owned,
+                block_rows=st.rows,
+            )
+        U = min(cap.sync, urows.shape[0])
+        rows, g = sync.gather_sync(urows[:U], gsum[:U], replica_axes=self.replica_axes, comm=self.comm)
+        return rows, g, jnp.maximum(count - U, 0)
+
+    # ------------------------------------------------------------------ full-dim AdaGrad on column shards
+
+    def _full_dim_sq_means(self, key, rows, g, received):
+        """Per unique row: the mean of its squared summed gradient over the table's FULL dim.
+
+        A column shard only sees its columns, so the partial sums of squares of a row's column pieces are
+        added up through the requesters that asked for the row (each asked every column piece): owners
+        send each request slot its row's partial sum back, requesters add the parts of each id and send the
+        total forward again (4 bytes per slot each way). Under exact sync every replica holds the same
+        combined list, and a row one replica never requested gets its total from a replica that did
+        (max over replicas). Returns (unique rows, summed gradients, mean squares) for `kernels.apply_rows`.
+        """
+        st = self.layout.stacks[key]
+        urows, gsum, _, _ = kernels.sum_by_row(rows, g, block_rows=st.rows)
+        part = jnp.sum(gsum * gsum, axis=-1)  # this piece's columns
+        sorted_rows = jnp.where(urows >= 0, urows, st.rows)  # ascending, sentinel last
+
+        def lookup_part(slot_rows):
+            pos = jnp.clip(jnp.searchsorted(sorted_rows, slot_rows), 0, urows.shape[0] - 1)
+            return jnp.where((slot_rows >= 0) & (urows[pos] == slot_rows), part[pos], 0.0)
+
+        total = jnp.full(urows.shape, -jnp.inf, jnp.float32)
+        for ex in received:
+            slot_rows = ex.rows
+            back = lookup_part(slot_rows)  # [S, C] partial sum of each slot's row
+            if self.num_shards > 1:
+                back = collectives.all_to_all(back, self.shard_axes)
+            per_request = self._sum_column_parts(ex, back)
+            fwd = self._to_slots(ex, per_request, back.shape)
+            if self.num_shards > 1:
+                fwd = collectives.all_to_all(fwd, self.shard_axes)
+            pos = jnp.clip(jnp.searchsorted(sorted_rows, slot_rows), 0, urows.shape[0] - 1)
+            hit = (slot_rows >= 0) & (urows[pos] == slot_rows)
+            total = total.at[jnp.where(hit, pos, urows.shape[0]).reshape(-1)].max(fwd.reshape(-1), mode="drop")
+        if self._exact_sync:
+            total = jax.lax.pmax(total, self.replica_axes)
+        dims = self._full_dims(key, urows)
+        own = part / st.width
+        sq = jnp.where(dims > 0, jnp.maximum(total, 0.0) / jnp.maximum(dims, 1), own)
+        return urows, gsum, sq
+
+    def _sum_column_parts(self, ex, back):
+        """Requester side: per request, the sum over the column blocks of its id of the parts sent back."""
+        if ex.route is None:  # single shard: slots are the requests themselves
+            per_slot = back.reshape(-1)
+        else:
+            per_slot = back.at[ex.route.dest, ex.route.slot].get(mode="fill", fill_value=0.0)
+        totals = jnp.zeros_like(per_slot)
+        by_feature: dict[str, list] = {}
+        for f, start, size in ex.spans:  # a column-wise feature has one span per column block
+            by_feature.setdefault(f, []).append((start, size))
+        for spans in by_feature.values():
+            summed = functools.reduce(jnp.add, [per_slot[a : a + n] for a, n in spans])
+            for a, n in spans:
+                totals = totals.at[a : a + n].set(summed)
+        return totals
+
+    def _to_slots(self, ex, per_request, shape):
+        """Requester side: each request's total written to its slot (equal for requests sharing a slot)."""
+        if ex.route is None:
+            return per_request.reshape(shape)
+        return jnp.zeros(shape, jnp.float32).at[ex.route.dest, ex.route.slot].set(per_request, mode="drop")
+
+    def _full_dims(self, key, urows):
+        """Full (stored) dim of the table of each unique row when it is a column piece, else 0."""
+        st = self.layout.stacks[key]
+        meta = piece_meta(st, self.num_shards)
+        full = np.array(
+            [
+                [self.tables[t].stored_dim if self.plan.tables[self.tables[t].name].col_parts > 1 else 0 for t in row]
+                for row in meta["table"]
+            ],
+            np.float32,
+        )
+        full[meta["rows"] == 0] = 0
+        shard = jax.lax.axis_index(self.shard_axes)
+        starts = jnp.asarray(meta["start"])[shard]
+        piece = jnp.clip(jnp.searchsorted(starts, urows, side="right") - 1, 0, starts.shape[0] - 1)
+        return jnp.where(urows >= 0, jnp.asarray(full)[shard][piece], 0.0)
+
+    # ------------------------------------------------------------------ info
+
+    def describe(self) -> str:
+        """A short human-readable summary of the layout (stacks, shards, rows per shard)."""
+        lines = [
+            f"EmbeddingCollection: {len(self.tables)} tables, topology {self.topology.name}, "
+            f"{self.num_shards} shards x {self.num_replicas} replicas on a {self.nodes}x{self.local} mesh"
+        ]
+        for k, st in self.layout.stacks.items():
+            lines.append(f"  stack {k}: width {st.width}, {st.rows} rows per shard")
+        for t in self.tables:
+            ts = self.plan.tables[t.name]
+            lines.append(f"  table {t.name}: {t.rows}x{t.dim} {ts.sharding} shards={list(ts.shards)}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """What one strategy's backward exchange delivered to an owner, and how the requester routed it."""
+
+    rows: jax.Array  # i32[S, C]: the block row of each received slot (-1: empty)
+    grads: jax.Array  # f32[S, C, w]: its gradient
+    spans: tuple[tuple[str, int, int], ...]  # (feature, start, size) of the request list's segments
+    route: object  # the requester's RowRoute / PairRoute (None: a single shard, slots are requests)
+
+
+def _spans(req: routing.RowRequests) -> tuple[tuple[str, int, int], ...]:
+    return tuple((seg.feature, seg.start, seg.size) for seg in req.segments)
+
+
+def _exchange_across_processes(keys: np.ndarray) -> np.ndarray:
+    """Every process's int64 keys, concatenated (same result on every process)."""
+    from jax.experimental import multihost_utils
+
+    keys = np.asarray(keys, np.int64)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([keys.size], np.int64))).reshape(-1)
+    padded = np.full(int(sizes.max()) if sizes.size else 0, -1, np.int64)
+    padded[: keys.size] = keys
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return np.concatenate([every[i, : sizes[i]] for i in range(len(sizes))])
