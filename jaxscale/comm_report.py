@@ -1,7 +1,7 @@
 """What one training step sends, per collective, from the compiled train step (nothing is trained).
 
     python -m jaxscale.comm_report --config experiments/configs/foundation_smoke.yaml mesh.nodes=2 mesh.local=4
-    python -m jaxscale.comm_report --config ... embedding.comm_forward=fp8 --json
+    python -m jaxscale.comm_report --config ... embedding.comm.forward=fp8 --json
 
 Sets the simulated CPU device count to nodes x local before JAX starts, builds the `Trainer`, compiles the
 donated train step (`Trainer.compile`) and reads its collectives from the compiled HLO
@@ -31,6 +31,7 @@ model needs, e.g. the in-batch negative pool), 'scalars' (metrics and counters).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -180,7 +181,8 @@ def comm_report(cfg) -> dict:
     inter = sum(r["inter_node"] for r in rows)
     inspect = comm_inspect.summarize(collectives)
     del compiled, state
-    e, f = cfg.embedding, cfg.model.foundation
+    e = cfg.embedding
+    reshapes = sorted({t.reshape for t in trainer.tables if t.reshape})
     return {
         "config": {
             "nodes": nodes,
@@ -189,15 +191,17 @@ def comm_report(cfg) -> dict:
             "topology": e.topology,
             "sharding": e.sharding if isinstance(e.sharding, str) else dict(e.sharding),
             "plan_file": e.plan_file,
-            "comm_forward": e.comm_forward,
-            "comm_backward": e.comm_backward,
+            "comm_forward": e.comm.forward,
+            "comm_backward": e.comm.backward,
+            "comm": dataclasses.asdict(e.comm),
             "capacity_factor": e.capacity_factor,
             "replica_sync": e.replica_sync,
             "sync_every": e.sync_every,
             "model": cfg.model.kind,
             "global_batch": gb,
             "batch_per_device": gb // devices,
-            "item_reshape": f.item_reshape if cfg.model.kind == "foundation" else None,
+            "item_reshape": reshapes[0] if reshapes else None,  # the tables' bandwidth-aware reshape, if any
+            "capacities": str(batch.ids.capacities),
         },
         "collectives": rows,
         "per_step": {

@@ -6,6 +6,10 @@ Values are type-checked against the field annotations (int, float, str, bool, Li
 unions, tuples/lists, dicts, nested dataclasses). Every error is a `ConfigError` naming the full dotted
 key. YAML is parsed with `yaml.safe_load` only: tags such as `!!python/object` are refused.
 The defaults are the smoke foundation run on 8 simulated CPU devices.
+
+The sections mirror the API: `embedding` holds `EmbeddingCollection`'s arguments (its `comm` section IS a
+`jaxscale.CommConfig`, its `optimizer` section builds the sparse optimizer), and `model.<kind>` is the
+config dataclass the model kind registers (`jaxscale.registry`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,21 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxscale import registry
+from jaxscale.embedding.capacity import SYNC_STRATEGIES
+from jaxscale.embedding.collection import POOLED_COMM_MODES, REPLICA_SYNC_MODES
+from jaxscale.mesh import TOPOLOGIES
+from jaxscale.optimizers import SGD, RowWiseAdagrad
 from jaxscale.plan import SHARDING_TYPES
-from models.dlrm import DLRMConfig
-from models.foundation import FoundationConfig
+from jaxscale.quantization import CommConfig
 
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+# Renamed keys: a config that uses the old name gets an error that says the new one.
+RENAMED = {
+    "embedding.comm_forward": "embedding.comm.forward",
+    "embedding.comm_backward": "embedding.comm.backward",
+    "embedding.learning_rate": "embedding.optimizer.learning_rate",
+    "embedding.eps": "embedding.optimizer.eps",
+}
 
 
 class ConfigError(ValueError):
@@ -51,33 +65,61 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EmbeddingConfig:
-    """Arguments of `EmbeddingCollection` (see its docstring)."""
+class SparseOptimizerConfig:
+    """The tables' sparse optimizer: `RowWiseAdagrad` or `SGD`, field for field."""
 
-    topology: Literal["1d", "2d_ar", "2d_a2a"] = "1d"
-    sharding: str | dict[str, str] = "row_wise"
-    """One sharding type for every table, or {table name: type}."""
-    optimizer: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
+    kind: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
     learning_rate: float = 0.05
     eps: float = 1e-8
-    capacity_factor: float | None = None
-    """None = exact worst-case all-to-all capacity (never overflows)."""
-    replica_sync: Literal["exact", "periodic"] = "exact"
-    sync_every: int = 1
-    comm_forward: Precision = "fp32"
-    comm_backward: Precision = "fp32"
+    """RowWiseAdagrad only."""
+    initial_accumulator_value: float = 0.0
+    """RowWiseAdagrad only."""
+    per_column_shard: bool = False
+    """RowWiseAdagrad only: one accumulator per column shard, as TorchRec (see `RowWiseAdagrad`)."""
+
+    def __post_init__(self):
+        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
+            raise _err("learning_rate", f"must be a finite number >= 0, got {self.learning_rate}")
+        if not self.eps >= 0:
+            raise _err("eps", f"must be >= 0, got {self.eps}")
+        if not self.initial_accumulator_value >= 0:
+            raise _err("initial_accumulator_value", f"must be >= 0, got {self.initial_accumulator_value}")
+
+    def build(self):
+        if self.kind == "sgd":
+            return SGD(self.learning_rate)
+        return RowWiseAdagrad(
+            self.learning_rate,
+            eps=self.eps,
+            initial_accumulator_value=self.initial_accumulator_value,
+            per_column_shard=self.per_column_shard,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig:
+    """Arguments of `EmbeddingCollection` (see its docstring); `EmbeddingCollection.from_config` takes it."""
+
+    topology: Literal[TOPOLOGIES + ("auto",)] = "1d"
+    """'auto': the planner recommends one from the cluster and a sample of the data."""
+    sharding: str | dict[str, str] = "row_wise"
+    """One sharding type for every table, or {table name: type}."""
     plan_file: str | None = None
     """A JSON ShardingPlan; overrides `sharding` when set."""
+    optimizer: SparseOptimizerConfig = dataclasses.field(default_factory=SparseOptimizerConfig)
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    capacity_factor: float | None = None
+    """None = every exchange sized for the batch it carries (counted on the host; never overflows)."""
+    replica_sync: Literal[REPLICA_SYNC_MODES] = "exact"
+    sync_every: int = 1
+    sync_strategy: Literal[("auto",) + SYNC_STRATEGIES] = "auto"
+    pooled_comm: Literal[POOLED_COMM_MODES] = "auto"
 
     def __post_init__(self):
         shardings = [self.sharding] if isinstance(self.sharding, str) else list(self.sharding.values())
         bad = [s for s in shardings if s not in SHARDING_TYPES]
         if bad:
             raise _err("sharding", f"unknown sharding types {bad}; choose from {SHARDING_TYPES}")
-        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
-            raise _err("learning_rate", f"must be a finite number >= 0, got {self.learning_rate}")
-        if not self.eps >= 0:
-            raise _err("eps", f"must be >= 0, got {self.eps}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise _err("capacity_factor", f"must be null or > 0, got {self.capacity_factor}")
         if self.sync_every < 1:
@@ -86,14 +128,64 @@ class EmbeddingConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    kind: Literal["foundation", "dlrm"] = "foundation"
-    foundation: FoundationConfig = dataclasses.field(default_factory=FoundationConfig)
-    dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
+    """`kind` names a registered model (`jaxscale.registry`); `model.<kind>` is that model's config dataclass.
+
+    In YAML: `model: {kind: dlrm, dlrm: {emb_dim: 32}}`. Sections of other registered kinds may be given too
+    (a config file that switches kind by override); each is validated by its own class.
+    """
+
+    kind: str = "foundation"
+    sections: dict = dataclasses.field(default_factory=dict)
+    """{kind: that model's config}; kinds not given take their defaults."""
+
+    def __post_init__(self):
+        for kind, section in self.sections.items():
+            spec = registry.get(kind)
+            if not isinstance(section, spec.config):
+                raise _err(kind, f"must be a {spec.config.__name__}, got {type(section).__name__}")
+        if self.kind not in self.sections:  # the active section is always explicit (equal configs compare equal)
+            object.__setattr__(self, "sections", {**self.sections, self.kind: registry.get(self.kind).config()})
+
+    @property
+    def params(self):
+        """The active model's config."""
+        return self.section(self.kind)
+
+    def section(self, kind: str):
+        return self.sections[kind] if kind in self.sections else registry.get(kind).config()
+
+    def __getattr__(self, name):
+        """`cfg.model.<kind>` reads that model's section, as in the YAML."""
+        if name in registry.kinds():
+            return self.section(name)
+        raise AttributeError(f"ModelConfig has no attribute or model section {name!r}")
+
+    @classmethod
+    def from_tree(cls, data: Mapping, prefix: str) -> ModelConfig:
+        """The YAML form {kind: k, k: {...}, ...} -> ModelConfig (errors name the dotted key)."""
+        dotted = f"{prefix}." if prefix else ""
+        kind = data.get("kind", "foundation")
+        if not isinstance(kind, str) or kind not in registry.kinds():
+            raise _err(f"{dotted}kind", f"must be one of {registry.kinds()}, got {kind!r}")
+        sections = {}
+        for key, value in data.items():
+            if key == "kind":
+                continue
+            if key not in registry.kinds():
+                close = difflib.get_close_matches(str(key), registry.kinds(), n=1)
+                hint = f" (did you mean {dotted}{close[0]!r}?)" if close else ""
+                raise _err(f"{dotted}{key}", f"unknown key{hint}; the model section has 'kind' and {registry.kinds()}")
+            sections[key] = _build(registry.get(key).config, {} if value is None else value, f"{dotted}{key}")
+        return cls(kind=kind, sections=sections)
+
+    def to_tree(self) -> dict:
+        return {"kind": self.kind, **{k: _plain(v) for k, v in self.sections.items()}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "parquet"] = "synthetic"
+    source: str = "synthetic"
+    """'synthetic' (the model's generator), 'parquet' (`path`), or a source the model registers."""
     path: str | None = None
     """Parquet file of training examples (source='parquet')."""
     eval_path: str | None = None
@@ -106,6 +198,11 @@ class DataConfig:
     seed: int = 0
     eval_batches: int = 4
     """Batches of the held-out split per evaluation."""
+    invalid_ids: Literal["error", "count"] = "error"
+    """An out-of-range id in a batch (checked on the host before dispatch): raise, naming the feature, table,
+    id and where it came from; or count it (logged per step as `invalid_ids`) and treat it as padding."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Source-specific settings (e.g. the sequence store of `source: sequences`)."""
 
     def __post_init__(self):
         if self.source == "parquet" and not self.path:
@@ -175,6 +272,11 @@ class Config:
             )
         if self.embedding.replica_sync == "periodic" and self.embedding.topology == "1d":
             raise _err("embedding.replica_sync", "'periodic' needs replicas: use topology '2d_ar' or '2d_a2a'")
+        if self.data.source not in ("synthetic", "parquet", *registry.get(self.model.kind).data_sources):
+            known = ["synthetic", "parquet", *registry.get(self.model.kind).data_sources]
+            raise _err(
+                "data.source", f"must be one of {known} for model kind {self.model.kind!r}, got {self.data.source!r}"
+            )
 
     @property
     def local_batch_size(self) -> int:
@@ -269,10 +371,14 @@ def _build(cls, data, prefix: str):
     where = prefix or "<root>"
     if not isinstance(data, Mapping):
         raise _err(where, f"must be a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
+    if hasattr(cls, "from_tree"):
+        return cls.from_tree(data, prefix)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     dotted = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: str(k))
     for k in data:
+        if dotted(k) in RENAMED:
+            raise _err(dotted(k), f"was renamed to {RENAMED[dotted(k)]}")
         if k not in fields:
             close = difflib.get_close_matches(str(k), list(fields), n=1)
             hint = f" (did you mean {dotted(close[0])!r}?)" if close else ""
@@ -341,19 +447,21 @@ def config_from_dict(tree: Mapping) -> Config:
     return _build(Config, dict(tree), "")
 
 
+def _plain(x):
+    if hasattr(x, "to_tree"):
+        return x.to_tree()
+    if dataclasses.is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
 def config_to_dict(cfg) -> dict:
     """Plain nested dict (lists for tuples) that `load_config` reads back to an equal Config."""
-
-    def plain(x):
-        if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        if isinstance(x, Mapping):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    return plain(cfg)
+    return _plain(cfg)
 
 
 def dump_config(cfg) -> str:

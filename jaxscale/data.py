@@ -1,21 +1,13 @@
-"""Input data: synthetic generators with a learnable signal, a Parquet reader, and host -> global arrays.
+"""Input data machinery: counter-based randomness, a Parquet reader, and host -> global arrays.
 
-Every source yields *this process's* slice of the global batch as a dict of numpy arrays; `to_global`
-assembles the slices into arrays sharded over every device.
+Every source yields *this process's* slice of the global batch as a dict of NumPy arrays (`batch(step)`);
+`to_global` assembles the slices into arrays sharded over every device. Each model's synthetic generator
+lives with the model (`jaxscale_models.*_data`) and is found through the registry (`make_data`).
 
 Synthetic data is counter-based: every random number is a hash of (seed, split, step, example index,
 position, purpose), so any process can produce its rows of any step without coordination, the slices of
 `process_count` processes concatenate to exactly the one-process batch, and a restarted run replays the
 same stream. The eval split uses another split id (a disjoint stream of users) over the same item world.
-
-Foundation batch keys (int32 unless noted, [B, L], right-padded):
-  item_ids    raw item ids in [0, cfg.vocab), -1 = padding
-  timestamps  unix seconds, -1 = padding
-  actions     0 = not engaged, 1..num_actions-1 = engagement types, -1 = padding
-  surfaces    [0, num_surfaces), -1 = padding
-  engaged     float32 0/1 label, 0 on padding
-  mask        bool, item_ids >= 0
-DLRM batch keys: dense float32 [B, num_dense]; sparse_i int32 [B, hotness_i] (-1 padded); label float32 [B].
 """
 
 from __future__ import annotations
@@ -28,11 +20,6 @@ from pathlib import Path
 import numpy as np
 
 SPLITS = {"train": 0, "eval": 1}
-
-# Purpose tags: each independent random quantity hashes its own tag.
-_T_USER, _T_LEN, _T_LEN2, _T_TASTE, _T_HOME, _T_MOVE, _T_JUMP, _T_ITEM, _T_SURF, _T_ENG, _T_ACT = range(1, 12)
-_T_START, _T_GAP, _T_GAP2, _T_ITASTE, _T_IQUAL = range(12, 17)
-_T_DENSE, _T_DENSE2, _T_HOT, _T_SPARSE, _T_VALUE, _T_LABEL, _T_DW = range(17, 24)
 
 _G = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -117,7 +104,8 @@ class ZipfSampler:
         return (k + 1.0) ** -self.s / total
 
 
-def _coprime_multiplier(n: int) -> int:
+def coprime_multiplier(n: int) -> int:
+    """A multiplier a with gcd(a, n) == 1: x -> (a x + b) % n is a bijection of [0, n) (id scrambling)."""
     for a in (2654435761, 2246822519, 3266489917, 668265263, 374761393, 1000003):
         a %= max(n, 1)
         if a > 0 and math.gcd(a, n) == 1:
@@ -125,7 +113,7 @@ def _coprime_multiplier(n: int) -> int:
     return 1
 
 
-def _slice(global_batch: int, process_index: int, process_count: int) -> np.ndarray:
+def example_indices(global_batch: int, process_index: int, process_count: int) -> np.ndarray:
     """Global example indices of this process's rows."""
     if not isinstance(process_count, (int, np.integer)) or process_count < 1:
         raise ValueError(f"process_count must be a positive integer, got {process_count!r}")
@@ -137,16 +125,19 @@ def _slice(global_batch: int, process_index: int, process_count: int) -> np.ndar
     return np.arange(process_index * b, (process_index + 1) * b, dtype=np.int64)
 
 
-def _check_batch(global_batch) -> int:
+def check_batch(global_batch) -> int:
     if not isinstance(global_batch, (int, np.integer)) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     return int(global_batch)
 
 
-def _check_split(split) -> int:
+def check_split(split) -> int:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {tuple(SPLITS)}, got {split!r}")
     return SPLITS[split]
+
+
+_DROPPED = "__truncated_events__"  # per cached row: list entries cut by seq_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,238 +151,6 @@ class Column:
     kind: str
     pad: float | int = -1
     length_key: str | None = None
-
-
-class SyntheticFoundationData:
-    """User activity sequences with a hidden structure the foundation model can learn.
-
-    The item world (fixed by `seed`): item ids are grouped into `num_clusters` hidden clusters; clusters
-    and items have hidden taste signs, items a hidden quality. A user has a home cluster and a taste sign;
-    each next event stays in the current cluster (p_stay), moves to the cluster's hidden successor
-    (p_next) or jumps at random. Within a cluster items are Zipf-popular. Engagement is
-    Bernoulli(sigmoid(user taste x (cluster taste + item taste) + item quality + surface bias)), so it is
-    predictable from the next item and from the user's past actions (which reveal the user's taste).
-    Sequence lengths are lognormal (median `median_len_frac` * max_seq_len), truncated to
-    [min_len, max_seq_len].
-
-    With `scramble=False` the hottest items are the lowest ids (worst case for contiguous row sharding);
-    `scramble=True` maps ids through a bijection of [0, vocab) so hot ids are spread.
-    """
-
-    columns = {
-        "item_ids": Column("seq", -1, "item_ids"),
-        "timestamps": Column("seq", -1, "item_ids"),
-        "actions": Column("seq", -1, "item_ids"),
-        "surfaces": Column("seq", -1, "item_ids"),
-        "engaged": Column("seq", 0.0, "item_ids"),
-        "mask": Column("derived", False),
-    }
-
-    def __init__(
-        self,
-        cfg,
-        global_batch: int,
-        seed: int = 0,
-        *,
-        split: str = "train",
-        zipf_exponent: float = 1.1,
-        num_clusters: int = 32,
-        p_stay: float = 0.7,
-        p_next: float = 0.2,
-        median_len_frac: float = 0.5,
-        len_sigma: float = 0.6,
-        min_len: int = 2,
-        scramble: bool = False,
-    ):
-        self.cfg = cfg
-        self.global_batch = _check_batch(global_batch)
-        self.seed, self.split, self.split_id = int(seed), split, _check_split(split)
-        self.zipf_exponent = zipf_exponent
-        vocab = cfg.vocab
-        if not (isinstance(num_clusters, int) and 1 <= num_clusters <= vocab):
-            raise ValueError(f"num_clusters must be an integer in [1, vocab={vocab}], got {num_clusters!r}")
-        if not (0 <= p_stay and 0 <= p_next and p_stay + p_next <= 1):
-            raise ValueError(f"need p_stay, p_next >= 0 and p_stay + p_next <= 1, got {p_stay}, {p_next}")
-        if not (0 < median_len_frac <= 1 and len_sigma >= 0):
-            raise ValueError(f"need 0 < median_len_frac <= 1 and len_sigma >= 0, got {median_len_frac}, {len_sigma}")
-        if not (isinstance(min_len, int) and 1 <= min_len <= cfg.max_seq_len):
-            raise ValueError(f"min_len must be an integer in [1, max_seq_len={cfg.max_seq_len}], got {min_len!r}")
-        self.num_clusters, self.p_stay, self.p_next = num_clusters, p_stay, p_next
-        self.median_len_frac, self.len_sigma, self.min_len = median_len_frac, len_sigma, min_len
-        self.scramble = scramble
-        self.per_cluster = vocab // num_clusters
-        self.zipf = ZipfSampler(self.per_cluster, zipf_exponent)
-        world = np.random.default_rng([self.seed, 7])
-        self.successor = world.permutation(num_clusters)
-        self.cluster_taste = np.where(world.random(num_clusters) < 0.5, 1.0, -1.0)
-        self.multiplier = _coprime_multiplier(vocab)
-        self.offset = int(hash64(self.seed, 99) % np.uint64(vocab))
-        self.surface_probs = 0.5 ** np.arange(cfg.num_surfaces)
-        self.surface_probs /= self.surface_probs.sum()
-        self.surface_bias = np.linspace(0.5, -0.5, cfg.num_surfaces) if cfg.num_surfaces > 1 else np.zeros(1)
-
-    def held_out(self) -> SyntheticFoundationData:
-        """The eval split: the same item world, a disjoint stream of users."""
-        return self._with_split("eval")
-
-    def _with_split(self, split):
-        return SyntheticFoundationData(
-            self.cfg,
-            self.global_batch,
-            self.seed,
-            split=split,
-            zipf_exponent=self.zipf_exponent,
-            num_clusters=self.num_clusters,
-            p_stay=self.p_stay,
-            p_next=self.p_next,
-            median_len_frac=self.median_len_frac,
-            len_sigma=self.len_sigma,
-            min_len=self.min_len,
-            scramble=self.scramble,
-        )
-
-    def item_id(self, cluster: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        """The raw id of the `rank`-th most popular item of `cluster`."""
-        base = rank * self.num_clusters + cluster
-        if self.scramble:
-            base = (base * self.multiplier + self.offset) % self.cfg.vocab
-        return base
-
-    def item_taste(self, ids):
-        return np.where(hash64(self.seed, _T_ITASTE, ids) & np.uint64(1), 1.0, -1.0)
-
-    def item_quality(self, ids):
-        return uniform(self.seed, _T_IQUAL, ids) - 0.5
-
-    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
-        cfg, L, C = self.cfg, self.cfg.max_seq_len, self.num_clusters
-        gi = _slice(self.global_batch, process_index, process_count)
-        user = hash64(self.seed, self.split_id, _T_USER, step, gi)[:, None]  # [b, 1]
-        t = np.arange(L)[None, :]
-        median = max(self.min_len, self.median_len_frac * L)
-        length = np.clip(
-            np.round(median * np.exp(self.len_sigma * normal(user[:, 0], _T_LEN))), self.min_len, L
-        ).astype(np.int64)
-        mask = t < length[:, None]
-
-        # Cluster walk: the only sequential part; everything random is precomputed as [b, L].
-        move = uniform(user, t, _T_MOVE)
-        jump = (hash64(user, t, _T_JUMP) % np.uint64(C)).astype(np.int64)
-        cluster = np.empty(move.shape, np.int64)
-        cluster[:, 0] = (hash64(user[:, 0], _T_HOME) % np.uint64(C)).astype(np.int64)
-        for i in range(1, L):
-            prev = cluster[:, i - 1]
-            cluster[:, i] = np.where(
-                move[:, i] < self.p_stay,
-                prev,
-                np.where(move[:, i] < self.p_stay + self.p_next, self.successor[prev], jump[:, i]),
-            )
-        ids = self.item_id(cluster, self.zipf(uniform(user, t, _T_ITEM)))
-
-        surf = np.searchsorted(np.cumsum(self.surface_probs)[:-1], uniform(user, t, _T_SURF), side="right")
-        taste = np.where(hash64(user, _T_TASTE) & np.uint64(1), 1.0, -1.0)
-        logit = (
-            2.0 * taste * self.cluster_taste[cluster]
-            + 0.5 * taste * self.item_taste(ids)
-            + 2.0 * self.item_quality(ids)
-            + self.surface_bias[surf]
-            - 0.2
-        )
-        engaged = uniform(user, t, _T_ENG) < 1.0 / (1.0 + np.exp(-logit))
-        kinds = max(cfg.num_actions - 1, 1)
-        actions = np.where(engaged, 1 + np.floor(uniform(user, t, _T_ACT) * kinds), 0).astype(np.int64)
-        actions = np.minimum(actions, cfg.num_actions - 1)
-
-        # Gaps: lognormal seconds, longer after an engaged event; kept so timestamps fit int32.
-        gap_max = max(1.0, min(1e6, (2**31 - 1 - 1.75e9) / L))
-        prev_eng = np.concatenate([np.zeros_like(engaged[:, :1]), engaged[:, :-1]], axis=1)
-        gap = np.clip(np.exp(4.0 + 1.0 * prev_eng + 1.5 * normal(user, t, _T_GAP)), 1.0, gap_max)
-        gap[:, 0] = 0.0
-        start = 1.6e9 + np.floor(uniform(user[:, 0], _T_START) * 1.5e8)
-        ts = (start[:, None] + np.cumsum(np.floor(gap), axis=1)).astype(np.int64)
-
-        def pad(x, v):
-            return np.where(mask, x, v)
-
-        return {
-            "item_ids": pad(ids, -1).astype(np.int32),
-            "timestamps": pad(ts, -1).astype(np.int32),
-            "actions": pad(actions, -1).astype(np.int32),
-            "surfaces": pad(surf, -1).astype(np.int32),
-            "engaged": pad(engaged, 0).astype(np.float32),
-            "mask": mask,
-        }
-
-
-class SyntheticDLRMData:
-    """Click logs with a learnable label: each (feature, id) has a hidden value in [-1, 1]; the label is
-    Bernoulli(sigmoid(sum of per-feature pooled values + a feature-0 x feature-1 interaction + a hidden
-    linear function of log dense counts)). Ids are Zipf per table; each example has 1..hotness ids per
-    feature (right-padded with -1). Dense features are lognormal counts."""
-
-    def __init__(
-        self,
-        cfg,
-        global_batch: int,
-        seed: int = 0,
-        *,
-        split: str = "train",
-        zipf_exponent: float = 1.1,
-        scramble: bool = False,
-    ):
-        self.cfg = cfg
-        self.global_batch = _check_batch(global_batch)
-        self.seed, self.split, self.split_id = int(seed), split, _check_split(split)
-        self.zipf_exponent, self.scramble = zipf_exponent, scramble
-        self.rows, self.hot = cfg.table_rows(), cfg.hotness()
-        self.names = tuple(f"sparse_{i}" for i in range(cfg.num_sparse_features))
-        self.samplers = [ZipfSampler(r, zipf_exponent) for r in self.rows]
-        self.multipliers = [_coprime_multiplier(r) for r in self.rows]
-        self.dense_mu = 1.0 + 2.0 * uniform(self.seed, _T_DW, np.arange(cfg.num_dense), 0)
-        self.dense_w = 0.6 * (2.0 * uniform(self.seed, _T_DW, np.arange(cfg.num_dense), 1) - 1.0)
-        self.columns = {
-            "dense": Column("fixed", 0.0),
-            "label": Column("scalar", 0.0),
-            **{n: Column("seq", -1, n) for n in self.names},
-        }
-
-    def held_out(self) -> SyntheticDLRMData:
-        return SyntheticDLRMData(
-            self.cfg,
-            self.global_batch,
-            self.seed,
-            split="eval",
-            zipf_exponent=self.zipf_exponent,
-            scramble=self.scramble,
-        )
-
-    def value(self, feature: int, ids):
-        return 2.0 * uniform(self.seed, _T_VALUE, feature, ids) - 1.0
-
-    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
-        cfg = self.cfg
-        gi = _slice(self.global_batch, process_index, process_count)
-        ex = hash64(self.seed, self.split_id, step, gi)[:, None]  # [b, 1]
-        j = np.arange(cfg.num_dense)[None]
-        log_dense = self.dense_mu + normal(ex, _T_DENSE, j)
-        dense = np.floor(np.exp(log_dense)).astype(np.float32)
-        logit = (np.log1p(dense) - self.dense_mu - 0.5) @ self.dense_w - 0.5
-        out = {"dense": dense}
-        pooled = []
-        for f, (name, rows, hot) in enumerate(zip(self.names, self.rows, self.hot)):
-            k = np.arange(hot)[None]
-            count = 1 + np.floor(uniform(ex[:, 0], _T_HOT, f) * hot).astype(np.int64)
-            ids = self.samplers[f](uniform(ex, _T_SPARSE, f, k))
-            if self.scramble:
-                ids = (ids * self.multipliers[f] + f) % rows
-            valid = k < count[:, None]
-            out[name] = np.where(valid, ids, -1).astype(np.int32)
-            pooled.append((self.value(f, ids) * valid).sum(1) / count)
-            logit = logit + 1.5 * pooled[-1]
-        if len(pooled) > 1:
-            logit = logit + 2.0 * pooled[0] * pooled[1]
-        out["label"] = (uniform(ex[:, 0], _T_LABEL) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-        return out
 
 
 def to_global(batch_local: Mapping[str, np.ndarray], mesh) -> dict:
@@ -473,6 +232,9 @@ class ParquetData:
     derived as item_ids >= 0 when requested and not stored. `batch(step)` returns rows
     [step * batch_size, (step + 1) * batch_size) of this process's rows, wrapping around (epochs);
     iterating yields one epoch of full batches. Keys match the synthetic generators.
+
+    Nothing is cut silently: `provenance(step)` names the file and row groups of a batch (for error
+    messages) and counts its sequences longer than `seq_len` and the events truncation dropped.
     """
 
     def __init__(
@@ -506,8 +268,8 @@ class ParquetData:
         if keep not in ("last", "first"):
             raise ValueError(f"ParquetData: keep must be 'last' or 'first', got {keep!r}")
         self.keep, self.seq_len, self.pad_values = keep, seq_len, dict(pad_values or {})
-        self.batch_size = _check_batch(batch_size)
-        _slice(process_count, process_index, process_count)  # validates the pair
+        self.batch_size = check_batch(batch_size)
+        example_indices(process_count, process_index, process_count)  # validates the pair
         self.row_groups = [i for i in range(self.file.num_row_groups) if i % process_count == process_index]
         sizes = [self.file.metadata.row_group(i).num_rows for i in self.row_groups]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -535,18 +297,21 @@ class ParquetData:
         if j in self._cache:
             return self._cache[j]
         table = self.file.read_row_group(self.row_groups[j], columns=list(self.read_columns))
-        out = {}
+        out, dropped = {}, np.zeros(table.num_rows, np.int64)
         for name in self.read_columns:
             arr = table.column(name).combine_chunks()
             if pa.types.is_fixed_size_list(arr.type):
                 out[name] = arr.values.to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
             elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
                 out[name] = self._pad(name, arr)
+                lengths = np.diff(arr.offsets.to_numpy())
+                dropped = np.maximum(dropped, lengths - np.minimum(lengths, self._length(name)))
             else:
                 out[name] = arr.to_numpy(zero_copy_only=False)
         if self.derive_mask:
             out["mask"] = out["item_ids"] >= 0
         out = {k: out[k] for k in self.columns}
+        out[_DROPPED] = dropped
         if len(self._cache) >= 2:
             self._cache.pop(next(iter(self._cache)))
         self._cache[j] = out
@@ -566,17 +331,35 @@ class ParquetData:
         gathered = values[src] if values.size else np.zeros(src.shape, values.dtype)
         return np.where(valid, gathered, np.asarray(pad, values.dtype)).astype(values.dtype)
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def _rows(self, step: int):
         rows = (step * self.batch_size + np.arange(self.batch_size)) % self.num_rows
-        groups = np.searchsorted(self.starts, rows, side="right") - 1
-        parts = {k: [] for k in self.columns}
+        return rows, np.searchsorted(self.starts, rows, side="right") - 1
+
+    def _gather(self, step: int, keys) -> dict[str, np.ndarray]:
+        rows, groups = self._rows(step)
+        parts = {k: [] for k in keys}
         for j in np.unique(groups):  # rows are consecutive, so each group's rows form one run
             data = self._group(int(j))
             sel = rows[groups == j] - self.starts[j]
-            for k in self.columns:
+            for k in keys:
                 parts[k].append(data[k][sel])
         order = np.argsort(np.concatenate([np.flatnonzero(groups == j) for j in np.unique(groups)]), kind="stable")
         return {k: np.concatenate(v)[order] for k, v in parts.items()}
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        return self._gather(step, self.columns)
+
+    def provenance(self, step: int) -> dict:
+        """Where the batch of `step` comes from ('where': file and row groups) and what truncation cut:
+        'truncated_sequences' (rows longer than seq_len) and 'truncated_events' (entries dropped)."""
+        rows, groups = self._rows(step)
+        dropped = self._gather(step, (_DROPPED,))[_DROPPED]
+        used = sorted({self.row_groups[int(j)] for j in np.unique(groups)})
+        return {
+            "where": f"{self.path} (row groups {used}, rows {int(rows[0])}..{int(rows[-1])} of this process)",
+            "truncated_sequences": int((dropped > 0).sum()),
+            "truncated_events": int(dropped.sum()),
+        }
 
     def __len__(self) -> int:
         """Full batches in one epoch of this process's rows."""
@@ -587,11 +370,11 @@ class ParquetData:
             yield self.batch(step)
 
 
-class _Bound:
+class BoundSource:
     """A synthetic generator bound to one process: `batch(step)` -> this process's slice."""
 
     def __init__(self, source, process_index: int, process_count: int):
-        _slice(source.global_batch, process_index, process_count)
+        example_indices(source.global_batch, process_index, process_count)
         self.source, self.process_index, self.process_count = source, process_index, process_count
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
@@ -602,50 +385,35 @@ def make_data(config, *, split: str = "train", process_index: int = 0, process_c
     """The data source a `jaxscale.config.Config` describes, bound to this process: `.batch(step)` returns
     this process's rows (config.train.batch_size // process_count of them) of step `step`.
 
-    Synthetic: the eval split is the held-out stream. Parquet: data.path (train) or data.eval_path (eval);
-    returns None for an eval split without eval_path.
+    'synthetic': the model's generator (the eval split is its held-out stream). 'parquet': data.path
+    (train) or data.eval_path (eval), read with the model's column layout; None for an eval split without
+    eval_path. Other sources are the model's own (`ModelSpec.data_sources`).
     """
-    _check_split(split)
-    model, data = config.model, config.data
-    mcfg = model.foundation if model.kind == "foundation" else model.dlrm
+    from jaxscale import registry
+
+    check_split(split)
+    spec = registry.get(config.model.kind)
+    mcfg, data = config.model.params, config.data
     if data.source == "synthetic":
-        if model.kind == "foundation":
-            source = SyntheticFoundationData(
-                mcfg,
-                config.train.batch_size,
-                data.seed,
-                split=split,
-                zipf_exponent=data.zipf_exponent,
-                num_clusters=data.num_clusters,
-                scramble=data.scramble_ids,
+        return BoundSource(spec.synthetic(mcfg, config.train.batch_size, data, split), process_index, process_count)
+    if data.source == "parquet":
+        path = data.path if split == "train" else data.eval_path
+        if path is None:
+            return None
+        if config.train.batch_size % process_count:
+            raise ValueError(
+                f"train.batch_size={config.train.batch_size} is not divisible by {process_count} processes"
             )
-        else:
-            source = SyntheticDLRMData(
-                mcfg,
-                config.train.batch_size,
-                data.seed,
-                split=split,
-                zipf_exponent=data.zipf_exponent,
-                scramble=data.scramble_ids,
-            )
-        return _Bound(source, process_index, process_count)
-    path = data.path if split == "train" else data.eval_path
-    if path is None:
-        return None
-    if config.train.batch_size % process_count:
-        raise ValueError(f"train.batch_size={config.train.batch_size} is not divisible by {process_count} processes")
-    if model.kind == "foundation":
-        columns = list(SyntheticFoundationData.columns)
-        seq_len: int | dict = mcfg.max_seq_len
-    else:
-        names = [f"sparse_{i}" for i in range(mcfg.num_sparse_features)]
-        columns = ["dense", "label", *names]
-        seq_len = dict(zip(names, mcfg.hotness()))
-    return ParquetData(
-        path,
-        columns,
-        batch_size=config.train.batch_size // process_count,
-        seq_len=seq_len,
-        process_index=process_index,
-        process_count=process_count,
-    )
+        columns, seq_len = spec.parquet_columns(mcfg)
+        return ParquetData(
+            path,
+            columns,
+            batch_size=config.train.batch_size // process_count,
+            seq_len=seq_len,
+            process_index=process_index,
+            process_count=process_count,
+        )
+    if data.source in spec.data_sources:
+        return spec.data_sources[data.source](mcfg, config, split, process_index, process_count)
+    known = ["synthetic", "parquet", *spec.data_sources]
+    raise ValueError(f"data.source {data.source!r} is not available for model kind {spec.kind!r}; known: {known}")

@@ -19,7 +19,7 @@ BATCH_AXES = (NODE, LOCAL)  # the batch is always sharded over every device
 
 TOPOLOGIES = ("1d", "2d_ar", "2d_a2a")
 
-_MESHES_DIR = Path(__file__).resolve().parent.parent / "meshes"
+_MESHES_DIR = Path(__file__).resolve().parent / "presets" / "meshes"  # links to the repo's meshes/
 
 
 @dataclasses.dataclass(frozen=True)

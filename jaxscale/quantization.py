@@ -54,10 +54,17 @@ class CommConfig:
     fp8_backward_format: str = "e5m2"
 
     def __post_init__(self):
-        for field in ("forward", "backward"):
-            check_precision(getattr(self, field), f"CommConfig.{field}")
-        for field in ("fp8_forward_format", "fp8_backward_format"):
-            check_fp8_format(getattr(self, field), f"CommConfig.{field}")
+        for field, check in (
+            ("forward", check_precision),
+            ("backward", check_precision),
+            ("fp8_forward_format", check_fp8_format),
+            ("fp8_backward_format", check_fp8_format),
+        ):
+            try:
+                check(getattr(self, field), f"CommConfig.{field}")
+            except ValueError as e:
+                e.field = field  # lets the config loader name the full dotted key
+                raise
 
 
 def check_precision(precision: str, what: str = "precision") -> str:

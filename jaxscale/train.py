@@ -12,12 +12,12 @@ Kept short on purpose: the work is in `jaxscale.trainer`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs", "foundation_smoke.yaml"
-)
+# Shipped inside the package (a copy of experiments/configs/foundation_smoke.yaml), so the default run works
+# from any directory after a plain `pip install`.
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "presets" / "configs" / "foundation_smoke.yaml")
 
 
 def parse_args(argv=None):

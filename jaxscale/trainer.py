@@ -3,6 +3,11 @@
 State is one pytree: {'step', 'dense' (nnx params), 'rest' (other nnx state), 'opt' (optax state),
 'emb' (EmbeddingCollection state), 'skipped'}. Dense parameters are replicated (data parallel over both
 mesh axes; XLA inserts the gradient all-reduce); the tables go through `EmbeddingCollection`.
+
+What the model is comes from the registry (`jaxscale.registry.get(cfg.model.kind)`); where the batches come
+from is the `data` argument (default: the config's source). Before a batch is dispatched, its engine ids
+are computed and checked on the host (`data.invalid_ids`) and its exchanges are sized for it
+(`EmbeddingCollection.shard_batch`); `jit` runs the step compiled for those sizes.
 """
 
 from __future__ import annotations
@@ -10,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,78 +29,44 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import comm_inspect
+from jaxscale import comm_inspect, registry
+from jaxscale.checkpoint import Checkpointer, CheckpointError, shapes
+from jaxscale.checkpoint import host as _host
 from jaxscale.config import Config, config_to_dict
 from jaxscale.data import make_data, to_global
-from jaxscale.embedding import EmbeddingCollection
-from jaxscale.embedding.layout import build_layout, slots_to_dense, stacks_to_dense
+from jaxscale.embedding import EmbeddingCollection, ShardedIds
+from jaxscale.embedding.ids import check_ids, pad_invalid
 from jaxscale.mesh import make_mesh
-from jaxscale.optimizers import SGD, RowWiseAdagrad
 from jaxscale.plan import ShardingPlan
-from jaxscale.quantization import CommConfig
-from jaxscale.tables import TableConfig
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, corrupt, incomplete, or from another model."""
+__all__ = ["CapacityOverflowError", "CheckpointError", "Trainer", "make_train_step", "make_eval_step"]
 
 
 class CapacityOverflowError(RuntimeError):
     """An all-to-all ran out of capacity under overflow_policy='error'."""
 
 
-# ------------------------------------------------------------------------------------------------ task
+class Batch(NamedTuple):
+    """One step's input, ready to dispatch: the model's batch and the engine ids, both global arrays."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """What differs between models: tables, how a batch becomes ids, the model and its loss."""
-
-    kind: str
-    tables: tuple[TableConfig, ...]
-    ids: Callable[[Mapping], dict]
-    make_model: Callable[[nnx.Rngs], nnx.Module]
-    loss: Callable  # (model, embeddings, batch) -> (loss, metrics)
-
-
-def make_task(cfg: Config) -> Task:
-    if cfg.model.kind == "foundation":
-        from models.foundation import FoundationModel, foundation_ids, foundation_loss, foundation_tables
-
-        m = cfg.model.foundation
-        return Task(
-            "foundation",
-            tuple(foundation_tables(m)),
-            lambda b: foundation_ids(m, b),
-            lambda rngs: FoundationModel(m, rngs=rngs),
-            foundation_loss,
-        )
-    from models.dlrm import DLRM, dlrm_ids, dlrm_loss, dlrm_tables
-
-    m = cfg.model.dlrm
-    return Task("dlrm", tuple(dlrm_tables(m)), lambda b: dlrm_ids(m, b), lambda rngs: DLRM(m, rngs=rngs), dlrm_loss)
+    data: dict  # {key: global jax.Array}
+    ids: ShardedIds  # engine ids with their exchange capacities
+    invalid_ids: int  # out-of-range ids found on the host (counted and padded under data.invalid_ids=count)
+    info: dict  # host-side facts about the batch (e.g. truncated sequences of a Parquet source)
 
 
 def make_collection(cfg: Config, mesh, tables, capacity_factor="config") -> EmbeddingCollection:
+    """The collection the config's `embedding` section describes (a `plan_file` overrides `sharding`)."""
     e = cfg.embedding
-    optimizer = RowWiseAdagrad(e.learning_rate, eps=e.eps) if e.optimizer == "rowwise_adagrad" else SGD(e.learning_rate)
-    sharding: Any = e.sharding
+    if e.topology == "auto":
+        raise ValueError("embedding.topology=auto is resolved by the Trainer (it needs a data sample)")
+    plan = None
     if e.plan_file:
         try:
-            sharding = ShardingPlan.from_json(Path(e.plan_file).read_text())
+            plan = ShardingPlan.from_json(Path(e.plan_file).read_text())
         except OSError as err:
             raise ValueError(f"embedding.plan_file: cannot read {e.plan_file!r}: {err}") from err
-    return EmbeddingCollection(
-        tables,
-        mesh,
-        topology=e.topology,
-        sharding=sharding,
-        optimizer=optimizer,
-        comm=CommConfig(forward=e.comm_forward, backward=e.comm_backward),
-        capacity_factor=e.capacity_factor if capacity_factor == "config" else capacity_factor,
-        replica_sync=e.replica_sync,
-        sync_every=e.sync_every,
-    )
+    return EmbeddingCollection.from_config(tables, mesh, e, plan=plan, capacity_factor=capacity_factor)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -108,7 +78,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
 
 
-def _scalars(metrics: Mapping) -> dict:
+def _scalars(metrics) -> dict:
     return {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
 
 
@@ -117,17 +87,16 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_train_step(task: Task, ec: EmbeddingCollection, graphdef, tx):
-    """The pure step: (state, batch) -> (state, metrics). Skips the whole update (dense and sparse) when
+def make_train_step(spec: registry.ModelSpec, ec: EmbeddingCollection, graphdef, tx):
+    """The pure step: (state, batch, ids) -> (state, metrics). Skips the whole update (dense and sparse) when
     the loss or a gradient is non-finite or an all-to-all overflowed, so bad steps never reach the tables."""
 
-    def train_step(state, batch):
-        ids = task.ids(batch)
+    def train_step(state, batch, ids):
         emb, lstats = ec.lookup(state["emb"], ids, return_stats=True)
 
         def loss_fn(dense, emb):
             model = nnx.merge(graphdef, dense, state["rest"])
-            loss, metrics = task.loss(model, emb, batch)
+            loss, metrics = spec.loss(model, emb, batch)
             return loss, _scalars(metrics)
 
         (loss, metrics), (g_dense, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
@@ -164,12 +133,12 @@ def make_train_step(task: Task, ec: EmbeddingCollection, graphdef, tx):
     return train_step
 
 
-def make_eval_step(task: Task, ec: EmbeddingCollection, graphdef):
-    def eval_step(state, batch):
-        emb = ec.lookup(state["emb"], task.ids(batch))
+def make_eval_step(spec: registry.ModelSpec, ec: EmbeddingCollection, graphdef):
+    def eval_step(state, batch, ids):
+        emb = ec.lookup(state["emb"], ids)
         model = nnx.merge(graphdef, state["dense"], state["rest"])
         model.eval()
-        _, metrics = task.loss(model, emb, batch)
+        _, metrics = spec.loss(model, emb, batch)
         return metrics
 
     return eval_step
@@ -179,10 +148,24 @@ def make_eval_step(task: Task, ec: EmbeddingCollection, graphdef):
 
 
 class Trainer:
-    """Builds everything a config describes on a mesh; `run()` trains with logging and checkpoints."""
+    """Builds everything a config describes on a mesh; `run()` trains with logging and checkpoints.
+
+    `data` / `eval_data`: sources whose `batch(step)` returns this process's rows of a step as NumPy
+    arrays (default: the config's `data` section, via `jaxscale.data.make_data`). A source with
+    `get_state()` / `set_state(state)` has its position saved in checkpoints and restored on resume; one
+    with `provenance(step)` gets named in invalid-id errors and has its truncated sequences counted.
+    """
 
     def __init__(
-        self, cfg: Config, mesh=None, *, workdir: str | None = None, log: bool | None = None, progress: bool = True
+        self,
+        cfg: Config,
+        mesh=None,
+        *,
+        data=None,
+        eval_data=None,
+        workdir: str | None = None,
+        log: bool | None = None,
+        progress: bool = True,
     ):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.nodes, cfg.mesh.local)
@@ -195,20 +178,25 @@ class Trainer:
         self.workdir = Path(workdir or cfg.train.workdir).absolute()
         self.is_writer = self.process_index == 0 if log is None else log
         self.progress = progress and self.is_writer
-        self.task = make_task(cfg)
-        self.ec = make_collection(cfg, self.mesh, self.task.tables)
+        self.spec = registry.get(cfg.model.kind)
+        self.model_cfg = cfg.model.params
+        self.tables = tuple(self.spec.tables(self.model_cfg))
+        where = dict(process_index=self.process_index, process_count=self.process_count)
+        self.data = data if data is not None else make_data(cfg, split="train", **where)
+        self.eval_data = eval_data if eval_data is not None else make_data(cfg, split="eval", **where)
+        self.ec = make_collection(cfg, self.mesh, self.tables)
         self.tx = make_optimizer(cfg)
-        model = self.task.make_model(nnx.Rngs(cfg.train.seed))
+        model = self.spec.build(self.model_cfg, nnx.Rngs(cfg.train.seed))
         self.graphdef, dense, rest = nnx.split(model, nnx.Param, ...)
         self._dense_host, self._rest_host = _host_tree(dense), _host_tree(rest)  # numpy: see init_state
         self.replicated = NamedSharding(self.mesh, P())
-        self.data = make_data(cfg, split="train", process_index=self.process_index, process_count=self.process_count)
-        self.eval_data = make_data(
-            cfg, split="eval", process_index=self.process_index, process_count=self.process_count
+        self.checkpointer = Checkpointer(
+            self.workdir, cfg.train.keep_checkpoints, self.process_index, self.process_count, self.is_writer
         )
-        self._compiled = None
+        self._executables: dict = {}  # capacities -> (compiled step, its comm bytes)
         self._eval = None
         self.comm = None
+        self.collectives = None
         self._stop_requested = False
 
     # -------------------------------------------------------------- state
@@ -234,220 +222,117 @@ class Trainer:
         emb = self.ec.state_shardings()
         return {k: (emb if k == "emb" else jax.tree.map(lambda _: self.replicated, v)) for k, v in state.items()}
 
+    # -------------------------------------------------------------- batches
+
+    def batch(self, step: int, split: str = "train") -> Batch:
+        """This process's rows of step `step`, checked and sized on the host, as global arrays."""
+        source = self.data if split == "train" else self.eval_data
+        return self.prepare(source.batch(step), source=source, step=step)
+
+    def prepare(self, host_batch, *, source=None, step: int | None = None) -> Batch:
+        """Host batch -> `Batch`: engine ids computed (`ModelSpec.ids`), checked against the tables
+        (`data.invalid_ids`: raise naming the feature, table, id and where it came from, or count and pad),
+        and sized for the exchanges (`EmbeddingCollection.shard_batch`)."""
+        host_batch = {k: np.asarray(v) for k, v in host_batch.items()}
+        raw = self.spec.ids(self.model_cfg, host_batch)
+        ids, invalid = check_ids(raw, self.ec.tables, self.ec.feature_table)
+        info = dict(source.provenance(step)) if source is not None and hasattr(source, "provenance") else {}
+        count = sum(v.count for v in invalid)
+        if invalid:
+            if self.cfg.data.invalid_ids == "error":
+                where = info.get("where") or (f"the batch of step {step}" if step is not None else "")
+                raise ValueError(
+                    invalid[0].message(where) + ". Fix the data, or set data.invalid_ids=count to count such ids "
+                    "and treat them as padding"
+                )
+            ids = pad_invalid(ids, self.ec.tables, self.ec.feature_table)
+        return Batch(to_global(host_batch, self.mesh), self.ec.shard_batch(ids), count, info)
+
+    def _as_batch(self, batch) -> Batch:
+        """A `Batch`, or a dict of global arrays (read back to the host and prepared)."""
+        if isinstance(batch, Batch):
+            return batch
+        return self.prepare({k: _host(v) for k, v in batch.items()})
+
     # -------------------------------------------------------------- steps
 
-    def batch(self, step: int, split: str = "train"):
-        source = self.data if split == "train" else self.eval_data
-        return to_global(source.batch(step), self.mesh)
-
-    def compile(self, state, batch):
-        """AOT-compiles the donated train step once and reads its collectives from the compiled HLO."""
-        step = make_train_step(self.task, self.ec, self.graphdef, self.tx)
-        shardings = self.state_shardings(state)
-        batch_sh = jax.tree.map(lambda x: x.sharding, batch)
-        jitted = jax.jit(
-            step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, self.replicated), donate_argnums=0
-        )
-        self._compiled = jitted.lower(state, batch).compile()
-        cs = comm_inspect.list_collectives(self._compiled, mesh=self.mesh)
-        self.comm = comm_inspect.summarize(cs)
-        self.collectives = cs
-        eval_step = make_eval_step(self.task, self.ec, self.graphdef)
-        self._eval = jax.jit(eval_step)
-        return self._compiled
+    def compile(self, state, batch) -> Any:
+        """AOT-compiles the donated train step for this batch's capacities (once per distinct set) and reads
+        its collectives from the compiled HLO."""
+        batch = self._as_batch(batch)
+        key = batch.ids.capacities
+        if key not in self._executables:
+            step = make_train_step(self.spec, self.ec, self.graphdef, self.tx)
+            shardings = self.state_shardings(state)
+            data_sh = jax.tree.map(lambda x: x.sharding, batch.data)
+            ids_sh = jax.tree.map(lambda x: x.sharding, batch.ids)
+            jitted = jax.jit(
+                step,
+                in_shardings=(shardings, data_sh, ids_sh),
+                out_shardings=(shardings, self.replicated),
+                donate_argnums=0,
+            )
+            compiled = jitted.lower(state, batch.data, batch.ids).compile()
+            cs = comm_inspect.list_collectives(compiled, mesh=self.mesh)
+            self._executables[key] = (compiled, comm_inspect.summarize(cs), cs)
+        compiled, self.comm, self.collectives = self._executables[key]
+        if self._eval is None:
+            self._eval = jax.jit(make_eval_step(self.spec, self.ec, self.graphdef))
+        return compiled
 
     def train_step(self, state, batch):
-        if self._compiled is None:
-            self.compile(state, batch)
-        return self._compiled(state, batch)
+        batch = self._as_batch(batch)
+        compiled = self.compile(state, batch)
+        return compiled(state, batch.data, batch.ids)
 
     def evaluate(self, state) -> dict:
-        """Held-out metrics: loss (+ recall@K for next-item), AUC for ranking/engagement."""
+        """Held-out metrics: the 0-d metrics averaged over `data.eval_batches` batches, plus whatever the
+        model computes over the whole eval set (`ModelSpec.summarize`: AUC, ...)."""
         if self.eval_data is None or self.cfg.data.eval_batches == 0:
             return {}
-        from models.dlrm import auc
-
-        sums, n, labels, scores, weights = {}, 0, [], [], []
-        for i in range(self.cfg.data.eval_batches):
-            m = self._eval(state, self.batch(i, "eval"))
+        if self._eval is None:
+            self._eval = jax.jit(make_eval_step(self.spec, self.ec, self.graphdef))
+        sums, kept = {}, []
+        n = self.cfg.data.eval_batches
+        for i in range(n):
+            b = self.batch(i, "eval")
+            m = self._eval(state, b.data, b.ids)
             for k, v in m.items():
                 if jnp.ndim(v) == 0:
                     sums[k] = sums.get(k, 0.0) + float(v)
-            if self.task.kind == "dlrm":
-                labels.append(_host(m["labels"])), scores.append(_host(m["probs"]))
-            else:
-                labels.append(_host(m["engage_labels"])), scores.append(_host(m["engage_probs"]))
-                weights.append(_host(m["engage_weights"]))
-            n += 1
+            kept.append({k: _host(v) for k, v in m.items() if jnp.ndim(v) > 0})
         out = {f"eval_{k}": v / n for k, v in sums.items()}
-        y, s = np.concatenate([a.reshape(-1) for a in labels]), np.concatenate([a.reshape(-1) for a in scores])
-        if weights:
-            w = np.concatenate([a.reshape(-1) for a in weights]) > 0
-            y, s = y[w], s[w]
-        out["eval_auc"] = float(auc(y, s))
+        out.update({f"eval_{k}": float(v) for k, v in self.spec.summarize(self.model_cfg, kept).items()})
         return out
 
     # -------------------------------------------------------------- checkpoints
 
     def _manager(self, create=True):
-        import orbax.checkpoint as ocp
-
-        path = self.workdir / "checkpoints"
-        opts = ocp.CheckpointManagerOptions(
-            max_to_keep=self.cfg.train.keep_checkpoints, create=create, enable_async_checkpointing=True
-        )
-        return ocp.CheckpointManager(path, options=opts, item_names=("state", "meta"))
+        return self.checkpointer.manager(create)
 
     def _meta(self, state) -> dict:
         return {
             "step": int(_host(state["step"])),
-            "model_kind": self.task.kind,
-            "tables": [dataclasses.asdict(t) for t in self.task.tables],
-            "dense_shapes": _shapes({"dense": state["dense"], "opt": state["opt"], "rest": state["rest"]}),
+            "model_kind": self.spec.kind,
+            "tables": [dataclasses.asdict(t) for t in self.tables],
+            "dense_shapes": shapes({"dense": state["dense"], "opt": state["opt"], "rest": state["rest"]}),
             "layout": self.ec.layout_signature(),
             "mesh": [self.cfg.mesh.nodes, self.cfg.mesh.local],
             "optimizer_slots": list(self.ec.optimizer.slots),
             "config": config_to_dict(self.cfg),
         }
 
-    def save(self, mgr, state, *, force=True) -> int:
-        """Saves `state` at its step (asynchronously: `mgr.wait_until_finished()` before reading it).
-
-        The trainer decides when to save, so orbax's own save policy is bypassed (`force`). Checkpoints at
-        this step or later are from an abandoned run (this one resumed from an earlier step): they are
-        moved to <workdir>/abandoned_checkpoints/ first, never deleted, so `latest` is this run again.
-        """
-        import orbax.checkpoint as ocp
-
-        step = int(_host(state["step"]))
-        stale = sorted(s for s in mgr.all_steps() if s >= step)
-        if stale:
-            self._set_aside(mgr, stale)
-        mgr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(self._meta(state))),
-            force=force,
-        )
-        return step
-
-    def _set_aside(self, mgr, steps):
-        mgr.wait_until_finished()
-        dest = self.workdir / "abandoned_checkpoints"
-        if self.is_writer or self.process_index == 0:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            for s in steps:
-                src = Path(mgr.directory) / str(s)
-                if src.exists():
-                    dest.mkdir(parents=True, exist_ok=True)
-                    target = dest / f"{s}-{stamp}"
-                    os.replace(src, target)
-                    if self.is_writer:
-                        print(
-                            f"checkpoint step {s} is from an abandoned run (this run resumed from an earlier "
-                            f"step): moved to {target}"
-                        )
-        if self.process_count > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("jaxscale_set_aside_checkpoints")
-        mgr.reload()
+    def save(self, mgr, state) -> int:
+        """Saves `state` (and the data source's position, when it has one) at its step."""
+        position = self.data.get_state() if hasattr(self.data, "get_state") else None
+        return self.checkpointer.save(mgr, state, self._meta(state), position)
 
     def restore(self, template_state, step: int | None = None):
         """The saved state at `step` (default: latest complete), resharded onto this mesh and layout."""
-        import orbax.checkpoint as ocp
-
-        path = self.workdir / "checkpoints"
-        if not path.exists():
-            raise CheckpointError(f"no checkpoint directory at {path}")
-        mgr = self._manager(create=False)
-        steps = mgr.all_steps()
-        if not steps:
-            raise CheckpointError(f"no complete checkpoint in {path} (partial ones are ignored)")
-        if step is None:
-            step = max(steps)
-        elif step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {path}; available: {sorted(steps)}")
-        others = sorted(s for s in steps if s != step)
-        hint = f"; other checkpoints here: {others} (resume one with --resume-step N)" if others else ""
-        try:
-            meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            if not isinstance(meta, dict) or "layout" not in meta or "step" not in meta:
-                raise ValueError(f"metadata is not a jaxscale checkpoint's: {str(meta)[:200]}")
-        except Exception as e:  # orbax raises many types for unreadable files
-            raise CheckpointError(
-                f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): {_brief(e)}{hint}"
-            ) from e
-        self._check_compatible(meta, template_state, step, path, hint)
-        same_layout = meta["layout"] == self.ec.layout_signature()
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), template_state)
-        if not same_layout:
-            abstract["emb"] = _saved_emb_abstract(meta, self.replicated)
-        try:
-            restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as e:
-            raise CheckpointError(
-                f"checkpoint step {step} in {path} is unreadable (corrupt or incomplete): {_brief(e)}{hint}"
-            ) from e
-        if not same_layout:
-            restored["emb"] = self._convert_emb(meta, restored["emb"])
-        if int(_host(restored["step"])) != meta["step"]:
-            raise CheckpointError(
-                f"checkpoint step {step} in {path} is inconsistent: state step "
-                f"{int(_host(restored['step']))} != metadata step {meta['step']}"
-            )
-        return restored, step
-
-    def _check_compatible(self, meta, template_state, step, path, hint=""):
-        problems = []
-        if meta.get("model_kind") != self.task.kind:
-            problems.append(f"model kind {meta.get('model_kind')!r} != {self.task.kind!r}")
-        saved = {t["name"]: t for t in meta.get("tables", [])}
-        current = {t.name: dataclasses.asdict(t) for t in self.task.tables}
-        for name in sorted(set(saved) | set(current)):
-            a, b = saved.get(name), current.get(name)
-            if a is None or b is None:
-                problems.append(
-                    f"table {name!r} is {'missing from the checkpoint' if a is None else 'not in this model'}"
-                )
-                continue
-            for key in ("rows", "dim", "pooling", "reshape"):
-                if a.get(key) != b.get(key):
-                    problems.append(f"table {name!r}: {key} {a.get(key)!r} in the checkpoint, {b.get(key)!r} now")
-        shapes = _shapes(
-            {"dense": template_state["dense"], "opt": template_state["opt"], "rest": template_state["rest"]}
-        )
-        saved_shapes = meta.get("dense_shapes", {})
-        diff = [k for k in sorted(set(shapes) | set(saved_shapes)) if shapes.get(k) != saved_shapes.get(k)]
-        if diff:
-            problems.append(
-                f"dense parameters differ at {len(diff)} paths, e.g. {diff[0]}: "
-                f"{saved_shapes.get(diff[0])} in the checkpoint, {shapes.get(diff[0])} now"
-            )
-        if sorted(meta.get("optimizer_slots", [])) != sorted(self.ec.optimizer.slots):
-            problems.append(
-                f"embedding optimizer slots {meta.get('optimizer_slots')} != {list(self.ec.optimizer.slots)}"
-            )
-        if problems:
-            raise CheckpointError(
-                f"checkpoint step {step} in {path} is from another model: "
-                + "; ".join(problems)
-                + (f" (other checkpoints here: {hint.split(': ', 1)[1]})" if hint else "")
-            )
-
-    def _convert_emb(self, meta, saved_emb):
-        """Saved stacks (another mesh/topology/plan) -> dense tables -> this collection's layout."""
-        plan = ShardingPlan.from_dict(meta["layout"]["plan"])
-        tables = self.task.tables
-        layout = build_layout(tables, plan)
-        weights = stacks_to_dense(layout, {k: _host(v)[0] for k, v in saved_emb["weights"].items()})
-        slots = {
-            s: slots_to_dense(layout, {k: _host(v)[0] for k, v in saved_emb[s].items()}, per_column_shard=True)
-            for s in self.ec.optimizer.slots
-            if s in saved_emb
-        }
-        return self.ec.load_dense(weights, slots, step=int(_host(saved_emb["step"])))
-
-    # -------------------------------------------------------------- loop
+        state, meta, position = self.checkpointer.restore(template_state, self._meta(template_state), self.ec, step)
+        if position is not None and hasattr(self.data, "set_state"):
+            self.data.set_state(position)
+        return state, meta["step"]
 
     def request_stop(self, *_):
         self._stop_requested = True
@@ -479,8 +364,7 @@ class Trainer:
         self._stop_requested = False
         state = self.init_state()
         if resume or resume_step is not None:
-            has_any = (self.workdir / "checkpoints").exists() and self._manager(create=False).all_steps()
-            if has_any or resume_step is not None:
+            if self.checkpointer.steps() or resume_step is not None:
                 state, _ = self.restore(state, resume_step)
             elif self.is_writer:
                 print(f"--resume: no checkpoint in {self.workdir / 'checkpoints'}; starting from scratch")
@@ -495,8 +379,7 @@ class Trainer:
         try:
             while step < total:
                 batch = self.batch(step)
-                if self._compiled is None:  # compile outside the timed region: step_time_s is the step alone
-                    self.compile(state, batch)
+                self.compile(state, batch)  # outside the timed region: step_time_s is the step alone
                 t0 = time.perf_counter()
                 new_state, metrics = self.train_step(state, batch)
                 metrics = {k: float(_host(v)) for k, v in metrics.items()}
@@ -519,6 +402,8 @@ class Trainer:
                     comm_bytes_intra_node=self.comm["intra_node"],
                     comm_bytes_cross_node=self.comm["cross_node"],
                     skipped_total=float(_host(state["skipped"])),
+                    invalid_ids=metrics["invalid_ids"] + batch.invalid_ids,  # padded on the host + seen on device
+                    **{k: float(v) for k, v in batch.info.items() if isinstance(v, (int, float))},
                 )
                 history["losses"].append(metrics["loss"])
                 history["steps"].append(step)
@@ -566,55 +451,15 @@ class Trainer:
                 f"step {step}: all-to-all overflow ({int(metrics['overflow'])} rows); growing capacity_factor "
                 f"{cf} -> {new_cf} and recompiling; the step is re-run"
             )
-        self.ec = make_collection(self.cfg, self.mesh, self.task.tables, capacity_factor=new_cf)
-        self._compiled = None
+        self.ec = make_collection(self.cfg, self.mesh, self.tables, capacity_factor=new_cf)
+        self._executables.clear()
+        self._eval = None
         # the skipped attempt advanced both step counters (the engine's drives periodic replica sync):
         # rewind both, so the re-run step is exactly the step an exact-capacity run takes
         return dict(state, step=state["step"] - 1, emb=dict(state["emb"], step=state["emb"]["step"] - 1))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _saved_emb_abstract(meta, replicated):
-    layout = meta["layout"]
-    reps = layout["num_replicas"]
-    shards = layout["plan"]["num_shards"]
-    out = {
-        "weights": {
-            k: jax.ShapeDtypeStruct((reps, shards, r, w), jnp.float32, sharding=replicated)
-            for k, (r, w) in layout["stacks"].items()
-        },
-        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-    }
-    for slot in meta.get("optimizer_slots", []):
-        out[slot] = {
-            k: jax.ShapeDtypeStruct((reps, shards, r), jnp.float32, sharding=replicated)
-            for k, (r, w) in layout["stacks"].items()
-        }
-    return out
-
-
-def _brief(e: BaseException, limit: int = 600) -> str:
-    """`Type: message` cut to its first line and `limit` characters (tensorstore appends kilobytes of spec)."""
-    text = str(e).split(" [tensorstore_spec", 1)[0].strip().splitlines()
-    text = text[0] if text else ""
-    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
-
-
-def _shapes(tree) -> dict:
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(p): list(np.shape(v)) for p, v in flat}
-
-
-def _host(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if x.sharding.is_fully_replicated:  # every process holds it all: no collective needed
-            return np.asarray(x.addressable_shards[0].data)
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 class _HostKey:

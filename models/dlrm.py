@@ -7,7 +7,7 @@ consumes their pooled outputs:
     emb = ec.lookup(state, ids)                 # {sparse_i: f32 [B, emb_dim]}
     loss, metrics = dlrm_loss(model, emb, batch)
 
-`batch` keys (see `jaxscale.data.SyntheticDLRMData`): dense f32 [B, num_dense] (raw non-negative counts;
+`batch` keys (see `jaxscale_models.dlrm_data.SyntheticDLRMData`): dense f32 [B, num_dense] (raw non-negative counts;
 the model applies log1p, as DLRM does for Criteo), sparse_i int32 [B, ids_per_feature[i]], label f32 [B].
 
 Interactions: 'dot' (DLRM: pairwise dot products of the bottom-MLP output and every embedding; needs
@@ -25,8 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.metrics import auc
+from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
-from models.foundation import check_choice, check_int, field_error
+from jaxscale_models.foundation import check_choice, check_int, field_error
 
 INTERACTIONS = ("dot", "dcn")
 
@@ -234,21 +236,35 @@ def dlrm_loss(model: DLRM, embeddings: Mapping, batch: Mapping):
     return loss, {"loss": loss, "accuracy": acc, "logits": logits, "probs": jax.nn.sigmoid(logits), "labels": labels}
 
 
-def auc(labels, scores) -> float:
-    """ROC AUC via the Mann-Whitney rank statistic (ties get average ranks). NaN if a class is missing."""
-    labels = np.asarray(labels).reshape(-1) > 0.5
-    scores = np.asarray(scores, np.float64).reshape(-1)
-    if labels.shape != scores.shape:
-        raise ValueError(f"labels and scores differ in size: {labels.shape} vs {scores.shape}")
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    sorted_scores = scores[order]
-    ranks = np.empty(scores.size, np.float64)
-    # average 1-based ranks over runs of equal scores
-    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
-    avg = first + (counts + 1) / 2.0
-    ranks[order] = np.repeat(avg, counts)
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+def _synthetic(cfg: DLRMConfig, global_batch: int, data, split: str):
+    from jaxscale_models.dlrm_data import SyntheticDLRMData
+
+    return SyntheticDLRMData(
+        cfg, global_batch, data.seed, split=split, zipf_exponent=data.zipf_exponent, scramble=data.scramble_ids
+    )
+
+
+def _parquet_columns(cfg: DLRMConfig):
+    names = list(sparse_features(cfg))
+    return ["dense", "label", *names], dict(zip(names, cfg.hotness()))
+
+
+def _summarize(cfg: DLRMConfig, batches: list) -> dict:
+    labels = np.concatenate([np.asarray(b["labels"]).reshape(-1) for b in batches])
+    probs = np.concatenate([np.asarray(b["probs"]).reshape(-1) for b in batches])
+    return {"auc": auc(labels, probs)}
+
+
+SPEC = ModelSpec(
+    kind="dlrm",
+    config=DLRMConfig,
+    tables=dlrm_tables,
+    ids=dlrm_ids,
+    build=lambda cfg, rngs: DLRM(cfg, rngs=rngs),
+    loss=dlrm_loss,
+    synthetic=_synthetic,
+    parquet_columns=_parquet_columns,
+    summarize=_summarize,
+)
+
+__all__ = ["DLRM", "DLRMConfig", "SPEC", "auc", "dlrm_ids", "dlrm_loss", "dlrm_tables", "sparse_features"]

@@ -12,8 +12,8 @@ Data flow (the trainer's job; this module never sees the tables):
     emb = ec.lookup(state, ids)                 # {item feature: f32 [B, L, item_dim]}
     loss, metrics = foundation_loss(model, emb, batch)
 
-`batch` keys (see `jaxscale.data.SyntheticFoundationData`): item_ids int32 [B, L] (raw ids, -1 padded),
-timestamps int32 [B, L] (unix seconds), actions int32 [B, L], surfaces int32 [B, L], engaged f32 [B, L]
+`batch` keys (see `jaxscale_models.foundation_data.SyntheticFoundationData`): item_ids int32 [B, L] (raw ids,
+-1 padded), timestamps int32 [B, L] (unix seconds), actions int32 [B, L], surfaces int32 [B, L], engaged f32 [B, L]
 (label: did the user engage with this event's item), mask bool [B, L] (item_ids >= 0).
 
 Heads, both causal (position t sees events <= t only):
@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.metrics import auc
+from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
@@ -448,3 +450,43 @@ def foundation_loss(model: FoundationModel, embeddings: Mapping, batch: Mapping)
 
 def _bce(logits, labels):
     return jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
+
+
+def _synthetic(cfg: FoundationConfig, global_batch: int, data, split: str):
+    from jaxscale_models.foundation_data import SyntheticFoundationData
+
+    return SyntheticFoundationData(
+        cfg,
+        global_batch,
+        data.seed,
+        split=split,
+        zipf_exponent=data.zipf_exponent,
+        num_clusters=data.num_clusters,
+        scramble=data.scramble_ids,
+    )
+
+
+def _parquet_columns(cfg: FoundationConfig):
+    from jaxscale_models.foundation_data import SyntheticFoundationData
+
+    return list(SyntheticFoundationData.columns), cfg.max_seq_len
+
+
+def _summarize(cfg: FoundationConfig, batches: list) -> dict:
+    """Engagement AUC over the real (t, t+1) pairs of the whole eval set."""
+    cat = lambda k: np.concatenate([np.asarray(b[k]).reshape(-1) for b in batches])  # noqa: E731
+    keep = cat("engage_weights") > 0
+    return {"auc": auc(cat("engage_labels")[keep], cat("engage_probs")[keep])}
+
+
+SPEC = ModelSpec(
+    kind="foundation",
+    config=FoundationConfig,
+    tables=foundation_tables,
+    ids=foundation_ids,
+    build=lambda cfg, rngs: FoundationModel(cfg, rngs=rngs),
+    loss=foundation_loss,
+    synthetic=_synthetic,
+    parquet_columns=_parquet_columns,
+    summarize=_summarize,
+)

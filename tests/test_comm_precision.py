@@ -153,7 +153,7 @@ def _train_losses(tmp_path, name, *overrides):
 def test_fp8_training_ends_within_one_percent_of_fp32(tmp_path):
     """200 steps on the synthetic task: fp8 comms (e4m3 forward, e5m2 backward) vs fp32 comms."""
     fp32 = _train_losses(tmp_path, "fp32")
-    fp8 = _train_losses(tmp_path, "fp8", "embedding.comm_forward=fp8", "embedding.comm_backward=fp8")
+    fp8 = _train_losses(tmp_path, "fp8", "embedding.comm.forward=fp8", "embedding.comm.backward=fp8")
     assert len(fp32) == len(fp8) == 200
     end32, end8 = np.mean(fp32[-20:]), np.mean(fp8[-20:])
     assert end32 < np.mean(fp32[:10])  # it learned

@@ -35,7 +35,7 @@ def fp32_fp8():
     for prec in ("fp32", "fp8"):
         cfg = load_config(
             CONFIG,
-            SMALL + ["embedding.topology=1d", f"embedding.comm_forward={prec}", f"embedding.comm_backward={prec}"],
+            SMALL + ["embedding.topology=1d", f"embedding.comm.forward={prec}", f"embedding.comm.backward={prec}"],
         )
         reps[prec] = cr.comm_report(cfg)
     return reps

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from jaxscale.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config
-from models.foundation import FoundationConfig
+from jaxscale_models.foundation import FoundationConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
 FILES = ["foundation_smoke", "dlrm_smoke", "foundation_large", "dlrm_large"]

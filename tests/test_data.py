@@ -9,15 +9,15 @@ import pytest
 
 from jaxscale.data import (
     ParquetData,
-    SyntheticDLRMData,
-    SyntheticFoundationData,
     ZipfSampler,
     to_global,
     uniform,
     write_parquet_sample,
 )
-from models.dlrm import DLRMConfig
-from models.foundation import FoundationConfig
+from jaxscale_models.dlrm import DLRMConfig
+from jaxscale_models.dlrm_data import SyntheticDLRMData
+from jaxscale_models.foundation import FoundationConfig
+from jaxscale_models.foundation_data import SyntheticFoundationData
 
 FCFG = FoundationConfig(item_rows=20_000, max_seq_len=24)
 DCFG = DLRMConfig(num_sparse_features=3, rows=(100, 1000, 10_000), ids_per_feature=(1, 3, 5))

@@ -9,9 +9,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxscale.data import SyntheticDLRMData, SyntheticFoundationData
-from models.dlrm import DLRM, DLRMConfig, auc, dlrm_ids, dlrm_loss, dlrm_tables
-from models.foundation import (
+from jaxscale_models.dlrm import DLRM, DLRMConfig, auc, dlrm_ids, dlrm_loss, dlrm_tables
+from jaxscale_models.dlrm_data import SyntheticDLRMData
+from jaxscale_models.foundation import (
     FoundationConfig,
     FoundationModel,
     foundation_ids,
@@ -21,6 +21,7 @@ from models.foundation import (
     info_nce,
     item_features,
 )
+from jaxscale_models.foundation_data import SyntheticFoundationData
 
 # One shape family for every foundation test: XLA compiles each new shape once, and on CPU that dominates.
 TINY = dict(

@@ -1,9 +1,7 @@
 """A real 2-process run ('node' = process, 4 CPU devices each) against the 1-process 8-device run and
 the NumPy reference. Each process feeds only its half of the batch."""
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +10,7 @@ from pathlib import Path
 import mp_embedding_worker as scenario
 import numpy as np
 import pytest
+from conftest import free_port, subprocess_env
 from embedding_reference import adagrad_step
 from embedding_reference import lookup as ref_lookup
 
@@ -20,25 +19,6 @@ import jaxscale
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 90  # the whole 2-process run (~15-30 s idle, ~45 s at load 17 on 2 CPUs); a hang fails here with the workers' stderr  # noqa: E501
 KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    # conftest's 8 simulated devices must not leak in: each worker sets jax_num_cpu_devices=4 itself.
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    # XLA:CPU compile time dominates this test (two processes compile the same programs on few cores);
-    # LLVM optimisation level 0 cuts it by about a third and does not change fp32 results here.
-    flags.append("--xla_backend_optimization_level=0")
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
 
 
 def _stop(proc):
@@ -53,7 +33,7 @@ def _stop(proc):
 
 def _run_two_processes(tmp_path) -> dict:
     out = tmp_path / "mp.npz"
-    port, env = _free_port(), _worker_env()
+    port, env = free_port(), subprocess_env()
     procs, logs, alive = [], [], []
     try:
         for pid in range(2):

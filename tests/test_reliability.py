@@ -15,7 +15,6 @@ import pickle
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from cli_env import cli_env as make_cli_env
+from conftest import free_port, subprocess_env
 
 from jaxscale.config import load_config
 from jaxscale.data import to_global
@@ -289,7 +288,7 @@ def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(dlrm, dlrm_ove
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
-    return make_cli_env(tmp_path_factory.mktemp("jax_cache"))
+    return subprocess_env(tmp_path_factory.mktemp("jax_cache"))
 
 
 class Cli:
@@ -478,14 +477,8 @@ def test_sigkill_mid_save_then_sigterm_then_resume_is_bit_exact(cli_env, tmp_pat
     _assert_no_pickle(tmp_path / "straight" / "checkpoints")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(args, env, tmp_path, tag):
-    port = _free_port()
+    port = free_port()
     mp = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", 2, "mesh.nodes=2", "mesh.local=4"]
     return port, [Cli(args + mp + ["--process-id", i], env, tmp_path / f"{tag}{i}.log") for i in range(2)]
 

@@ -81,7 +81,7 @@ def test_extrapolation_matches_compiled_2x4_bytes():
 
     from jaxscale.comm_report import comm_report
     from jaxscale.config import load_config
-    from models.foundation import FoundationConfig
+    from jaxscale_models.foundation import FoundationConfig
 
     st = dict(STAGES)["2d_a2a"] | {"half_dim": False}
     rep = comm_report(load_config(os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"), overrides(st, 2, 4)))

@@ -11,7 +11,6 @@ inherits conftest's 8-device XLA flag: the CLI sets the device count itself.
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_env import cli_env
+from conftest import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "experiments" / "configs" / "foundation_tiny.yaml")
@@ -30,7 +29,7 @@ KILL_AFTER_S = 5
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return cli_env(tmp_path_factory.mktemp("jax_cache"))
+    return subprocess_env(tmp_path_factory.mktemp("jax_cache"))
 
 
 def _clean(text: str) -> str:
@@ -90,12 +89,6 @@ def losses(workdir, after=0) -> dict[int, float]:
 
 def ckpt_steps(workdir) -> list[int]:
     return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").iterdir() if p.name.isdigit())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def restore_final(workdir, *overrides):

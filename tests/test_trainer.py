@@ -41,10 +41,9 @@ def _nontrivial_state(tr, seed=1):
     restore would go unnoticed), at train step 0."""
     state = tr.init_state()
     rng = np.random.default_rng(seed)
-    tables = {t.name: rng.standard_normal((t.rows, t.dim)).astype(np.float32) for t in tr.task.tables}
+    tables = {t.name: rng.standard_normal((t.rows, t.dim)).astype(np.float32) for t in tr.tables}
     slots = {
-        s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.task.tables}
-        for s in tr.ec.optimizer.slots
+        s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.tables} for s in tr.ec.optimizer.slots
     }
     state["emb"] = tr.ec.load_dense(tables, slots, step=7)
     return state, tables, slots
@@ -121,7 +120,7 @@ def test_corrupt_and_mismatched_checkpoints_are_refused_without_touching_them(tm
     for overrides, words in (
         (("model.foundation.item_dim=8",), ["another model", "item_h0", "dim 16", "8 now"]),
         (("model.foundation.d_model=16",), ["another model", "dense parameters differ"]),
-        (("embedding.optimizer=sgd",), ["another model", "optimizer slots"]),
+        (("embedding.optimizer.kind=sgd",), ["another model", "optimizer slots"]),
     ):
         other = _trainer(tmp_path, *overrides)
         with pytest.raises(CheckpointError) as e:

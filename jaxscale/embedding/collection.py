@@ -3,7 +3,7 @@
 Lookup (forward), per stack, on every device, for its slice of the batch:
   1. every (id, column block) becomes a request (owner shard, row in the owner's block); padding and
      invalid ids become no request (`routing`);
-  2. requests are de-duplicated and given slots of a static `[shards, capacity]` send buffer, sized for
+  2. requests are de-duplicated and given positions in a static `[shards, capacity]` send buffer, sized for
      this batch by the host (`capacity`), or the worst case / a fixed factor;
   3. the row ids travel to their owners (one all-to-all over the shard axes), the owners gather the rows
      (`kernels`) and send them back (a second all-to-all, in the forward comm precision);
@@ -135,7 +135,7 @@ class EmbeddingCollection:
             topology=config.topology,
             sharding=plan if plan is not None else config.sharding,
             optimizer=config.optimizer.build(),
-            comm=config.comm.build(),
+            comm=config.comm,
             capacity_factor=config.capacity_factor if capacity_factor == "config" else capacity_factor,
             replica_sync=config.replica_sync,
             sync_every=config.sync_every,
@@ -383,7 +383,7 @@ class EmbeddingCollection:
         wanted = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C] rows asked of me
         rows = kernels.gather_rows(table, wanted)
         back = collectives.all_to_all(rows, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
-        vals = back.at[route.dest, route.slot].get(mode="fill", fill_value=0.0) * route.keep[:, None]
+        vals = back.at[route.dest, route.position].get(mode="fill", fill_value=0.0) * route.keep[:, None]
         for seg in req.segments:
             parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
         return route.overflow
@@ -510,7 +510,7 @@ class EmbeddingCollection:
         S, C = route.send_rows.shape
         send_g = (
             jnp.zeros((S, C, st.width), jnp.float32)
-            .at[route.dest, route.slot]
+            .at[route.dest, route.position]
             .add(g * route.keep[:, None], mode="drop")
         )
         recv_rows = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C]
@@ -598,8 +598,8 @@ class EmbeddingCollection:
 
         A column shard only sees its columns, so the partial sums of squares of a row's column pieces are
         added up through the requesters that asked for the row (each asked every column piece): owners
-        send each request slot its row's partial sum back, requesters add the parts of each id and send the
-        total forward again (4 bytes per slot each way). Under exact sync every replica holds the same
+        send each request position its row's partial sum back, requesters add the parts of each id and send the
+        total forward again (4 bytes per position each way). Under exact sync every replica holds the same
         combined list, and a row one replica never requested gets its total from a replica that did
         (max over replicas). Returns (unique rows, summed gradients, mean squares) for `kernels.apply_rows`.
         """
@@ -608,22 +608,22 @@ class EmbeddingCollection:
         part = jnp.sum(gsum * gsum, axis=-1)  # this piece's columns
         sorted_rows = jnp.where(urows >= 0, urows, st.rows)  # ascending, sentinel last
 
-        def lookup_part(slot_rows):
-            pos = jnp.clip(jnp.searchsorted(sorted_rows, slot_rows), 0, urows.shape[0] - 1)
-            return jnp.where((slot_rows >= 0) & (urows[pos] == slot_rows), part[pos], 0.0)
+        def lookup_part(position_rows):
+            pos = jnp.clip(jnp.searchsorted(sorted_rows, position_rows), 0, urows.shape[0] - 1)
+            return jnp.where((position_rows >= 0) & (urows[pos] == position_rows), part[pos], 0.0)
 
         total = jnp.full(urows.shape, -jnp.inf, jnp.float32)
         for ex in received:
-            slot_rows = ex.rows
-            back = lookup_part(slot_rows)  # [S, C] partial sum of each slot's row
+            position_rows = ex.rows
+            back = lookup_part(position_rows)  # [S, C] partial sum of each position's row
             if self.num_shards > 1:
                 back = collectives.all_to_all(back, self.shard_axes)
             per_request = self._sum_column_parts(ex, back)
             fwd = self._to_slots(ex, per_request, back.shape)
             if self.num_shards > 1:
                 fwd = collectives.all_to_all(fwd, self.shard_axes)
-            pos = jnp.clip(jnp.searchsorted(sorted_rows, slot_rows), 0, urows.shape[0] - 1)
-            hit = (slot_rows >= 0) & (urows[pos] == slot_rows)
+            pos = jnp.clip(jnp.searchsorted(sorted_rows, position_rows), 0, urows.shape[0] - 1)
+            hit = (position_rows >= 0) & (urows[pos] == position_rows)
             total = total.at[jnp.where(hit, pos, urows.shape[0]).reshape(-1)].max(fwd.reshape(-1), mode="drop")
         if self._exact_sync:
             total = jax.lax.pmax(total, self.replica_axes)
@@ -635,24 +635,24 @@ class EmbeddingCollection:
     def _sum_column_parts(self, ex, back):
         """Requester side: per request, the sum over the column blocks of its id of the parts sent back."""
         if ex.route is None:  # single shard: slots are the requests themselves
-            per_slot = back.reshape(-1)
+            per_position = back.reshape(-1)
         else:
-            per_slot = back.at[ex.route.dest, ex.route.slot].get(mode="fill", fill_value=0.0)
-        totals = jnp.zeros_like(per_slot)
+            per_position = back.at[ex.route.dest, ex.route.position].get(mode="fill", fill_value=0.0)
+        totals = jnp.zeros_like(per_position)
         by_feature: dict[str, list] = {}
         for f, start, size in ex.spans:  # a column-wise feature has one span per column block
             by_feature.setdefault(f, []).append((start, size))
         for spans in by_feature.values():
-            summed = functools.reduce(jnp.add, [per_slot[a : a + n] for a, n in spans])
+            summed = functools.reduce(jnp.add, [per_position[a : a + n] for a, n in spans])
             for a, n in spans:
                 totals = totals.at[a : a + n].set(summed)
         return totals
 
     def _to_slots(self, ex, per_request, shape):
-        """Requester side: each request's total written to its slot (equal for requests sharing a slot)."""
+        """Requester side: each request's total written to its position (equal for requests sharing one)."""
         if ex.route is None:
             return per_request.reshape(shape)
-        return jnp.zeros(shape, jnp.float32).at[ex.route.dest, ex.route.slot].set(per_request, mode="drop")
+        return jnp.zeros(shape, jnp.float32).at[ex.route.dest, ex.route.position].set(per_request, mode="drop")
 
     def _full_dims(self, key, urows):
         """Full (stored) dim of the table of each unique row when it is a column piece, else 0."""
@@ -691,10 +691,10 @@ class EmbeddingCollection:
 class _Exchange:
     """What one strategy's backward exchange delivered to an owner, and how the requester routed it."""
 
-    rows: jax.Array  # i32[S, C]: the block row of each received slot (-1: empty)
+    rows: jax.Array  # i32[S, C]: the block row of each received position (-1: empty)
     grads: jax.Array  # f32[S, C, w]: its gradient
     spans: tuple[tuple[str, int, int], ...]  # (feature, start, size) of the request list's segments
-    route: object  # the requester's RowRoute / PairRoute (None: a single shard, slots are requests)
+    route: object  # the requester's RowRoute / PairRoute (None: a single shard, positions are requests)
 
 
 def _spans(req: routing.RowRequests) -> tuple[tuple[str, int, int], ...]:

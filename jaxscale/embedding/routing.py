@@ -3,7 +3,7 @@
 Two strategies, both typed here:
 
 * rows: every (id, column block) is a request for one row of one owner; requests are sorted and
-  de-duplicated, and each unique (owner, row) gets a slot of a `[shards, capacity]` send buffer. The owner
+  de-duplicated, and each unique (owner, row) gets a position in a `[shards, capacity]` send buffer. The owner
   returns the rows and the requester pools them.
 * pairs (per-bag partial sums, for pooled features with several ids per bag): every valid (row, bag) pair
   travels to its owner (no de-duplication: the owner pools its rows per bag) and one partial sum per bag
@@ -37,13 +37,13 @@ class Segment(NamedTuple):
 
 
 class BagSegment(NamedTuple):
-    """One (feature, column block) of the pairs strategy: its bags get a partial-sum slot on each holder."""
+    """One (feature, column block) of the pairs strategy: its bags get a partial sum on each holder."""
 
     feature: str
     col_block: int
     bags: int
     holders: tuple[int, ...]  # owner shards holding a piece of this column block
-    offsets: tuple[int, ...]  # per owner shard: first partial-sum slot of this segment's bags
+    offsets: tuple[int, ...]  # per owner shard: index of the first partial sum of this segment's bags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +57,13 @@ class RowRequests:
 
 @dataclasses.dataclass(frozen=True)
 class RowRoute:
-    """Where each request's row travels: the de-duplicated send buffer and each request's slot in it."""
+    """Where each request's row travels: the de-duplicated send buffer and each request's position in it."""
 
-    send_rows: jax.Array  # int32 [S, C]: block row wanted from each owner, -1 = empty slot
+    send_rows: jax.Array  # int32 [S, C]: block row wanted from each owner, -1 = empty
     overflow: jax.Array  # int32 []: unique rows that did not fit
-    dest: jax.Array  # int32 [n] (request order): owner, or S when no slot
-    slot: jax.Array  # int32 [n]: slot in the owner's block of the send buffer
-    keep: jax.Array  # f32 [n]: 1 where the request has a slot
+    dest: jax.Array  # int32 [n] (request order): owner, or S when no position
+    position: jax.Array  # int32 [n]: position in the owner's block of the send buffer
+    keep: jax.Array  # f32 [n]: 1 where the request has a position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,20 +72,20 @@ class PairRequests:
 
     dest: object  # int32 [n]: owner shard, S for padding
     row: object  # int32 [n]: row in the owner's block
-    bag: object  # int32 [n]: the bag's partial-sum slot on its owner
+    bag: object  # int32 [n]: the index of the bag's partial sum on its owner
     segments: tuple[BagSegment, ...]
-    bags: int  # partial-sum slots per owner (the largest over owners)
+    bags: int  # partial sums per owner (the largest over owners)
 
 
 @dataclasses.dataclass(frozen=True)
 class PairRoute:
     """The (row, bag) pairs' send buffer; a pair travels as one int32 `row * bags + bag` when that fits."""
 
-    send: jax.Array  # int32 [S, C] packed, or [S, C, 2] unpacked; -1 = empty slot
+    send: jax.Array  # int32 [S, C] packed, or [S, C, 2] unpacked; -1 = empty
     overflow: jax.Array
     packed: bool
-    dest: jax.Array  # int32 [n] (request order): owner, or S when no slot
-    slot: jax.Array  # int32 [n]
+    dest: jax.Array  # int32 [n] (request order): owner, or S when no position
+    position: jax.Array  # int32 [n]: position in the owner's block of the send buffer
 
 
 def _valid(x, rows: int, xp):
@@ -110,10 +110,10 @@ def row_requests(layout: Layout, feature_table: Mapping[str, int], key: str, fea
         valid = _valid(x, t.stored_rows, xp)
         sid = xp.where(valid, x, 0)
         part = sid % route.row_parts if route.row_parts > 1 else xp.zeros_like(sid)
-        local = sid // route.row_parts
+        block_row = sid // route.row_parts
         for c in range(route.col_parts):
             dest.append(xp.where(valid, xp.asarray(route.shard[:, c])[part], S))
-            row.append(xp.asarray(route.offset[:, c])[part] + local)
+            row.append(xp.asarray(route.offset[:, c])[part] + block_row)
             segments.append(Segment(f, c, start, x.shape[0]))
             start += x.shape[0]
     if not segments:
@@ -122,10 +122,10 @@ def row_requests(layout: Layout, feature_table: Mapping[str, int], key: str, fea
 
 
 def route_rows(req: RowRequests, num_shards: int, block_rows: int, capacity: int) -> RowRoute:
-    """Sort + de-duplicate requests and give each unique (owner, row) a slot of the send buffer.
+    """Sort + de-duplicate requests and give each unique (owner, row) a position in the send buffer.
 
     One packed sort key `owner * R + row` (fits int32: `build_layout` checks (shards + 1) * R < 2**31);
-    padding carries owner S and sorts last. Slots are ranks among the owner's unique rows.
+    padding carries owner S and sorts last. Positions are ranks among the owner's unique rows.
     """
     dest, row, C = req.dest, req.row, capacity
     S, R = num_shards, block_rows
@@ -136,19 +136,19 @@ def route_rows(req: RowRequests, num_shards: int, block_rows: int, capacity: int
     uid = jnp.cumsum(new, dtype=jnp.int32) - 1
     sd, sr = skey // R, skey % R
     uniques = jax.ops.segment_sum(new.astype(jnp.int32), sd, num_segments=S + 1, indices_are_sorted=True)
-    slot = uid - (jnp.cumsum(uniques) - uniques)[sd]
-    fits = (sd < S) & (slot < C)
-    overflow = jnp.sum(new & (sd < S) & (slot >= C), dtype=jnp.int32)
+    position = uid - (jnp.cumsum(uniques) - uniques)[sd]
+    fits = (sd < S) & (position < C)
+    overflow = jnp.sum(new & (sd < S) & (position >= C), dtype=jnp.int32)
     # Rows that do not fit are written to owner S, which mode="drop" discards; they are counted above.
-    send_rows = jnp.full((S, C), -1, jnp.int32).at[jnp.where(fits, sd, S), slot].set(sr, mode="drop")
+    send_rows = jnp.full((S, C), -1, jnp.int32).at[jnp.where(fits, sd, S), position].set(sr, mode="drop")
     inv = jnp.zeros((n,), jnp.int32).at[perm].set(iota)  # original request -> sorted position
-    return RowRoute(send_rows, overflow, jnp.where(fits, sd, S)[inv], slot[inv], fits[inv].astype(jnp.float32))
+    return RowRoute(send_rows, overflow, jnp.where(fits, sd, S)[inv], position[inv], fits[inv].astype(jnp.float32))
 
 
 def bag_segments(layout: Layout, feature_table, key: str, feats, batch: Mapping[str, int]):
-    """The pairs strategy's segments of stack `key` and the partial-sum slots each owner needs.
+    """The pairs strategy's segments of stack `key` and the partial sums each owner keeps.
 
-    Each owner keeps one partial-sum slot per bag only for the segments (feature, column block) it holds a
+    Each owner keeps one partial sum per bag only for the segments (feature, column block) it holds a
     piece of, so a table-wise feature's sums travel to and from its one owner only.
     Returns (segments, offsets [S + 1, segments] (row S: padding), bags per owner).
     """
@@ -171,7 +171,7 @@ def bag_segments(layout: Layout, feature_table, key: str, feats, batch: Mapping[
 
 
 def pair_requests(layout: Layout, feature_table, key: str, feats, ids, xp=jnp):
-    """(owner, row, bag slot) of every valid id of the partial-sum features reading stack `key`."""
+    """(owner, row, bag index) of every valid id of the partial-sum features reading stack `key`."""
     S = layout.num_shards
     segments, offsets, bags = bag_segments(layout, feature_table, key, feats, {f: ids[f].shape[0] for f in feats})
     if not segments:
@@ -196,23 +196,23 @@ def pair_requests(layout: Layout, feature_table, key: str, feats, ids, xp=jnp):
 
 
 def route_pairs(req: PairRequests, num_shards: int, block_rows: int, capacity: int) -> PairRoute:
-    """Each valid (row, bag) pair gets a slot among the pairs bound for its owner (no de-duplication)."""
+    """Each valid (row, bag) pair gets a position among the pairs bound for its owner (no de-duplication)."""
     dest, C = req.dest, capacity
     S, G = num_shards, req.bags
     n = dest.shape[0]
     iota = jnp.arange(n, dtype=jnp.int32)
     sd, perm = jax.lax.sort((dest, iota), num_keys=1)
     counts = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), sd, num_segments=S + 1, indices_are_sorted=True)
-    slot = iota - (jnp.cumsum(counts) - counts)[sd]
-    fits = (sd < S) & (slot < C)
-    overflow = jnp.sum((sd < S) & (slot >= C), dtype=jnp.int32)
+    position = iota - (jnp.cumsum(counts) - counts)[sd]
+    fits = (sd < S) & (position < C)
+    overflow = jnp.sum((sd < S) & (position >= C), dtype=jnp.int32)
     row, bag = req.row[perm], req.bag[perm]
     packed = block_rows * G < 2**31
     payload = row * G + bag if packed else jnp.stack([row, bag], axis=-1)
     shape = (S, C) if packed else (S, C, 2)
-    send = jnp.full(shape, -1, jnp.int32).at[jnp.where(fits, sd, S), slot].set(payload, mode="drop")
+    send = jnp.full(shape, -1, jnp.int32).at[jnp.where(fits, sd, S), position].set(payload, mode="drop")
     inv = jnp.zeros((n,), jnp.int32).at[perm].set(iota)
-    return PairRoute(send, overflow, packed, jnp.where(fits, sd, S)[inv], slot[inv])
+    return PairRoute(send, overflow, packed, jnp.where(fits, sd, S)[inv], position[inv])
 
 
 def unpack_pairs(recv, route: PairRoute, bags: int):

@@ -1,0 +1,84 @@
+"""The model registry: what the trainer needs to know about each model kind, in one value.
+
+A model module (e.g. `jaxscale_models.foundation`) defines a `ModelSpec` named `SPEC`. The trainer, the
+config loader, the data factory and the comm report ask the registry for the spec of `model.kind`; none
+of them branches on the kind. Built-in kinds are resolved lazily by module path, so importing jaxscale
+imports no model; `register` adds your own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxscale.tables import TableConfig
+
+BUILTIN = {
+    "foundation": "jaxscale_models.foundation",
+    "dlrm": "jaxscale_models.dlrm",
+    "contextual_two_tower": "jaxscale_models.contextual_two_tower",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model kind, as the trainer uses it.
+
+    Attributes:
+      kind: the name in `model.kind`.
+      config: frozen dataclass of the model's config section (`model.<kind>`); its defaults are the smoke size.
+      tables: (model config) -> the sharded `TableConfig`s.
+      ids: (model config, batch) -> {feature: int32 [B, L]} engine ids; NumPy in, NumPy out (the host checks
+        and counts them before dispatch).
+      build: (model config, nnx.Rngs) -> the dense nnx.Module.
+      loss: (model, embeddings, batch) -> (scalar loss, metrics); 0-d metrics are averaged and logged,
+        others are handed to `summarize`.
+      summarize: (model config, [per-batch metrics as NumPy]) -> {name: float}: held-out metrics that need
+        the whole eval set (AUC, full-corpus recall); {} when the averages are enough.
+      synthetic: (model config, global batch, data config, split) -> a source whose
+        `batch(step, process_index, process_count)` returns that process's rows of step `step`.
+      parquet_columns: (model config) -> (columns, seq_len) for `jaxscale.data.ParquetData`.
+      data_sources: extra `data.source` kinds this model can read: {name: (model cfg, config, split,
+        process_index, process_count) -> source}.
+    """
+
+    kind: str
+    config: type
+    tables: Callable[[Any], Sequence[TableConfig]]
+    ids: Callable[[Any, Mapping], dict]
+    build: Callable[..., Any]
+    loss: Callable[..., tuple]
+    synthetic: Callable[..., Any]
+    parquet_columns: Callable[[Any], tuple]
+    summarize: Callable[[Any, list], dict] = lambda cfg, batches: {}
+    data_sources: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Adds (or replaces) a model kind."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"register expects a ModelSpec, got {type(spec).__name__}")
+    _SPECS[spec.kind] = spec
+    return spec
+
+
+def kinds() -> list[str]:
+    return sorted(set(BUILTIN) | set(_SPECS))
+
+
+def get(kind: str) -> ModelSpec:
+    """The spec of `kind`; ValueError listing the known kinds otherwise."""
+    if kind in _SPECS:
+        return _SPECS[kind]
+    if kind in BUILTIN:
+        spec = importlib.import_module(BUILTIN[kind]).SPEC
+        if spec.kind != kind:
+            raise RuntimeError(f"{BUILTIN[kind]}.SPEC is for kind {spec.kind!r}, registered as {kind!r}")
+        _SPECS[kind] = spec
+        return spec
+    raise ValueError(f"unknown model kind {kind!r}; known kinds: {kinds()}")
