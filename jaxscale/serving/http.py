@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import sys
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -106,12 +107,22 @@ def _handler_class(routes: Routes, max_body_bytes: int, server_name: str):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        """A client that hung up mid-response is routine; anything else is logged with its traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("client %s disconnected", client_address)
+        else:
+            log.exception("error serving %s", client_address)
+
+
 class BackgroundServer:
     """A `ThreadingHTTPServer` on ``host:port`` (port 0 = a free one) serving in a daemon thread."""
 
     def __init__(self, routes: Routes, host: str = "127.0.0.1", port: int = 0, *, max_body_bytes: int, name: str):
-        self._server = ThreadingHTTPServer((host, port), _handler_class(routes, max_body_bytes, name))
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), _handler_class(routes, max_body_bytes, name))
         self._thread: threading.Thread | None = None
 
     @property
