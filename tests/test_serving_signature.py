@@ -21,7 +21,7 @@ from jaxscale.serving.export import (
 )
 from jaxscale.serving.routes import MISSING, OK, UNREADABLE, RouteTable
 from jaxscale.serving.signature import FeatureError, FeatureSpec, Signature, SignatureError
-from jaxscale.serving.trim import plan_fanout, trim_batch
+from jaxscale.serving.trim import FanoutPlanner, plan_fanout, trim_batch
 
 SPECS = (FeatureSpec("a", "float32", (4,)), FeatureSpec("b", "float32", (3,)), FeatureSpec("c", "int32", (5,)))
 
@@ -299,3 +299,34 @@ def test_plan_fanout_refuses_a_bad_request_naming_feature_and_model(tmp_path):
     del columns[victim]
     with pytest.raises(FeatureError, match=f"model {m.model}/{m.version}: required feature '{victim}' is missing"):
         plan_fanout(columns, routes, [(m.model, m.version)])
+
+
+def test_planner_reuses_a_plan_only_for_an_equal_schema_and_route_map(tmp_path):
+    universe = demo.feature_universe()
+    models = demo.demo_models(universe)
+    _write_signatures(tmp_path, [Signature(m.model, m.version, m.declared, unused=m.unused) for m in models])
+    keys = [(m.model, m.version) for m in models]
+    table = RouteTable(tmp_path, keys)
+    planner = FanoutPlanner()
+    rng = np.random.default_rng(3)
+    first = wire.to_record_batch(demo.make_request(universe, 4, rng))
+    second = wire.to_record_batch(demo.make_request(universe, 9, rng))  # other values and batch, same schema
+    plans = planner.plan(first, table.current(), keys)
+    assert planner.plan(second, table.current(), keys) is plans and (planner.hits, planner.misses) == (1, 1)
+    for m, plan in zip(models, plans):
+        sent = trim_batch(second, plan)
+        assert sent.schema.names == list(m.reads) and sent.num_rows == 9
+        for name in m.reads:
+            assert wire.to_numpy(sent, name).tobytes() == wire.to_numpy(second, name).tobytes()
+    # Same names, one dtype changed: a different schema, checked again, refused.
+    victim = models[0].reads[0]
+    request = demo.make_request(universe, 4, rng)
+    request[victim] = request[victim].astype(np.float64 if request[victim].dtype == np.float32 else np.int64)
+    with pytest.raises(FeatureError, match=f"'{victim}' has dtype"):
+        planner.plan(wire.to_record_batch(request), table.current(), keys)
+    assert planner.misses == 2
+    # A new route map generation never reuses plans of the old one.
+    plans_again = planner.plan(first, table.reload(), keys)
+    assert plans_again is not plans and plans_again == plans and planner.misses == 3
+    untrimmed = planner.plan(first, table.current(), keys, trim=False)
+    assert all(p.send is None for p in untrimmed) and planner.misses == 4

@@ -30,7 +30,7 @@ from jaxscale.serving.http import JSON, BackgroundServer, Client, HTTPError, Req
 from jaxscale.serving.metrics import PROMETHEUS_MEDIA_TYPE, MetricDef, Metrics
 from jaxscale.serving.routes import OK, RouteTable
 from jaxscale.serving.signature import FeatureError, check_name
-from jaxscale.serving.trim import LeafPlan, plan_fanout, trim_batch
+from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ ROOT_METRICS = (
         ("model", "version", "reason"),
     ),
     MetricDef("leaf_errors", "counter", "leaf calls that failed (connection error or non-200)", ("model", "version")),
-    MetricDef("trim_seconds", "counter", "wall time spent checking signatures and trimming payloads"),
+    MetricDef("trim_seconds", "counter", "wall time spent checking signatures, planning and cutting payloads"),
     MetricDef("reloads", "counter", "route map reloads"),
     MetricDef("routes_generation", "gauge", "generation of the route map in use"),
     MetricDef("signatures_unavailable", "gauge", "model versions whose signature is missing or unreadable"),
@@ -152,6 +152,7 @@ class Root:
         self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
         self.targets = tuple((a.model, a.version) for a in config.leaves)
         self._clients = {(a.model, a.version): Client(a.url, config.leaf_timeout_s) for a in config.leaves}
+        self._planner = FanoutPlanner()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
         self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
         if config.rescan_interval_s > 0:
@@ -188,7 +189,10 @@ class Root:
         return out
 
     def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
-        body = wire.encode(trim_batch(batch, plan.send), self.config.compression)
+        t0 = time.perf_counter()
+        payload = trim_batch(batch, plan)
+        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        body = wire.encode(payload, self.config.compression)
         labels = {"model": plan.model, "version": plan.version}
         self.metrics.inc("leaf_requests", **labels)
         self.metrics.inc("leaf_request_bytes", len(body), **labels)
@@ -232,7 +236,7 @@ class Root:
         targets = self._select_targets(models)
         routes = self.routes.current()  # one snapshot for the whole fan-out
         t0 = time.perf_counter()
-        plans = plan_fanout(wire.describe(batch), routes, targets, trim=self.config.trim)
+        plans = self._planner.plan(batch, routes, targets, trim=self.config.trim)
         self.metrics.inc("trim_seconds", time.perf_counter() - t0)
         futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans]
         result = FanoutResult(routes.generation)

@@ -27,6 +27,18 @@ DTYPES = frozenset(
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
 
 
+def _dumps(obj: dict) -> str:
+    """JSON with one line per top-level field and per feature/output: easy to read and to diff."""
+    lines = []
+    for key, value in obj.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            items = ",\n".join(f"  {json.dumps(v)}" for v in value)
+            lines.append(f" {json.dumps(key)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 class FeatureError(ValueError):
     """A request's features do not match a model's signature. Names the feature, and the model when known."""
 
@@ -241,7 +253,7 @@ class Signature:
     def save(self, path: str | Path) -> Path:
         """Write the JSON file atomically (a reader sees the old file or the new one, never a partial one)."""
         path = Path(path)
-        atomic_write_bytes(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
+        atomic_write_bytes(path, _dumps(self.to_json()).encode())
         return path
 
     @classmethod

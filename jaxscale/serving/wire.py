@@ -89,17 +89,17 @@ def decode(body: bytes) -> pa.RecordBatch:
     return batch
 
 
+_ARROW_DTYPES = {pa.from_numpy_dtype(np.dtype(name)): name for name in DTYPES}
+
+
 def column_type(name: str, t: pa.DataType) -> tuple[str, tuple[int, ...]]:
     """A column's Arrow type -> (dtype name, per-example shape); raises FeatureError for types we do not carry."""
     shape = []
     while pa.types.is_fixed_size_list(t):
         shape.append(t.list_size)
         t = t.value_type
-    try:
-        dtype = np.dtype(t.to_pandas_dtype()).name
-    except (NotImplementedError, TypeError, ValueError):
-        dtype = str(t)
-    if dtype not in DTYPES or not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+    dtype = _ARROW_DTYPES.get(t)
+    if dtype is None:
         raise FeatureError(
             f"feature {name!r} has Arrow type {t} (supported: fixed-size lists of {sorted(DTYPES)})",
             feature=name,
