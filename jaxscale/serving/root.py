@@ -215,7 +215,11 @@ class Root:
                 payload = {"error": data[:200].decode(errors="replace")}
             payload = {**payload, "leaf": plan.label}
             raise LeafCallError(400 if status == 400 else 502, payload)
-        outputs = wire.decode(data)
+        try:
+            outputs = wire.decode(data)
+        except wire.PayloadError as e:
+            self.metrics.inc("leaf_errors", **labels)
+            raise LeafCallError(502, {"error": f"leaf {plan.label} answered an unreadable body: {e}"}) from None
         if outputs.num_rows != batch.num_rows:
             raise LeafCallError(
                 502,
