@@ -73,3 +73,10 @@ def test_leaf_and_root_processes_serve_a_request(tmp_path):
         for p in procs:
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_the_root_does_not_import_jax():
+    code = "import sys; import jaxscale.serving.root, jaxscale.serving.trim; print('jax' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -106,6 +106,8 @@ class RootConfig:
 
 @dataclass
 class LeafResult:
+    """What one leaf was sent (plan, body bytes) and what it answered."""
+
     plan: LeafPlan
     bytes_sent: int
     outputs: pa.RecordBatch | None = None
@@ -120,6 +122,8 @@ class LeafResult:
 
 @dataclass
 class FanoutResult:
+    """One request's fan-out: the route-map generation it used and each leaf's result, keyed "model/version"."""
+
     generation: int
     leaves: dict[str, LeafResult] = field(default_factory=dict)
 
@@ -141,12 +145,17 @@ class UnknownModelError(ValueError):
 
 
 class LeafCallError(Exception):
+    """A leaf call failed: ``status`` 400 when the leaf refused the request (its JSON ``payload`` names the feature
+    and the leaf), 502 when it was unreachable or answered something unusable."""
+
     def __init__(self, status: int, payload: dict):
         super().__init__(payload.get("error", ""))
         self.status, self.payload = status, payload
 
 
 class Root:
+    """Checks each request against the target leaves' signatures, trims it per leaf and calls them in parallel."""
+
     def __init__(self, config: RootConfig):
         self.config = config
         self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
