@@ -24,12 +24,12 @@ def synthetic(rng, bench, requests=5, leaves=("a/1", "b/2")):
     for _ in range(requests):
         rec = {"batch": int(rng.integers(1, 100)), "request_bytes": int(rng.integers(1000, 5000)), "roots": {}}
         for cfg in counters:
-            per_leaf = {leaf: {"bytes": int(rng.integers(10, 1000)), "features": 3} for leaf in leaves}
-            rec["roots"][cfg] = {"wall_s": float(rng.random()), "leaves": per_leaf}
-            for leaf, v in per_leaf.items():
+            per_leaf = {leaf: int(rng.integers(10, 1000)) for leaf in leaves}
+            rec["roots"][cfg] = {"wall_s": float(rng.random()), "bytes": per_leaf}
+            for leaf, n in per_leaf.items():
                 m, ver = leaf.split("/")
                 key = f"model={m},version={ver}"
-                counters[cfg][key] = counters[cfg].get(key, 0) + v["bytes"]
+                counters[cfg][key] = counters[cfg].get(key, 0) + n
         http.append(rec)
     cpu = []
     for _ in range(requests):
@@ -49,6 +49,7 @@ def synthetic(rng, bench, requests=5, leaves=("a/1", "b/2")):
         "cpu": cpu,
         "root_byte_counters": counters,
         "output_mismatches": 0,
+        "feature_count_errors": 0,
         "models": {leaf: {"declared": 4, "used": 3, "unused": ["x"]} for leaf in leaves},
         "universe": {"features": 10, "kinds": {"ids": 4, "count": 6}},
         "machine": {"cpu_model": "test", "nproc": 2, "memory": "1 kB", "platform": "p", "python": "3", "jax": "j",
@@ -66,7 +67,7 @@ def test_summary_matches_a_numpy_reference(bench):
     http = result["http"]
     for comp in bench.COMPRESSIONS:
         sums = {
-            mode: np.array([sum(v["bytes"] for v in r["roots"][f"{comp}/{mode}"]["leaves"].values()) for r in http])
+            mode: np.array([sum(r["roots"][f"{comp}/{mode}"]["bytes"].values()) for r in http])
             for mode in ("full", "trim")
         }
         f = s["fanout"][comp]
@@ -74,7 +75,7 @@ def test_summary_matches_a_numpy_reference(bench):
         assert f["reduction"] == pytest.approx(1 - sums["trim"].sum() / sums["full"].sum())
         assert f["median_reduction"] == pytest.approx(np.median(1 - sums["trim"] / sums["full"]))
         for leaf in ("a/1", "b/2"):
-            ref = np.mean([r["roots"][f"{comp}/trim"]["leaves"][leaf]["bytes"] for r in http])
+            ref = np.mean([r["roots"][f"{comp}/trim"]["bytes"][leaf] for r in http])
             assert s["per_leaf"][leaf][f"{comp}/trim"] == pytest.approx(ref)
         trim = np.array([r["trim_ns"] for r in result["cpu"]])
         ser = np.array([r["serialize_ns"][comp] for r in result["cpu"]])
@@ -93,8 +94,8 @@ def test_render_states_the_verdicts(bench):
     result = synthetic(rng, bench)
     for rec in result["http"]:  # trimmed = a tenth of untrimmed: 90% fewer bytes
         for comp in bench.COMPRESSIONS:
-            for leaf, v in rec["roots"][f"{comp}/trim"]["leaves"].items():
-                v["bytes"] = rec["roots"][f"{comp}/full"]["leaves"][leaf]["bytes"] // 10
+            for leaf in rec["roots"][f"{comp}/trim"]["bytes"]:
+                rec["roots"][f"{comp}/trim"]["bytes"][leaf] = rec["roots"][f"{comp}/full"]["bytes"][leaf] // 10
     fanout_rows = [line for line in bench.render(result).splitlines() if line.startswith(("| none |", "| lz4 |"))]
     assert fanout_rows and all(row.endswith("| met |") for row in fanout_rows[:2])
 

@@ -79,13 +79,14 @@ def start_servers(store: Path, keys):
     return leaves, roots
 
 
-def run_http(roots, requests, bodies) -> tuple[list[dict], dict]:
-    """Every request through every root; per request and root: per-leaf bytes/features, wall time; check outputs."""
+def run_http(roots, requests, bodies, used) -> tuple[list[dict], dict]:
+    """Every request through every root; per request and root: per-leaf body bytes and wall time. Checks that
+    outputs are bit-identical across roots and that trimmed roots sent each leaf exactly its ``used`` features."""
     from jaxscale.serving import wire
     from jaxscale.serving.root import FANOUT_HEADER
 
     configs = list(roots)
-    records, mismatches = [], 0
+    records, mismatches, feature_count_errors = [], 0, 0
     for i, body in enumerate(bodies):
         rec = {"batch": int(next(iter(requests[i].values())).shape[0]), "request_bytes": len(body), "roots": {}}
         outputs = {}
@@ -96,9 +97,11 @@ def run_http(roots, requests, bodies) -> tuple[list[dict], dict]:
             wall = time.perf_counter() - t0
             fanout = json.loads(headers[FANOUT_HEADER])
             rec["roots"][f"{comp}/{'trim' if trim else 'full'}"] = {
-                "wall_s": wall,
-                "leaves": {k: {"bytes": v["bytes"], "features": v["features"]} for k, v in fanout.items()},
+                "wall_s": round(wall, 6),
+                "bytes": {k: v["bytes"] for k, v in fanout.items()},
             }
+            expected = {k: len(used[k]) if trim else None for k in fanout}
+            feature_count_errors += sum(v["features"] != expected[k] for k, v in fanout.items())
             outputs[(comp, trim)] = data
         reference = outputs[configs[0]]
         mismatches += sum(data != reference for data in outputs.values())  # same Arrow bytes = same bits
@@ -109,7 +112,8 @@ def run_http(roots, requests, bodies) -> tuple[list[dict], dict]:
         f"{comp}/{'trim' if trim else 'full'}": root.metrics.snapshot()["leaf_request_bytes"]
         for (comp, trim), root in roots.items()
     }
-    return records, {"output_mismatches": mismatches, "root_byte_counters": counters}
+    checks = {"output_mismatches": mismatches, "feature_count_errors": feature_count_errors}
+    return records, {**checks, "root_byte_counters": counters}
 
 
 def _cpu_ns(fn, repeats: int) -> float:
@@ -192,7 +196,8 @@ def run(args) -> dict:
         leaves, roots = start_servers(store, keys)
         try:
             print(f"sending {len(bodies)} requests through every root ...", flush=True)
-            result["http"], checks = run_http(roots, requests, bodies)
+            used = {k: s.required for k, s in sigs.items()}
+            result["http"], checks = run_http(roots, requests, bodies, used)
             result.update(checks)
         finally:
             for r in roots.values():
@@ -221,21 +226,16 @@ def _kinds(universe) -> dict:
 def summarize(result: dict) -> dict:
     """Every figure RESULTS.md quotes, computed from the recorded per-request numbers."""
     http = result["http"]
-    leaves = sorted(http[0]["roots"]["none/trim"]["leaves"])
+    leaves = sorted(http[0]["roots"]["none/trim"]["bytes"])
     summary = {"per_leaf": {}, "fanout": {}, "cpu": {}, "latency": {}}
     for leaf in leaves:
         row = {}
         for comp in COMPRESSIONS:
             for mode in ("full", "trim"):
-                row[f"{comp}/{mode}"] = statistics.mean(
-                    r["roots"][f"{comp}/{mode}"]["leaves"][leaf]["bytes"] for r in http
-                )
+                row[f"{comp}/{mode}"] = statistics.mean(r["roots"][f"{comp}/{mode}"]["bytes"][leaf] for r in http)
         summary["per_leaf"][leaf] = row
     for comp in COMPRESSIONS:
-        sums = {
-            mode: [sum(v["bytes"] for v in r["roots"][f"{comp}/{mode}"]["leaves"].values()) for r in http]
-            for mode in ("full", "trim")
-        }
+        sums = {mode: [sum(r["roots"][f"{comp}/{mode}"]["bytes"].values()) for r in http] for mode in ("full", "trim")}
         total_full, total_trim = sum(sums["full"]), sum(sums["trim"])
         summary["fanout"][comp] = {
             "mean_full": statistics.mean(sums["full"]),
@@ -283,7 +283,7 @@ def summarize(result: dict) -> dict:
     }
     summary["request_bytes_mean"] = statistics.mean(r["request_bytes"] for r in http)
     counted = {cfg: sum(c.values()) for cfg, c in result["root_byte_counters"].items()}
-    recorded = {cfg: sum(sum(v["bytes"] for v in r["roots"][cfg]["leaves"].values()) for r in http) for cfg in counted}
+    recorded = {cfg: sum(sum(r["roots"][cfg]["bytes"].values()) for r in http) for cfg in counted}
     summary["counters_agree"] = all(counted[c] == recorded[c] for c in counted)
     return summary
 
@@ -348,6 +348,8 @@ def render(result: dict) -> str:
         f"Trimmed + zstd against untrimmed uncompressed: {100 * s['trim_zstd_vs_full_raw']:.1f}% fewer bytes. "
         f"Outputs of trimmed and untrimmed roots bit-identical on every request: "
         f"{'yes' if result['output_mismatches'] == 0 else 'NO (' + str(result['output_mismatches']) + ')'}; "
+        "every trimmed leaf request carried exactly its signature's used features: "
+        f"{'yes' if result['feature_count_errors'] == 0 else 'NO (' + str(result['feature_count_errors']) + ')'}; "
         f"root `/metrics` byte counters equal the per-request records: {'yes' if s['counters_agree'] else 'NO'}.",
         "",
         "## Trimming CPU vs serializing the request (process CPU time, median over requests)",
@@ -429,8 +431,11 @@ def main(argv=None) -> None:
     text = render(result)
     args.out.write_text(text)
     print(text)
-    if result["output_mismatches"]:
-        raise SystemExit(f"{result['output_mismatches']} outputs differ between trimmed and untrimmed roots")
+    if result["output_mismatches"] or result["feature_count_errors"]:
+        raise SystemExit(
+            f"{result['output_mismatches']} outputs differ between trimmed and untrimmed roots; "
+            f"{result['feature_count_errors']} leaf requests carried other features than their signature's"
+        )
 
 
 if __name__ == "__main__":
