@@ -317,8 +317,8 @@ def render(result: dict) -> str:
         "",
         "## Bytes per leaf request (mean KiB)",
         "",
-        "| leaf | features used / declared | raw untrimmed | raw trimmed | lz4 untrimmed | lz4 trimmed "
-        "| zstd untrimmed | zstd trimmed | reduction (raw) |",
+        "| leaf | features used / declared | uncompressed untrimmed | uncompressed trimmed | lz4 untrimmed "
+        "| lz4 trimmed | zstd untrimmed | zstd trimmed | reduction (uncompressed) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for leaf, row in s["per_leaf"].items():
@@ -364,7 +364,7 @@ def render(result: dict) -> str:
         "strictest reference, close to a memory copy when uncompressed), and the 6 trimmed payloads together.",
         "",
         "| wire compression | serialize from arrays us | trim / that | re-encode built batch us | trim / that "
-        f"| worst request | 6 trimmed payloads us | untrimmed fan-out (6 x whole) us | target: trim < "
+        f"| worst request, vs re-encode | 6 trimmed payloads us | untrimmed fan-out (6 x whole) us | target: trim < "
         f"{100 * TARGET_TRIM_CPU:.0f}% of serialization |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
