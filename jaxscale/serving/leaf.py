@@ -1,0 +1,208 @@
+"""A leaf server: serves one exported model version over HTTP.
+
+    POST /predict     Arrow IPC features -> Arrow IPC outputs (one column per output)
+    GET  /signature   the model's signature (JSON)
+    GET  /metrics     Prometheus text
+    GET  /healthz
+
+A request must carry every feature the model uses, with the declared dtype and shape (else 400 naming the
+feature). Declared features the compiled function never reads may be absent: the leaf passes zeros for them,
+which cannot change the outputs (the compiled module does not read them). Undeclared features are ignored and
+counted (``ignored_features``): that is what a fail-open or untrimmed root costs the leaf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import pyarrow as pa
+
+from jaxscale.serving import wire
+from jaxscale.serving.export import ExportedModel, load_model
+from jaxscale.serving.http import BackgroundServer, HTTPError, Request, Response
+from jaxscale.serving.metrics import PROMETHEUS_MEDIA_TYPE, MetricDef, Metrics
+from jaxscale.serving.signature import FeatureError
+
+log = logging.getLogger(__name__)
+
+LEAF_METRICS = (
+    MetricDef("requests", "counter", "predict requests answered, by HTTP status", ("status",)),
+    MetricDef("bad_requests", "counter", "predict requests refused (400), by reason", ("reason",)),
+    MetricDef("examples", "counter", "examples (rows) scored"),
+    MetricDef("request_bytes", "counter", "bytes of predict request bodies received"),
+    MetricDef("features_received", "counter", "feature columns received over all requests"),
+    MetricDef("ignored_features", "counter", "received feature columns the model does not declare (ignored)"),
+    MetricDef("filled_unused_features", "counter", "declared-but-unused features absent and passed as zeros"),
+)
+
+
+@dataclass(frozen=True)
+class LeafConfig:
+    """``batch_buckets``: pad each batch up to the smallest bucket that holds it (larger ones run as they are), so
+    the leaf compiles one program per bucket instead of one per batch size. Only for models that score each
+    example independently (the padding rows are dropped from the outputs). Empty = no padding."""
+
+    store: str | Path
+    model: str
+    version: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    batch_buckets: tuple[int, ...] = ()
+    warmup: bool = False  # compile every bucket at start-up
+    max_body_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        buckets = tuple(self.batch_buckets)
+        if any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"batch_buckets must be increasing positive integers, got {buckets!r}")
+        object.__setattr__(self, "batch_buckets", buckets)
+
+
+class Leaf:
+    """One model version: checks requests against its signature and runs `jax.export.deserialize(...).call`."""
+
+    def __init__(self, config: LeafConfig):
+        self.config = config
+        self.model: ExportedModel = load_model(config.store, config.model, config.version)
+        self.signature = self.model.signature
+        self._call = jax.jit(self.model.exported.call)
+        self.metrics = Metrics("jaxscale_leaf", LEAF_METRICS)
+        self._server: BackgroundServer | None = None
+        if config.warmup:
+            for b in config.batch_buckets:
+                self._run(self._zeros(b))
+
+    # ------------------------------------------------------------------------------------------- predicting
+
+    def _zeros(self, batch: int) -> dict[str, np.ndarray]:
+        return {s.name: np.zeros((batch, *s.shape), s.dtype) for s in self.signature.features}
+
+    def _bucket(self, batch: int) -> int:
+        buckets = self.config.batch_buckets
+        i = bisect.bisect_left(buckets, batch)
+        return buckets[i] if i < len(buckets) else batch
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        batch = next(iter(inputs.values())).shape[0]
+        padded = self._bucket(batch)
+        if padded != batch:
+            inputs = {
+                k: np.concatenate([v, np.zeros((padded - batch, *v.shape[1:]), v.dtype)]) for k, v in inputs.items()
+            }
+        out = self._call(inputs)
+        names = [s.name for s in self.signature.outputs]
+        arrays = [out] if not isinstance(out, dict) else [out[n] for n in names]
+        return {n: np.asarray(a)[:batch] for n, a in zip(names, arrays)}
+
+    def predict_batch(self, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+        """Score an Arrow record batch of features; raises `FeatureError` naming a missing or mismatched one."""
+        columns = wire.describe(batch)
+        self.signature.check(columns)
+        inputs, filled = {}, 0
+        for spec in self.signature.features:
+            if spec.name in columns:
+                inputs[spec.name] = wire.to_numpy(batch, spec.name)
+            else:  # declared but never read by the compiled function (Signature.check enforced that)
+                inputs[spec.name] = np.zeros((batch.num_rows, *spec.shape), spec.dtype)
+                filled += 1
+        declared = sum(1 for name in columns if name in inputs)
+        self.metrics.inc("features_received", len(columns))
+        self.metrics.inc("ignored_features", len(columns) - declared)
+        self.metrics.inc("filled_unused_features", filled)
+        self.metrics.inc("examples", batch.num_rows)
+        return self._run(inputs)
+
+    def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Score ``{feature: array [batch, ...]}`` (same checks as the HTTP path)."""
+        return self.predict_batch(wire.to_record_batch(features))
+
+    # ------------------------------------------------------------------------------------------------- HTTP
+
+    def _bad(self, reason: str, payload: dict) -> HTTPError:
+        self.metrics.inc("bad_requests", reason=reason)
+        payload.setdefault("model", self.signature.model)
+        payload.setdefault("version", self.signature.version)
+        return HTTPError(400, payload)
+
+    def _predict(self, request: Request) -> Response:
+        self.metrics.inc("request_bytes", len(request.body))
+        status = 200
+        try:
+            ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
+            if ctype != wire.MEDIA_TYPE:
+                status = 415
+                raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
+            try:
+                batch = wire.decode(request.body)
+                outputs = self.predict_batch(batch)
+            except wire.PayloadError as e:
+                status = 400
+                raise self._bad("payload", {"error": str(e), "reason": "payload"}) from None
+            except FeatureError as e:
+                status = 400
+                raise self._bad(e.reason, e.to_json()) from None
+            return Response(200, wire.encode(outputs), wire.MEDIA_TYPE)
+        finally:
+            self.metrics.inc("requests", status=status)
+
+    def routes(self):
+        label = {"model": self.signature.model, "version": self.signature.version}
+        return {
+            ("POST", "/predict"): self._predict,
+            ("GET", "/signature"): lambda r: Response.json(self.signature.to_json()),
+            ("GET", "/metrics"): lambda r: Response(200, self.metrics.prometheus(), PROMETHEUS_MEDIA_TYPE),
+            ("GET", "/healthz"): lambda r: Response.json({"status": "ok", **label}),
+        }
+
+    def start(self) -> Leaf:
+        """Serve in a background thread; ``url`` tells where."""
+        cfg = self.config
+        self._server = BackgroundServer(
+            self.routes(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-leaf"
+        ).start()
+        log.info("leaf %s serving on %s", self.signature.label, self._server.url)
+        return self
+
+    @property
+    def url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("leaf not started")
+        return self._server.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def __enter__(self) -> Leaf:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m jaxscale.serving leaf", description="Serve one model version.")
+    p.add_argument("--store", required=True, help="model store directory (<store>/<model>/<version>/)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--version", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--batch-buckets", default="", help="comma-separated batch sizes to pad to, e.g. 1,8,64,512")
+    p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+    args = p.parse_args(argv)
+    buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
+    cfg = LeafConfig(args.store, args.model, args.version, args.host, args.port, buckets, args.warmup)
+    leaf = Leaf(cfg)
+    server = BackgroundServer(
+        leaf.routes(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-leaf"
+    )
+    print(f"leaf {leaf.signature.label} serving on {server.url}", flush=True)
+    server.serve_forever()

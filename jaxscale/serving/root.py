@@ -1,0 +1,366 @@
+"""The root server: receives requests carrying many features and fans out to the leaves, sending each leaf only
+the features its model's signature says it uses.
+
+    POST /predict[?models=m/v,...]   Arrow IPC features -> Arrow IPC outputs, columns "<model>/<version>/<output>"
+    GET  /routes                     the current map model/version -> allowed features (JSON)
+    POST /admin/reload               rescan the signatures now; answers the new map
+    GET  /metrics                    Prometheus text
+    GET  /healthz
+
+Response headers: ``X-Jaxscale-Routes-Generation`` (the map the request used) and ``X-Jaxscale-Fanout``
+(JSON: per leaf, the features and bytes sent and whether it failed open).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from jaxscale.serving import wire
+from jaxscale.serving.http import JSON, BackgroundServer, Client, HTTPError, Request, Response
+from jaxscale.serving.metrics import PROMETHEUS_MEDIA_TYPE, MetricDef, Metrics
+from jaxscale.serving.routes import OK, RouteTable
+from jaxscale.serving.signature import FeatureError, check_name
+from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
+
+log = logging.getLogger(__name__)
+
+GENERATION_HEADER = "X-Jaxscale-Routes-Generation"
+FANOUT_HEADER = "X-Jaxscale-Fanout"
+
+ROOT_METRICS = (
+    MetricDef("requests", "counter", "predict requests answered, by HTTP status", ("status",)),
+    MetricDef("bad_requests", "counter", "predict requests refused (400), by reason", ("reason",)),
+    MetricDef("leaf_requests", "counter", "requests sent to a leaf", ("model", "version")),
+    MetricDef("leaf_request_bytes", "counter", "body bytes sent to a leaf (on the wire)", ("model", "version")),
+    MetricDef("features_sent", "counter", "feature columns sent to a leaf", ("model", "version")),
+    MetricDef("features_trimmed", "counter", "request feature columns not sent to a leaf", ("model", "version")),
+    MetricDef(
+        "fail_open_requests",
+        "counter",
+        "leaf requests sent untrimmed because the signature was missing or unreadable",
+        ("model", "version", "reason"),
+    ),
+    MetricDef("leaf_errors", "counter", "leaf calls that failed (connection error or non-200)", ("model", "version")),
+    MetricDef("trim_seconds", "counter", "wall time spent checking signatures, planning and cutting payloads"),
+    MetricDef("reloads", "counter", "route map reloads"),
+    MetricDef("routes_generation", "gauge", "generation of the route map in use"),
+    MetricDef("signatures_unavailable", "gauge", "model versions whose signature is missing or unreadable"),
+)
+
+
+@dataclass(frozen=True)
+class LeafAddress:
+    model: str
+    version: str
+    url: str
+
+    def __post_init__(self):
+        check_name("model", self.model)
+        check_name("version", self.version)
+
+    @classmethod
+    def parse(cls, text: str) -> LeafAddress:
+        """``model/version=http://host:port``"""
+        key, sep, url = text.partition("=")
+        model, slash, version = key.partition("/")
+        if not sep or not slash:
+            raise ValueError(f"leaf must be model/version=http://host:port, got {text!r}")
+        return cls(model, version, url)
+
+
+@dataclass(frozen=True)
+class RootConfig:
+    """``trim=False`` sends every leaf the whole request (the baseline; signatures are still checked).
+    ``rescan_interval_s > 0`` rescans the store in the background; `/admin/reload` always works."""
+
+    store: str | Path
+    leaves: tuple[LeafAddress, ...]
+    trim: bool = True
+    compression: str | None = None  # None | "zstd" | "lz4": Arrow IPC buffer compression of leaf requests
+    host: str = "127.0.0.1"
+    port: int = 0
+    rescan_interval_s: float = 0.0
+    leaf_timeout_s: float = 30.0
+    max_body_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        object.__setattr__(self, "leaves", tuple(self.leaves))
+        keys = [(a.model, a.version) for a in self.leaves]
+        if not keys:
+            raise ValueError("a root needs at least one leaf")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"a model version is served by one leaf; duplicates in {keys}")
+        if self.compression not in wire.COMPRESSIONS:
+            raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {self.compression!r}")
+
+
+@dataclass
+class LeafResult:
+    """What one leaf was sent (plan, body bytes) and what it answered."""
+
+    plan: LeafPlan
+    bytes_sent: int
+    outputs: pa.RecordBatch | None = None
+
+    def summary(self) -> dict:
+        return {
+            "features": len(self.plan.send) if self.plan.send is not None else None,
+            "bytes": self.bytes_sent,
+            "fail_open": self.plan.fail_open,
+        }
+
+
+@dataclass
+class FanoutResult:
+    """One request's fan-out: the route-map generation it used and each leaf's result, keyed "model/version"."""
+
+    generation: int
+    leaves: dict[str, LeafResult] = field(default_factory=dict)
+
+    def outputs(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{"model/version": {output: array}}``"""
+        return {k: {n: wire.to_numpy(r.outputs, n) for n in r.outputs.schema.names} for k, r in self.leaves.items()}
+
+    def to_batch(self) -> pa.RecordBatch:
+        cols, names = [], []
+        for key, r in self.leaves.items():
+            for name, col in zip(r.outputs.schema.names, r.outputs.columns):
+                cols.append(col)
+                names.append(f"{key}/{name}")
+        return pa.RecordBatch.from_arrays(cols, names=names)
+
+
+class UnknownModelError(ValueError):
+    """A request names a model version no leaf of this root serves."""
+
+
+class LeafCallError(Exception):
+    """A leaf call failed: ``status`` 400 when the leaf refused the request (its JSON ``payload`` names the feature
+    and the leaf), 502 when it was unreachable or answered something unusable."""
+
+    def __init__(self, status: int, payload: dict):
+        super().__init__(payload.get("error", ""))
+        self.status, self.payload = status, payload
+
+
+class Root:
+    """Checks each request against the target leaves' signatures, trims it per leaf and calls them in parallel."""
+
+    def __init__(self, config: RootConfig):
+        self.config = config
+        self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
+        self.targets = tuple((a.model, a.version) for a in config.leaves)
+        self._clients = {(a.model, a.version): Client(a.url, config.leaf_timeout_s) for a in config.leaves}
+        self._planner = FanoutPlanner()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
+        self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
+        if config.rescan_interval_s > 0:
+            self.routes.watch(config.rescan_interval_s)
+        self._server: BackgroundServer | None = None
+
+    def _published(self, routes) -> None:
+        self.metrics.inc("reloads")
+        self.metrics.set("routes_generation", routes.generation)
+        self.metrics.set("signatures_unavailable", sum(e.status != OK for e in routes.entries.values()))
+
+    def reload(self):
+        """Rescan the store now and swap in the new map (also `POST /admin/reload`)."""
+        return self.routes.reload()
+
+    def fail_open_count(self) -> int:
+        """Leaf requests sent untrimmed because a signature was missing or unreadable."""
+        return int(self.metrics.total("fail_open_requests"))
+
+    # --------------------------------------------------------------------------------------------- fan-out
+
+    def _select_targets(self, models: Sequence[str] | None) -> list[tuple[str, str]]:
+        if not models:
+            return list(self.targets)
+        out = []
+        for m in models:
+            model, _, version = m.partition("/")
+            if (model, version) not in self._clients:
+                served = [f"{a}/{b}" for a, b in self.targets]
+                raise UnknownModelError(f"no leaf serves model {m!r} (served: {served})")
+            if (model, version) in out:
+                raise UnknownModelError(f"model {m!r} is listed twice")
+            out.append((model, version))
+        return out
+
+    def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
+        t0 = time.perf_counter()
+        payload = trim_batch(batch, plan)
+        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        body = wire.encode(payload, self.config.compression)
+        labels = {"model": plan.model, "version": plan.version}
+        self.metrics.inc("leaf_requests", **labels)
+        self.metrics.inc("leaf_request_bytes", len(body), **labels)
+        sent = len(plan.send) if plan.send is not None else batch.num_columns
+        self.metrics.inc("features_sent", sent, **labels)
+        self.metrics.inc("features_trimmed", batch.num_columns - sent, **labels)
+        if plan.fail_open:
+            self.metrics.inc("fail_open_requests", reason=plan.fail_open, **labels)
+        client = self._clients[(plan.model, plan.version)]
+        try:
+            status, _, data = client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
+        except OSError as e:
+            self.metrics.inc("leaf_errors", **labels)
+            raise LeafCallError(502, {"error": f"leaf {plan.label} at {client.url} unreachable: {e}"}) from None
+        if status != 200:
+            self.metrics.inc("leaf_errors", **labels)
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                payload = {"error": data[:200].decode(errors="replace")}
+            payload = {**payload, "leaf": plan.label}
+            raise LeafCallError(400 if status == 400 else 502, payload)
+        try:
+            outputs = wire.decode(data)
+        except wire.PayloadError as e:
+            self.metrics.inc("leaf_errors", **labels)
+            raise LeafCallError(502, {"error": f"leaf {plan.label} answered an unreadable body: {e}"}) from None
+        if outputs.num_rows != batch.num_rows:
+            raise LeafCallError(
+                502,
+                {
+                    "error": f"leaf {plan.label} answered {outputs.num_rows} rows for {batch.num_rows}",
+                    "leaf": plan.label,
+                },
+            )
+        return LeafResult(plan, len(body), outputs)
+
+    def fan_out(self, batch: pa.RecordBatch | Mapping[str, np.ndarray], models: Sequence[str] | None = None):
+        """Check, trim and send one request to every target leaf (in parallel); -> `FanoutResult`.
+
+        Raises `FeatureError` (bad request, names the feature and model) before calling any leaf.
+        """
+        if not isinstance(batch, pa.RecordBatch):
+            batch = wire.to_record_batch(batch)
+        targets = self._select_targets(models)
+        routes = self.routes.current()  # one snapshot for the whole fan-out
+        t0 = time.perf_counter()
+        plans = self._planner.plan(batch, routes, targets, trim=self.config.trim)
+        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans]
+        result = FanoutResult(routes.generation)
+        errors = []
+        for plan, fut in zip(plans, futures):
+            try:
+                result.leaves[plan.label] = fut.result()
+            except LeafCallError as e:
+                errors.append(e)
+        if errors:
+            raise min(errors, key=lambda e: e.status)  # a leaf's 400 (bad request) wins over a 502
+        return result
+
+    # ------------------------------------------------------------------------------------------------- HTTP
+
+    def _predict(self, request: Request) -> Response:
+        status = 200
+        try:
+            ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
+            if ctype != wire.MEDIA_TYPE:
+                status = 415
+                raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
+            models = [m for m in request.query.get("models", "").split(",") if m]
+            try:
+                result = self.fan_out(wire.decode(request.body), models)
+            except wire.PayloadError as e:
+                status = 400
+                self.metrics.inc("bad_requests", reason="payload")
+                raise HTTPError(400, {"error": str(e), "reason": "payload"}) from None
+            except FeatureError as e:
+                status = 400
+                self.metrics.inc("bad_requests", reason=e.reason)
+                raise HTTPError(400, e.to_json()) from None
+            except LeafCallError as e:
+                status = e.status
+                if e.status == 400:
+                    self.metrics.inc("bad_requests", reason=str(e.payload.get("reason", "leaf")))
+                raise HTTPError(e.status, e.payload) from None
+            except UnknownModelError as e:
+                status = 400
+                self.metrics.inc("bad_requests", reason="model")
+                raise HTTPError(400, {"error": str(e), "reason": "model"}) from None
+            headers = {
+                GENERATION_HEADER: str(result.generation),
+                FANOUT_HEADER: json.dumps({k: r.summary() for k, r in result.leaves.items()}, separators=(",", ":")),
+            }
+            return Response(200, wire.encode(result.to_batch()), wire.MEDIA_TYPE, headers)
+        finally:
+            self.metrics.inc("requests", status=status)
+
+    def _reload(self, request: Request) -> Response:
+        return Response.json(self.reload().to_json())
+
+    def routes_http(self):
+        return {
+            ("POST", "/predict"): self._predict,
+            ("GET", "/routes"): lambda r: Response.json(self.routes.current().to_json()),
+            ("POST", "/admin/reload"): self._reload,
+            ("GET", "/metrics"): lambda r: Response(200, self.metrics.prometheus(), PROMETHEUS_MEDIA_TYPE),
+            ("GET", "/healthz"): lambda r: Response(200, b'{"status": "ok"}\n', JSON),
+        }
+
+    def start(self) -> Root:
+        cfg = self.config
+        self._server = BackgroundServer(
+            self.routes_http(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-root"
+        ).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("root not started")
+        return self._server.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self.routes.close()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Root:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m jaxscale.serving root", description="Fan requests out to leaves.")
+    p.add_argument("--store", required=True, help="directory of exported signatures (<store>/<model>/<version>/)")
+    p.add_argument("--leaf", action="append", required=True, help="model/version=http://host:port (repeat)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--compression", choices=["none", "zstd", "lz4"], default="none")
+    p.add_argument("--no-trim", action="store_true", help="send every feature to every leaf (baseline)")
+    p.add_argument("--rescan-interval", type=float, default=10.0, help="seconds between store rescans (0 = off)")
+    args = p.parse_args(argv)
+    cfg = RootConfig(
+        store=args.store,
+        leaves=tuple(LeafAddress.parse(s) for s in args.leaf),
+        trim=not args.no_trim,
+        compression=None if args.compression == "none" else args.compression,
+        host=args.host,
+        port=args.port,
+        rescan_interval_s=args.rescan_interval,
+    )
+    root = Root(cfg)
+    server = BackgroundServer(
+        root.routes_http(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-root"
+    )
+    print(f"root serving on {server.url}", flush=True)
+    server.serve_forever()

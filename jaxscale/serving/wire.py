@@ -1,0 +1,128 @@
+"""The wire format for feature payloads: one Arrow IPC stream holding one record batch.
+
+Each feature is a column; each row is one example. A feature with per-example shape ``()`` is a plain column of
+its dtype; shape ``(d1, ..., dk)`` is a FixedSizeList of size d1 of ... FixedSizeList of size dk of the dtype
+(row-major, exactly NumPy's layout), so dtype and shape are in the schema and a receiver checks them without
+touching the data. Media type ``application/vnd.apache.arrow.stream``. Buffers may be compressed with Arrow's
+IPC buffer compression (``zstd`` or ``lz4``, LZ4 frame): readers decompress transparently.
+
+Selecting columns of a record batch (trimming) is zero-copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from jaxscale.serving.signature import DTYPES, FeatureError
+
+MEDIA_TYPE = "application/vnd.apache.arrow.stream"
+COMPRESSIONS = (None, "zstd", "lz4")
+
+
+class PayloadError(ValueError):
+    """The body is not a readable feature payload (not Arrow IPC, several batches, nulls, bad column types)."""
+
+
+def _column(name: str, values) -> pa.Array:
+    a = np.asarray(values)
+    if a.ndim == 0:
+        raise FeatureError(
+            f"feature {name!r} is a scalar; features have a leading batch dimension", feature=name, reason="shape"
+        )
+    if a.dtype.name not in DTYPES:
+        raise FeatureError(f"feature {name!r} has unsupported dtype {a.dtype}", feature=name, reason="dtype")
+    a = np.ascontiguousarray(a)
+    arr = pa.array(a.reshape(-1), type=pa.from_numpy_dtype(a.dtype))
+    for size in reversed(a.shape[1:]):
+        arr = pa.FixedSizeListArray.from_arrays(arr, size)
+    return arr
+
+
+def to_record_batch(features: Mapping[str, np.ndarray]) -> pa.RecordBatch:
+    """``{name: array [batch, ...]}`` -> a record batch; every feature must have the same batch size."""
+    if not features:
+        raise PayloadError("a feature payload needs at least one feature")
+    batch = None
+    for name, values in features.items():
+        n = np.shape(values)[0] if np.ndim(values) else None
+        if batch is None:
+            batch = n
+        elif n != batch:
+            raise FeatureError(
+                f"feature {name!r} has batch size {n}, other features have {batch}", feature=name, reason="shape"
+            )
+    return pa.RecordBatch.from_arrays([_column(k, v) for k, v in features.items()], names=list(features))
+
+
+def encode(batch: pa.RecordBatch | Mapping[str, np.ndarray], compression: str | None = None) -> bytes:
+    """Serialize to an Arrow IPC stream; ``compression`` is None, 'zstd' or 'lz4'."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    if not isinstance(batch, pa.RecordBatch):
+        batch = to_record_batch(batch)
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, batch.schema, options=options) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def decode(body: bytes) -> pa.RecordBatch:
+    """Parse an Arrow IPC stream with exactly one record batch and unique, non-empty column names."""
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(body))
+        batches = list(reader)
+    except (pa.ArrowInvalid, pa.ArrowIOError, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise PayloadError(f"body is not an Arrow IPC stream: {e}") from None
+    if len(batches) != 1:
+        raise PayloadError(f"payload must hold exactly one record batch, got {len(batches)}")
+    batch = batches[0]
+    names = batch.schema.names
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise PayloadError(f"payload has duplicate feature column(s) {dup}")
+    if batch.num_rows < 1:
+        raise PayloadError("payload has an empty batch (0 rows)")
+    return batch
+
+
+_ARROW_DTYPES = {pa.from_numpy_dtype(np.dtype(name)): name for name in DTYPES}
+
+
+def column_type(name: str, t: pa.DataType) -> tuple[str, tuple[int, ...]]:
+    """A column's Arrow type -> (dtype name, per-example shape); raises FeatureError for types we do not carry."""
+    shape = []
+    while pa.types.is_fixed_size_list(t):
+        shape.append(t.list_size)
+        t = t.value_type
+    dtype = _ARROW_DTYPES.get(t)
+    if dtype is None:
+        raise FeatureError(
+            f"feature {name!r} has Arrow type {t} (supported: fixed-size lists of {sorted(DTYPES)})",
+            feature=name,
+            reason="dtype",
+        )
+    return dtype, tuple(shape)
+
+
+def describe(batch: pa.RecordBatch) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{feature: (dtype, per-example shape)}`` from the schema alone."""
+    return {f.name: column_type(f.name, f.type) for f in batch.schema}
+
+
+def to_numpy(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """One column as a ``[batch, *shape]`` NumPy array (zero-copy for numeric columns without offsets)."""
+    col = batch.column(name)
+    dtype, shape = column_type(name, col.type)
+    values = col
+    for _ in shape:
+        if values.null_count:
+            break
+        values = values.flatten()
+    if values.null_count:
+        raise FeatureError(f"feature {name!r} has null values", feature=name, reason="nulls")
+    out = values.to_numpy(zero_copy_only=False)
+    return out.reshape((batch.num_rows, *shape)).astype(dtype, copy=False)
