@@ -10,6 +10,29 @@ import os
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
+# XLA:GPU flags that overlap the dense gradient all-reduce with the backward pass, as DDP's buckets do:
+# the latency-hiding scheduler moves collectives' starts early and their waits late; all-reduces are
+# combined into ~25 MB buckets (DDP's default bucket size), so only the last bucket's all-reduce is exposed
+# after the backward pass; pipelined all-reduce overlaps a bucket's reduce with the next bucket's compute.
+# XLA:CPU parses and ignores them.
+GPU_OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=26214400",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+)
+
+
+def set_overlap_flags() -> list[str]:
+    """Adds `GPU_OVERLAP_FLAGS` to XLA_FLAGS (before JAX starts), keeping any the user set; returns those
+    added. JAXSCALE_XLA_OVERLAP=0 turns this off."""
+    if os.environ.get("JAXSCALE_XLA_OVERLAP", "1") == "0":
+        return []
+    current = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in current}
+    added = [f for f in GPU_OVERLAP_FLAGS if f.split("=", 1)[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join(current + added)
+    return added
+
 
 def _env(*names):
     for n in names:

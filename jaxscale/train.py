@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     # Before any JAX computation: distributed start-up and the simulated CPU device count.
     from jaxscale import distributed
 
+    distributed.set_overlap_flags()  # before JAX starts: dense all-reduce overlapped with backward on GPUs
     _, n, _, how = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
     multi = how != "single"
     distributed.initialize(

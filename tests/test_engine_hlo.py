@@ -127,7 +127,7 @@ def _compiled_update(ec):
 
 def _block_bytes(ec):
     """Bytes of one device's block of the stacked table (weights only)."""
-    (st,) = ec._stacks.values()
+    (st,) = ec.layout.stacks.values()
     return st.rows * st.width * 4
 
 

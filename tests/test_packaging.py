@@ -18,7 +18,7 @@ def test_every_package_is_listed_and_models_are_namespaced():
     for init in ROOT.glob("jaxscale/**/__init__.py"):
         found.add(".".join(init.parent.relative_to(ROOT).parts))
     found |= {dirs["models"]}
-    assert found == listed, (found ^ listed)
+    assert found == listed, found ^ listed
     assert "models" not in listed and dirs["models"] == "jaxscale_models"
 
 

@@ -495,6 +495,7 @@ def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp
     try:
         _wait_for(procs[0], lambda: len(_steps_logged(wd)) >= 4 and _checkpoints(wd)[0], "4 steps and a checkpoint")
         ports = _listening_inodes(procs[0].p.pid)
+        peer_ports = _listening_inodes(procs[1].p.pid)
         procs[1].p.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=(t0 - procs[0].t0) + DEAD_PEER_BOUND_S)
@@ -507,8 +508,12 @@ def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp
     assert re.search(r"Task 1 heartbeat timeout|tasks are unhealthy \(stopped sending heartbeats\):\s*1", log), log[
         -6000:
     ]
-    # only the explicit coordinator port (process 0) and the CPU collectives' transport listen
-    assert port in ports, (port, ports)
+    # What listens (README "On N hosts"): the explicit coordinator port, on process 0 only; besides it only
+    # the CPU collectives' transport (gloo), on ports the kernel picks from its ephemeral range.
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert port in ports and port not in peer_ports, (port, ports, peer_ports)
+    others = (ports - {port}) | peer_ports
+    assert all(low <= p <= high for p in others), (sorted(others), (low, high))
 
     complete, _ = _checkpoints(wd)
     last, before = max(complete), _losses(wd)

@@ -340,7 +340,10 @@ def test_sigterm_saves_and_exits_0_then_resumes(env, tmp_path):
     assert resumed[-3:] == [k + 1, k + 2, k + 3]
 
 
-def test_dlrm_end_to_end_logs_auc(env, tmp_path):
+def test_dlrm_end_to_end_learns(env, tmp_path):
+    """DLRM (2x4, 2d_a2a) on synthetic clicks with a planted signal: held-out AUC is logged and rises well
+    above chance. A model that learned nothing scores 0.5 +- ~0.03 on these 512 held-out examples; this one
+    reached 0.69 after 20 steps (0.74 after 60) when the bound was set."""
     r = cli(
         env,
         "--config",
@@ -349,19 +352,19 @@ def test_dlrm_end_to_end_logs_auc(env, tmp_path):
         tmp_path,
         "--no-progress",
         "--steps",
-        "6",
-        "train.eval_every=3",
+        "20",
+        "train.eval_every=10",
         "train.log_every=1",
-        "data.eval_batches=1",
-        "train.checkpoint_every=3",
+        "data.eval_batches=4",
+        "train.checkpoint_every=10",
     )
-    assert "trained steps 0..6" in r.out
+    assert "trained steps 0..20" in r.out
     ms = metrics(tmp_path)
-    assert sorted(m["step"] for m in ms if "loss" in m) == list(range(1, 7))
+    assert sorted(m["step"] for m in ms if "loss" in m) == list(range(1, 21))
     ev = [m for m in ms if "eval_auc" in m]
-    assert [m["step"] for m in ev] == [3, 6] and all(0 <= m["eval_auc"] <= 1 for m in ev)
-    assert all(np.isfinite(m["eval_loss"]) for m in ev)
-    assert ckpt_steps(tmp_path) == [3, 6]
+    assert [m["step"] for m in ev] == [10, 20] and all(np.isfinite(m["eval_loss"]) for m in ev)
+    assert ev[-1]["eval_auc"] >= 0.62, ev
+    assert ckpt_steps(tmp_path) == [10, 20]
 
 
 def test_default_command_trains(env, tmp_path):

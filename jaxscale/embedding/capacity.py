@@ -94,20 +94,44 @@ class CapacityCache:
     """The capacities a collection has compiled for, reused when a batch fits one of them.
 
     Each new set of counted capacities is another executable (seconds of compile time on CPU). A batch
-    therefore runs the smallest already-used set that covers its exact needs, and only a batch that fits
-    none gets its own (ladder-rounded) set. Every process sees the same sequence of counts, so they all
+    therefore runs the smallest already-used set that covers its exact needs. The first batch gets exactly
+    its own (ladder-rounded) needs; a later batch that fits no set shows the needs vary, so the new set
+    covers everything seen so far with one more ladder step of headroom (x1.25, capped by the worst case):
+    a run converges to one or two executables. Every process sees the same sequence of counts, so they all
     choose alike.
     """
 
     def __init__(self):
         self.seen: list[Capacities] = []
 
-    def choose(self, need: Capacities) -> Capacities:
+    def choose(self, need: Capacities, worst: Capacities | None = None) -> Capacities:
         fitting = [c for c in self.seen if c.covers(need)]
         if fitting:
             return min(fitting, key=Capacities.slots)
+        if self.seen:
+            need = self._grown(need, worst)
         self.seen.append(need)
         return need
+
+    def _grown(self, need: Capacities, worst: Capacities | None) -> Capacities:
+        stacks = []
+        for key, cap in need.stacks:
+            grown = {}
+            for field in ("rows", "pairs", "sync", "owned"):
+                seen = [
+                    getattr(dict(c.stacks)[key], field)
+                    for c in self.seen
+                    if key in dict(c.stacks) and dict(c.stacks)[key].sync_strategy == cap.sync_strategy
+                ]
+                value = max([getattr(cap, field), *seen])
+                if value:
+                    value = ladder_up(math.ceil(value * LADDER_GROWTH))
+                    if worst is not None and key in dict(worst.stacks):
+                        bound = getattr(worst[key], field) or value
+                        value = min(value, max(bound, getattr(cap, field)))
+                grown[field] = value
+            stacks.append((key, dataclasses.replace(cap, **grown)))
+        return Capacities(tuple(stacks), counted=need.counted)
 
 
 def pair_features(layout: Layout, feature_table, feats: Sequence[str], lengths: Mapping[str, int], pooled_comm: str):
@@ -196,7 +220,8 @@ def static_capacities(
             pairs = 0
         received = layout.num_shards * (rows + pairs)  # slots that can reach one owner
         touched = min(st.rows, received) if sync else 0
-        out.append((key, StackCapacity(rows, pairs, touched, 0, "gather")))
+        # owned: only a bound here (the owner strategy is chosen from counted ids, never statically)
+        out.append((key, StackCapacity(rows, pairs, touched, touched, "gather")))
     return Capacities(tuple(out), counted=False)
 
 

@@ -258,7 +258,11 @@ class EmbeddingCollection:
             num_devices=devices,
             exchange=exchange,
         )
-        return self._capacity_cache.choose(need)
+        shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
+        worst = capacity_lib.static_capacities(
+            self.layout, self.feature_table, self.topology, shapes, self.pooled_comm, None, self._exact_sync
+        )
+        return self._capacity_cache.choose(need, worst)
 
     def shard_batch(self, batch: Mapping[str, np.ndarray]) -> ShardedIds:
         """Host ids (this process's slice of the global batch) -> a `ShardedIds` of global arrays sharded by
