@@ -105,11 +105,11 @@ def split_bytes(c, mesh_shape) -> tuple[float, float]:
 def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = None) -> str:
     """The category of a collective (see module doc). `largest_all_reduce` names the dense-gradient one."""
     groups = frozenset(frozenset(g) for g in c.groups)
+    if replica_groups and groups == replica_groups:  # the owner sync's all-to-all included
+        return "replica_sync"
     if c.kind in ("all-to-all", "ragged-all-to-all"):
         integer = all(dt.startswith("s") or dt == "pred" for dt in c.dtypes)
         return "emb_ids" if integer else "emb_rows"
-    if replica_groups and groups == replica_groups:
-        return "replica_sync"
     if c.kind == "all-reduce" and c.name == largest_all_reduce and c.result_bytes >= SCALAR_BYTES:
         return "dense_grad"
     has_array = any(len(s) >= 1 and dt.startswith(("f", "bf")) for dt, s in zip(c.dtypes, c.shapes))

@@ -17,7 +17,7 @@ from embedding_reference import lookup as ref_lookup
 import jaxscale
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 90  # the whole 2-process run (~15-30 s idle, ~45 s at load 17 on 2 CPUs); a hang fails here with the workers' stderr  # noqa: E501
+TIMEOUT_S = 240  # the whole 2-process run (each config compiles once or twice as its counted capacities settle; a minute idle on 2 CPUs); a hang fails here with the workers' stderr  # noqa: E501
 KILL_AFTER_S = 5  # `timeout -k 5`: SIGTERM, then SIGKILL 5 s later
 
 

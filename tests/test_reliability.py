@@ -145,15 +145,6 @@ def dlrm(tmp_path_factory):
     return Trainer(cfg, progress=False)
 
 
-@pytest.fixture(scope="module")
-def dlrm_overflow(tmp_path_factory):
-    """Capacity 4x the uniform share: 4 slots per shard for 8 ids per device, so the skewed batch overflows."""
-    cfg = load_config(
-        None, DLRM + ["embedding.capacity_factor=4", f"train.workdir={tmp_path_factory.mktemp('dlrm_cf')}"]
-    )
-    return Trainer(cfg, progress=False)
-
-
 def fresh(trainer, tmp_path, name, data):
     trainer.workdir = tmp_path / name
     trainer.data = data
@@ -242,41 +233,84 @@ def test_nonfinite_policy_raise_names_the_step_and_applies_nothing(dlrm, tmp_pat
 # ------------------------------------------------------------------------------------------------ capacity overflow
 
 
-def test_overflow_error_counts_and_applies_nothing(dlrm_overflow, tmp_path):
-    tr = dlrm_overflow
+# (overrides, capacity factor): the factor fits the ordinary batches and not the skewed one, whose rows all
+# live on shard 0 (a factor >= the shard count would be the worst case, which never overflows).
+LAYOUTS = {
+    "1x8-1d": (["mesh.nodes=1", "mesh.local=8", "embedding.topology=1d"], 4.0),
+    "2x4-2d_a2a": (["mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_a2a"], 2.0),
+    "4x2-2d_a2a": (["mesh.nodes=4", "mesh.local=2", "embedding.topology=2d_a2a"], 1.5),
+    "2x4-2d_ar": (["mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_ar"], 1.5),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout_pair(request, tmp_path_factory):
+    """(exact-capacity trainer, capacity_factor=4 trainer) of the tiny DLRM on one mesh/topology."""
+    over, cf = LAYOUTS[request.param]
+    wd = tmp_path_factory.mktemp(request.param)
+    exact = Trainer(load_config(None, DLRM + over + [f"train.workdir={wd / 'exact'}"]), progress=False)
+    small = load_config(None, DLRM + over + [f"embedding.capacity_factor={cf}", f"train.workdir={wd / 'cf'}"])
+    return request.param, exact, Trainer(small, progress=False)
+
+
+def _expected_overflow(tr, host_batch) -> int:
+    """Unique rows that do not fit the trainer's fixed capacities, counted by brute force from the plan."""
+    from capacity_reference import dropped
+
+    from jaxscale.embedding import capacity
+
+    ids = tr.spec.ids(tr.model_cfg, host_batch)
+    devices = tr.mesh.size
+    shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
+    ec = tr.ec
+    caps = capacity.static_capacities(
+        ec.layout, ec.feature_table, ec.topology, shapes, ec.pooled_comm, ec.capacity_factor, ec._exact_sync
+    )
+    partial = capacity.pair_features(
+        ec.layout, ec.feature_table, tuple(ids), {f: x.shape[1] for f, x in ids.items()}, ec.pooled_comm
+    )
+    return dropped(ec, ids, caps, partial)
+
+
+def test_overflow_error_counts_and_applies_nothing(layout_pair, tmp_path):
+    """On every mesh/topology the reported overflow is the number of rows really dropped (each device counts
+    its own requests; nothing is divided by the replica count), the step is refused and nothing applied."""
+    name, _, tr = layout_pair
     src, spy = tr.data, Spy(tr)
+    expected = _expected_overflow(tr, skewed({k: np.array(v) for k, v in src.batch(1).items()}))
+    assert expected > 0
     try:
         fresh(tr, tmp_path, "error", Patched(src, {1: skewed}))
-        # both tables share one stack: 2 x 8 distinct rows per device, all for shard 0, whose capacity is
-        # 2 x ceil(4 x 8 / 8) = 8 slots: 8 rows dropped on each of the 8 devices
         with pytest.raises(
             CapacityOverflowError,
-            match=r"step 1: 64 looked-up rows did not fit the all-to-all "
-            r"capacity \(embedding.capacity_factor=4.0\); the step was not applied",
+            match=rf"step 1: {expected} looked-up rows did not fit the all-to-all "
+            rf"capacity \(embedding.capacity_factor={tr.ec.capacity_factor}\); the step was not applied",
         ):
             tr.run(steps=3)
     finally:
         spy.remove()
         tr.data = src
     before, after, m = spy.calls[-1]
-    assert m["overflow"] == 64 and m["nonfinite"] == 0
+    assert m["overflow"] == expected and m["nonfinite"] == 0, name
     assert_trees_equal(before, after, skip=("['step']",))  # not even 'skipped' moved: overflow is not a NaN
 
 
-def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(dlrm, dlrm_overflow, tmp_path, capsys):
-    tr = dlrm_overflow
-    src_exact, src = dlrm.data, tr.data
+def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(layout_pair, tmp_path, capsys):
+    name, exact_tr, tr = layout_pair
+    src_exact, src = exact_tr.data, tr.data
+    expected = _expected_overflow(tr, skewed({k: np.array(v) for k, v in src.batch(1).items()}))
     with_train(tr, overflow_policy="grow")
     try:
         fresh(tr, tmp_path, "grow", Patched(src, {1: skewed}))
         grown = tr.run(steps=3)
-        fresh(dlrm, tmp_path, "exact", Patched(src_exact, {1: skewed}))
-        exact = dlrm.run(steps=3)
+        fresh(exact_tr, tmp_path, "exact", Patched(src_exact, {1: skewed}))
+        exact = exact_tr.run(steps=3)
     finally:
-        tr.data, dlrm.data = src, src_exact
-    assert "all-to-all overflow (64 rows); growing capacity_factor 4.0 -> None" in capsys.readouterr().out
-    assert tr.ec.capacity_factor is None
-    assert grown["steps"] == [1, 2, 3] and grown["losses"] == exact["losses"]
+        tr.data, exact_tr.data = src, src_exact
+    out = capsys.readouterr().out
+    assert f"all-to-all overflow ({expected} rows); growing capacity_factor" in out, out
+    assert tr.ec.capacity_factor is None or tr.ec.capacity_factor > LAYOUTS[name][1]
+    assert grown["steps"] == [1, 2, 3] and grown["losses"] == exact["losses"], name
     log = [m for m in read_metrics(tmp_path / "grow") if "loss" in m]
     assert [m["step"] for m in log] == [1, 2, 3] and all(m["overflow"] == 0 for m in log)
     # nothing lost: tables, optimizer slots, dense params, every counter

@@ -264,9 +264,12 @@ class EmbeddingCollection:
         )
         return self._capacity_cache.choose(need, worst)
 
-    def shard_batch(self, batch: Mapping[str, np.ndarray]) -> ShardedIds:
-        """Host ids (this process's slice of the global batch) -> a `ShardedIds` of global arrays sharded by
-        batch, carrying this batch's exchange capacities (see `capacities`)."""
+    def shard_batch(self, batch: Mapping[str, np.ndarray]):
+        """Host arrays (this process's slice of the global batch) -> global arrays sharded by batch.
+
+        Ids (int32 [B, L] of the collection's features) come back as a `ShardedIds` carrying this batch's
+        exchange capacities (see `capacities`); anything else (e.g. per-example targets) as a plain dict.
+        """
         arrays = {}
         host = {name: np.asarray(x) for name, x in batch.items()}
         for name, x in host.items():
@@ -275,8 +278,12 @@ class EmbeddingCollection:
             else:
                 shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
                 arrays[name] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
-        known = all(n in self.feature_table for n in host) and all(x.ndim == 2 for x in host.values())
-        return ShardedIds(arrays, self.capacities(host) if known and host else None)
+        is_ids = bool(host) and all(
+            n in self.feature_table and x.ndim == 2 and np.issubdtype(x.dtype, np.integer) for n, x in host.items()
+        )
+        if not is_ids:
+            return arrays
+        return ShardedIds(arrays, self.capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}))
 
     def _prepare(self, ids):
         """Host inputs are validated and sharded; traced/global arrays pass through (policy inside jit)."""

@@ -30,7 +30,9 @@ def as_int32(feature: str, x) -> np.ndarray:
         raise TypeError(f"feature {feature!r}: ids contain NaN or Inf")
     info = np.iinfo(np.int32)
     if x.size and (x.max() > info.max or x.min() < info.min):
-        raise TypeError(f"feature {feature!r}: ids of dtype {x.dtype} do not fit int32")
+        raise TypeError(
+            f"feature {feature!r}: ids of dtype {x.dtype} cannot be converted to int32 without loss (out of range)"
+        )
     y = x.astype(np.int32)
     if not np.array_equal(y.astype(x.dtype), x):
         raise TypeError(f"feature {feature!r}: ids of dtype {x.dtype} cannot be converted to int32 without loss")
