@@ -25,7 +25,9 @@ def make_defs(max_length: int = 5) -> Definitions:
         event_types=(EventType("a", raw=("a", "a2")), EventType("b"), EventType("c")),
         enrichments=(Enrichment("items", fields={"category": "int64", "score": "float64"}, defaults={"category": -1}),),
         sequences=(
-            Sequence("s1", ("a", "b"), ("item_id", "ts", "event_type", "surface", "category"), max_length, engaged=("b",)),
+            Sequence(
+                "s1", ("a", "b"), ("item_id", "ts", "event_type", "surface", "category"), max_length, engaged=("b",)
+            ),
             Sequence("s2", ("b", "c"), ("ts", "item_id", "score"), 3),
         ),
         surfaces=("home", "search", "related"),
@@ -77,6 +79,8 @@ def random_log(
                 "extra": rng.random(n),
             }
         )
+        if n > 4:  # an exact tie in ts for one user, both events in s1
+            df.loc[1, "user_id"], df.loc[[0, 1], "event_type"] = df.loc[0, "user_id"], "a"
         if bad:
             for col in ("user_id", "ts", "event_type", "item_id", "surface"):
                 df.loc[rng.random(n) < 0.02, col] = None
@@ -142,7 +146,7 @@ def reference_store(
 ) -> tuple[dict[str, pd.DataFrame], dict[str, dict[str, int]]]:
     """({sequence: stored rows in store order}, {file: {bad reason: count}}), one row at a time."""
     raw_map = {r: et.name for et in defs.event_types for r in et.raw}
-    lookup = {int(k): row for k, row in items.set_index("item_id").iterrows()}
+    lookup = {int(r["item_id"]): r for r in items.to_dict("records")}
     enriched = defs.enriched_fields()
     out = {s.name: [] for s in defs.sequences}
     bad: dict[str, dict[str, int]] = {}
@@ -189,14 +193,24 @@ def reference_store(
     return result, bad
 
 
-def reference_query(rows: pd.DataFrame, fields, max_length: int, user: int, as_of=None, limit=None) -> list[dict]:
-    """The user's last min(limit, max_length) events with ts < as_of, oldest first (brute force)."""
-    if len(rows) == 0:
-        return []
-    sel = [r for r in rows.to_dict("records") if r["user_id"] == user and (as_of is None or r["ts"] < as_of)]
+def by_user(rows: pd.DataFrame) -> dict[int, list[dict]]:
+    """Stored rows as records grouped by user (for reference_query)."""
+    out: dict[int, list[dict]] = {}
+    for r in rows.to_dict("records") if len(rows) else []:
+        out.setdefault(int(r["user_id"]), []).append(r)
+    return out
+
+
+def reference_query(rows, fields, max_length: int, user: int, as_of=None, limit=None) -> list[dict]:
+    """The user's last min(limit, max_length) events with ts < as_of, oldest first (brute force).
+
+    `rows`: a stored-rows DataFrame, or its `by_user` grouping."""
+    if isinstance(rows, pd.DataFrame):
+        rows = by_user(rows)
+    sel = [r for r in rows.get(int(user), []) if as_of is None or r["ts"] < as_of]
     sel.sort(key=lambda r: (r["ts"], r["arrival"]))
     n = max_length if limit is None else min(limit, max_length)
-    sel = sel[len(sel) - n :] if n > 0 else []
+    sel = sel[max(len(sel) - n, 0) :] if n > 0 else []
     return [{f: _plain(r[f]) for f in fields} for r in sel]
 
 

@@ -56,9 +56,8 @@ def test_rebackfill_replaces_a_day_exactly(tmp_path):
     for f in files[1:]:
         f.unlink()
     backfill(defs, tmp_path / "events", store, sources={"items": items}, start=days[0], end=days[-1])
-    from test_sequences_helpers import reference_store
-
     import pandas as pd
+    from test_sequences_helpers import reference_store
 
     raw = pd.DataFrame(t.to_pylist())
     raw["file_rank"], raw["row"], raw["file"] = 0, range(len(raw)), files[0].name
@@ -79,8 +78,20 @@ def test_partition_replace_survives_a_kill(tmp_path):
     defs = make_defs()
     backfill(defs, old_dir / "events", store, sources={"items": old_dir / "items.parquet"})
     old = {n: _partitions(store, n) for n in ("s1", "s2")}
-    cmd = [sys.executable, "-m", "jaxscale.sequences", "backfill", "--defs", str(defs_path), "--events",
-           str(new_dir / "events"), "--items", str(new_dir / "items.parquet"), "--out", str(store)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxscale.sequences",
+        "backfill",
+        "--defs",
+        str(defs_path),
+        "--events",
+        str(new_dir / "events"),
+        "--items",
+        str(new_dir / "items.parquet"),
+        "--out",
+        str(store),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     staging = [store / n / STAGING for n in ("s1", "s2")]

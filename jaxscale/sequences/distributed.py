@@ -131,6 +131,7 @@ def backfill_ray(
     """`runtime.backfill` with the engine's work on Ray Data (connects to `address`, or starts locally)."""
     import ray
     import ray.data
+    from ray.data.expressions import col
 
     t0 = time.perf_counter()
     lo_ms, hi_ms = day_range_ms(start, end)
@@ -165,14 +166,14 @@ def backfill_ray(
                 )
                 .materialize()
             )
-            for row in mapped.filter(expr="kind == 'stats'").select_columns(["file", "stats"]).take_all():
+            for row in mapped.filter(expr=col("kind") == "stats").select_columns(["file", "stats"]).take_all():
                 report.add(row["file"], _stats_from_json(json.loads(row["stats"])))
             total = report.totals()
             first = day_number(start) if start else total.first_day
             last = day_number(end) if end else total.last_day
             days = list(range(first, last + 1)) if first is not None and last is not None else []
             written = (
-                mapped.filter(expr="kind == 'events'")
+                mapped.filter(expr=col("kind") == "events")
                 .groupby(["sequence", "day"], num_partitions=max(1, min(len(days) * len(defs.sequences), 16)))
                 .map_groups(
                     write_day,

@@ -119,6 +119,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, body)
 
     def _not_allowed(self):
+        length = self.headers.get("Content-Length")
+        if length and length.isdigit() and int(length) <= 1 << 20:
+            self.rfile.read(int(length))  # keep the connection's framing intact
+        else:
+            self.close_connection = True
         self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"method {self.command} not allowed; use GET"})
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
