@@ -34,6 +34,7 @@ from jaxscale.sequences.store import (
     day_number,
     ensure_sequence_meta,
     list_partitions,
+    merge_partition_files,
     partition_dir,
     partition_files,
     read_partition,
@@ -173,11 +174,17 @@ def install_days(engine: Engine, seq_dir: Path, days, frames) -> tuple[dict[str,
     return written, removed
 
 
-def compact_partition(engine: Engine, store: Path, name: str, day: str) -> None:
-    """Merges a partition's files into one, atomically."""
-    part = partition_dir(Path(store) / name, day)
-    if len(partition_files(part)) > 1:
-        replace_partition(Path(store) / name, day, read_partition(part).cast(engine.schemas[name]))
+def compact_partition(engine: Engine, store: Path, name: str, day: str, *, keep_largest: bool = False) -> None:
+    """Merges a partition's files into one, atomically; `keep_largest` leaves the biggest file alone (a
+    size-tiered merge while streaming, so an old day's base file is not rewritten for every late event)."""
+    seq_dir = Path(store) / name
+    files = partition_files(partition_dir(seq_dir, day))
+    if keep_largest:
+        files = sorted(files, key=lambda f: f.stat().st_size)[:-1]
+    if len(files) < 2:
+        return
+    merged = engine.assemble(name, [pl.read_parquet(f) for f in files])
+    merge_partition_files(seq_dir, day, files, merged, f"part-m{uuid.uuid4().hex[:12]}.parquet")
 
 
 def stream(
@@ -217,7 +224,7 @@ def stream(
                 add_partition_file(Path(store) / name, day, table, f"part-{batches:010d}-{token}.parquet")
                 touched[name].add(day)
                 if len(partition_files(partition_dir(Path(store) / name, day))) > max_files:
-                    compact_partition(engine, store, name, day)
+                    compact_partition(engine, store, name, day, keep_largest=True)
             if on_commit is not None:
                 on_commit(batches, report)
         for name, days in touched.items():

@@ -41,6 +41,8 @@ SEQUENCE_META = "_sequence.json"
 STAGING = ".staging"
 LOCK = ".lock"
 PARQUET_ROW_GROUP = 65_536
+DELTA_COMPRESSION = "lz4"
+"""Stream micro-batch files are written fast (lz4); merged and backfilled partitions use zstd."""
 STORE_SORT_KEYS = ("user_id", "ts", "arrival")
 
 
@@ -118,10 +120,10 @@ def partition_dir(seq_dir: Path, day: str) -> Path:
     return Path(seq_dir) / f"dt={day}"
 
 
-def write_table(path: Path, table: pa.Table) -> None:
+def write_table(path: Path, table: pa.Table, compression: str = "zstd") -> None:
     """One Parquet file, fsynced (row groups of PARQUET_ROW_GROUP rows carry user_id min/max statistics)."""
     with open(path, "wb") as f:
-        pq.write_table(table, f, row_group_size=PARQUET_ROW_GROUP, compression="zstd", write_statistics=True)
+        pq.write_table(table, f, row_group_size=PARQUET_ROW_GROUP, compression=compression, write_statistics=True)
         f.flush()
         os.fsync(f.fileno())
 
@@ -170,14 +172,32 @@ def add_partition_file(seq_dir: Path, day: str, table: pa.Table, name: str) -> N
         staging_root.mkdir(parents=True, exist_ok=True)
         new = staging_root / f"new-dt={day}-{uuid.uuid4().hex[:12]}"
         new.mkdir()
-        write_table(new / name, table)
+        write_table(new / name, table, DELTA_COMPRESSION)
         _fsync_dir(new)
         install_partition(seq_dir, day, new)
         return
     tmp = target / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-    write_table(tmp, table)
+    write_table(tmp, table, DELTA_COMPRESSION)
     os.replace(tmp, target / name)
     _fsync_dir(target)
+
+
+def merge_partition_files(seq_dir: Path, day: str, merge: list[Path], merged: pa.Table, name: str) -> None:
+    """Replaces the files `merge` of partition `day` by one file holding `merged` (their rows, sorted), atomically.
+
+    The partition's other files are hard-linked into the new directory, so only the merged rows are written.
+    """
+    target = partition_dir(seq_dir, day)
+    staging_root = Path(seq_dir) / STAGING
+    staging_root.mkdir(parents=True, exist_ok=True)
+    new = staging_root / f"new-dt={day}-{uuid.uuid4().hex[:12]}"
+    new.mkdir()
+    for f in partition_files(target):
+        if f not in merge:
+            os.link(f, new / f.name)
+    write_table(new / name, merged)
+    _fsync_dir(new)
+    install_partition(seq_dir, day, new)
 
 
 def recover_staging(seq_dir: Path) -> None:
