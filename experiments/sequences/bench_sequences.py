@@ -185,8 +185,22 @@ def bench_backfill(log: Path, defs: Path, work: Path, n: int, warm: int) -> list
     for engine in ENGINES:
         out = work / f"backfill-{engine}"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, __file__, "--child", engine, "--events", str(log / "events"),
-               "--items", str(log / "items.parquet"), "--out", str(out), "--defs", str(defs), "--warm", str(warm)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            engine,
+            "--events",
+            str(log / "events"),
+            "--items",
+            str(log / "items.parquet"),
+            "--out",
+            str(out),
+            "--defs",
+            str(defs),
+            "--warm",
+            str(warm),
+        ]
         r = json.loads(sh(cmd).stdout.strip().splitlines()[-1])
         r["events"] = n
         r["cold_events_per_s"] = n / r["cold_s"]
@@ -203,7 +217,6 @@ def bench_backfill(log: Path, defs: Path, work: Path, n: int, warm: int) -> list
 def bench_transform(log: Path, defs_path: Path, repeats: int) -> list[dict]:
     """The per-batch transform (validate, filter, normalize, enrich) on one raw file, three ways."""
     import duckdb
-    import polars as pl
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -229,7 +242,9 @@ def bench_transform(log: Path, defs_path: Path, repeats: int) -> list[dict]:
         t = raw.append_column("arrival", pa.array(np.arange(raw.num_rows, dtype=np.int64))).filter(valid)
         raw_keys = pa.array(list(EVENT_MAP))
         idx = pc.index_in(t["event_type"], value_set=raw_keys)
-        t = t.set_column(t.schema.get_field_index("event_type"), "event_type", pc.take(pa.array(list(EVENT_MAP.values())), idx))
+        t = t.set_column(
+            t.schema.get_field_index("event_type"), "event_type", pc.take(pa.array(list(EVENT_MAP.values())), idx)
+        )
         t = t.filter(pc.is_valid(idx))
         pos = pc.index_in(t["item_id"], value_set=items["item_id"])
         cat = pc.fill_null(pc.take(items["category"], pos), -1)
@@ -257,10 +272,14 @@ def bench_transform(log: Path, defs_path: Path, repeats: int) -> list[dict]:
             t0 = time.perf_counter()
             out = fn()
             times.append(time.perf_counter() - t0)
-        table = pa.table({c: out.column(c).cast(pa.int64() if c not in ("event_type", "surface") else pa.string()) for c in cols})
+        table = pa.table(
+            {c: out.column(c).cast(pa.int64() if c not in ("event_type", "surface") else pa.string()) for c in cols}
+        )
         same = ref is None or table.equals(ref)
         ref = table if ref is None else ref
-        results.append({"backend": name, "rows": raw.num_rows, "median_s": statistics.median(times), "same_output": same})
+        results.append(
+            {"backend": name, "rows": raw.num_rows, "median_s": statistics.median(times), "same_output": same}
+        )
         print(f"  transform {name}: {results[-1]}", flush=True)
     return results
 
@@ -273,13 +292,35 @@ def bench_stream(log: Path, defs: Path, work: Path, n: int, micro_batches: list[
     for mb in micro_batches:
         out = work / f"stream-{mb}"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "jaxscale.sequences", "stream", "--defs", str(defs), "--events",
-               str(log / "events"), "--items", str(log / "items.parquet"), "--out", str(out), "--micro-batch", str(mb)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxscale.sequences",
+            "stream",
+            "--defs",
+            str(defs),
+            "--events",
+            str(log / "events"),
+            "--items",
+            str(log / "items.parquet"),
+            "--out",
+            str(out),
+            "--micro-batch",
+            str(mb),
+        ]
         t0 = time.perf_counter()
         report = json.loads(sh(cmd).stdout)
         wall = time.perf_counter() - t0
-        rows.append({"events": n, "micro_batch": mb, "seconds": report["seconds"], "events_per_s": n / report["seconds"],
-                     "command_wall_s": wall, "checksum": checksum(out / "engagement")})
+        rows.append(
+            {
+                "events": n,
+                "micro_batch": mb,
+                "seconds": report["seconds"],
+                "events_per_s": n / report["seconds"],
+                "command_wall_s": wall,
+                "checksum": checksum(out / "engagement"),
+            }
+        )
         shutil.rmtree(out, ignore_errors=True)
         print(f"  stream: {rows[-1]}", flush=True)
     return rows
@@ -300,8 +341,12 @@ def bench_serving(store: Path, rate: float, seconds: float, threads: int = 8) ->
     t_lo = min(p.start_ms for p in reader.partitions) + 2 * MS_PER_DAY
     t_hi = max(p.start_ms for p in reader.partitions) + MS_PER_DAY
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "jaxscale.sequences", "serve", "--store", str(store), "--port", "0"],
-                            env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxscale.sequences", "serve", "--store", str(store), "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(re.search(r":(\d+) ", proc.stdout.readline()).group(1))
         rng = np.random.default_rng(0)
@@ -324,7 +369,6 @@ def bench_serving(store: Path, rate: float, seconds: float, threads: int = 8) ->
                 if delay > 0:
                     time.sleep(delay)
                 u, t = plan[i]
-                t0 = time.perf_counter()
                 conn.request("GET", f"/v1/users/{u}/sequences/engagement?as_of={t}&limit=256")
                 resp = conn.getresponse()
                 body = resp.read()
@@ -366,8 +410,9 @@ def bench_training(store: Path, defs: Path, work: Path) -> dict:
 
     out = {}
     for L in (32, 256):
-        sb = SequenceBatches(store, "engagement", defs, global_batch_size=64, max_seq_len=L, num_actions=4,
-                             num_surfaces=4)
+        sb = SequenceBatches(
+            store, "engagement", defs, global_batch_size=64, max_seq_len=L, num_actions=4, num_surfaces=4
+        )
         sb.batch(0)
         t0 = time.perf_counter()
         steps = 100
@@ -377,14 +422,11 @@ def bench_training(store: Path, defs: Path, work: Path) -> dict:
         print(f"  training L={L}: {out[f'examples_per_s_L{L}']:.0f} examples/s", flush=True)
     workdir = work / "train-smoke"
     shutil.rmtree(workdir, ignore_errors=True)
-    r = sh([sys.executable, "-m", "jaxscale.train", "--steps", "20", "--workdir", str(workdir), "--no-progress"])
+    sh([sys.executable, "-m", "jaxscale.train", "--steps", "20", "--workdir", str(workdir), "--no-progress"])
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rates = [m[k] for m in metrics for k in ("steps_per_s", "steps_per_sec") if k in m]
-    if not rates:
-        m = re.findall(r"([0-9.]+)\s*steps?/s", r.stdout + r.stderr)
-        rates = [float(x) for x in m]
-    out["trainer_steps_per_s"] = rates[-1] if rates else None
-    out["trainer_examples_per_s"] = out["trainer_steps_per_s"] * 64 if rates else None
+    times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m.get("step", 0) > 1]  # after compile
+    out["trainer_steps_per_s"] = 1.0 / statistics.median(times)
+    out["trainer_examples_per_s"] = out["trainer_steps_per_s"] * 64
     shutil.rmtree(workdir, ignore_errors=True)
     return out
 
@@ -420,13 +462,14 @@ def write_markdown(res: dict, path: Path) -> None:
         f"Regenerate: `python experiments/sequences/bench_sequences.py --sizes {' '.join(res['sizes'])}` "
         "(writes this file and results.json).",
         "",
-        f"Machine: {m['cores']} cores ({m['cpu']}), Python {m['python']}, pyarrow {m['pyarrow']}, polars {m['polars']}, "
-        f"duckdb {m['duckdb']}; load average at start {m['load_average'][0]:.1f}, at end "
+        f"Machine: {m['cores']} cores ({m['cpu']}), Python {m['python']}, pyarrow {m['pyarrow']}, "
+        f"polars {m['polars']}, duckdb {m['duckdb']}; load average at start {m['load_average'][0]:.1f}, at end "
         f"{res['load_average_end'][0]:.1f}. Numbers from a shared machine are indicative; compare within a run.",
         "",
         "## Backfill (7 days, 3% late events; each engine in a fresh process)",
         "",
-        "| events | engine | cold s | cold events/s | warm s | warm events/s | peak RSS MB | vs faster reference (warm) | checksum |",
+        "| events | engine | cold s | cold events/s | warm s | warm events/s | peak RSS MB "
+        "| vs faster reference (warm) | checksum |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for size in res["backfill"]:
@@ -442,24 +485,36 @@ def write_markdown(res: dict, path: Path) -> None:
         same = len({r["checksum"] for r in rows}) == 1
         lines.append(f"| | | | | | | | | {'all equal' if same else '**MISMATCH**'} |")
     lines += ["", "Target: jaxscale >= 0.8x the faster of DuckDB and Polars.", ""]
-    lines += ["## Per-batch transform backends (one raw file)", "", "| backend | rows | median ms | same output |",
-              "|---|---:|---:|---|"]
+    lines += [
+        "## Per-batch transform backends (one raw file)",
+        "",
+        "| backend | rows | median ms | same output |",
+        "|---|---:|---:|---|",
+    ]
     for r in res["transform"]:
         lines.append(f"| {r['backend']} | {r['rows']:,} | {r['median_s'] * 1000:.1f} | {r['same_output']} |")
-    lines += ["", "## Stream indexing (whole command incl. final merge)", "",
-              "| events | micro-batch | seconds | events/s | checksum |", "|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "## Stream indexing (whole command incl. final merge)",
+        "",
+        "| events | micro-batch | seconds | events/s | checksum |",
+        "|---:|---:|---:|---:|---|",
+    ]
     for r in res["stream"]:
-        lines.append(f"| {r['events']:,} | {r['micro_batch']:,} | {r['seconds']:.2f} | {fmt(r['events_per_s'])} | "
-                     f"`{r['checksum']}` |")
+        lines.append(
+            f"| {r['events']:,} | {r['micro_batch']:,} | {r['seconds']:.2f} | {fmt(r['events_per_s'])} | "
+            f"`{r['checksum']}` |"
+        )
     lines += ["", "Target: >= 100k events/s. The checksum equals the backfill's.", ""]
     s = res["serving"]
     lines += [
         "## Serving (open-loop load, 127.0.0.1, http.client keep-alive, limit=256, random as_of)",
         "",
-        "| target req/s | achieved req/s | requests | p50 ms | p99 ms | max ms | mean events | share with 256 | errors |",
+        "| target req/s | achieved req/s | requests | p50 ms | p99 ms | max ms | mean events "
+        "| share with 256 | errors |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {s['target_rps']:.0f} | {s['achieved_rps']:.1f} | {s['requests']} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
-        f"{s['max_ms']:.2f} | {s['mean_events']:.1f} | {s['full_256']:.2f} | {s['errors']} |",
+        f"| {s['target_rps']:.0f} | {s['achieved_rps']:.1f} | {s['requests']} | {s['p50_ms']:.2f} "
+        f"| {s['p99_ms']:.2f} | {s['max_ms']:.2f} | {s['mean_events']:.1f} | {s['full_256']:.2f} | {s['errors']} |",
         "",
         "Target: p99 <= 20 ms at 200 requests/s for 256-event sequences.",
         "",
@@ -513,8 +568,22 @@ def main() -> None:
     res["transform"] = bench_transform(logs[n0], defs, repeats=5)
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
-    sh([sys.executable, "-m", "jaxscale.sequences", "backfill", "--defs", str(defs), "--events", str(logs[n0] / "events"),
-        "--items", str(logs[n0] / "items.parquet"), "--out", str(store)])
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "jaxscale.sequences",
+            "backfill",
+            "--defs",
+            str(defs),
+            "--events",
+            str(logs[n0] / "events"),
+            "--items",
+            str(logs[n0] / "items.parquet"),
+            "--out",
+            str(store),
+        ]
+    )
     print("serving", flush=True)
     res["serving"] = bench_serving(store, 200.0, args.serve_seconds)
     print(f"  {res['serving']}", flush=True)

@@ -37,7 +37,6 @@ from jaxscale.sequences.store import (
     merge_partition_files,
     partition_dir,
     partition_files,
-    read_partition,
     replace_partition,
     sequence_meta,
     writer_lock,
