@@ -319,9 +319,11 @@ def read_partition(part: Path, columns: list[str] | None = None) -> pa.Table:
 def read_sequence(store: Path, name: str, columns: list[str] | None = None) -> pa.Table:
     """Every stored event of one sequence, sorted by (user_id, ts, arrival) (for tests and tools)."""
     seq_dir = Path(store) / name
-    read_sequence_meta(seq_dir)
+    meta = read_sequence_meta(seq_dir)
     parts = [read_partition(p, columns) for p in list_partitions(seq_dir).values()]
     if not parts:
-        return None
+        types = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
+        cols = columns or list(meta["columns"])
+        return pa.schema([(c, types[meta["columns"][c]]) for c in cols]).empty_table()
     table = pa.concat_tables(parts)
     return table.sort_by([(k, "ascending") for k in STORE_SORT_KEYS])

@@ -24,6 +24,7 @@ state so a checkpoint can save the data position.
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from pathlib import Path
@@ -64,6 +65,12 @@ def _check_positive(name: str, value) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_reader(store: str, sequence: str) -> SequenceReader:
+    """One in-memory copy of a sequence per process, shared by the train and eval splits."""
+    return open_reader(store, sequence)
 
 
 def run_lengths(part, users: np.ndarray) -> np.ndarray:
@@ -135,7 +142,7 @@ class PointInTimeExamples:
     @property
     def reader(self) -> SequenceReader:
         if self._reader is None:
-            self._reader = open_reader(self.store, self.sequence_name)
+            self._reader = _shared_reader(str(Path(self.store).resolve()), self.sequence_name)
         return self._reader
 
     def __getstate__(self):
