@@ -540,6 +540,24 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
     ]
     path.write_text("\n".join(lines) + "\n")
+    update_docs(lines[4:])
+
+
+DOCS = REPO / "docs" / "sequences.md"
+START, END = "<!-- bench:start (written by bench_sequences.py) -->", "<!-- bench:end -->"
+
+
+def update_docs(lines: list[str]) -> None:
+    """Copies the result tables into docs/sequences.md between the bench markers."""
+    if not DOCS.exists():
+        return
+    text = DOCS.read_text()
+    if START not in text or END not in text:
+        return
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    body = "\n".join(line.replace("## ", "### ", 1) if line.startswith("## ") else line for line in lines)
+    DOCS.write_text(f"{head}{START}\n{body}\n{END}{tail}")
 
 
 def main() -> None:
@@ -549,6 +567,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=2, help="warm runs per engine (median)")
     ap.add_argument("--serve-seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--from-results", help="only rewrite the Markdown from a recorded results.json")
     ap.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)
     ap.add_argument("--events", help=argparse.SUPPRESS)
     ap.add_argument("--items", help=argparse.SUPPRESS)
@@ -557,6 +576,8 @@ def main() -> None:
     if args.child:
         args.engine = args.child
         return engine_child(args)
+    if args.from_results:
+        return write_markdown(json.loads(Path(args.from_results).read_text()), Path(args.out))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     res = {"sizes": args.sizes, "machine": machine(), "backfill": [], "stream": []}
