@@ -44,6 +44,7 @@ def test_queries_equal_brute_force_and_never_leak(built):
                 for limit in (None, 0, 1, 3, 100):
                     got = reader.events(u, t, limit)
                     assert got == reference_query(grouped, s.fields, s.max_length, u, t, limit), (s.name, u, t, limit)
+                    assert json.loads(reader.events_json(u, t, limit)) == got  # the server's renderer
                     if t is not None and "ts" in s.fields:
                         assert all(e["ts"] < t for e in got)  # nothing at or after as_of, ever
 

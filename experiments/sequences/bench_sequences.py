@@ -397,7 +397,7 @@ def bench_serving(store: Path, rate: float, seconds: float, threads: int = 8) ->
                 lat[i] = time.perf_counter() - due
                 if resp.status != 200:
                     errors.append(resp.status)
-                sizes[i] = len(json.loads(body)["events"])
+                sizes[i] = body.count(b'"ts":')  # events in the answer (cheaper than parsing it)
 
         pool = [threading.Thread(target=worker) for _ in range(threads)]
         for th in pool:

@@ -101,8 +101,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.access_log:
             super().log_message(format, *args)
 
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
+    def _send(self, status: int, body) -> None:
+        data = (body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -146,7 +146,8 @@ class Handler(BaseHTTPRequestHandler):
             return HTTPStatus.NOT_FOUND, {"error": f"unknown sequence {name!r}; the store has {sorted(store.readers)}"}
         user_id = parse_int("user_id", unquote(m.group(1)))
         as_of, limit = parse_query(url.query)
-        return HTTPStatus.OK, {"user_id": user_id, "sequence": name, "events": reader.events(user_id, as_of, limit)}
+        events = reader.events_json(user_id, as_of, limit)
+        return HTTPStatus.OK, f'{{"user_id":{user_id},"sequence":{json.dumps(name)},"events":{events}}}'
 
 
 class SequenceServer(ThreadingHTTPServer):
