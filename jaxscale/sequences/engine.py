@@ -15,6 +15,7 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -204,8 +205,10 @@ class Engine:
     def assemble(self, name: str, frames: list[pl.DataFrame]) -> pa.Table:
         """A day's events of sequence `name` in store order (user_id, ts, arrival), as the stored schema."""
         df = pl.concat(frames, how="vertical", rechunk=False) if len(frames) > 1 else frames[0]
-        df = df.select(list(self.columns[name])).sort(list(STORE_SORT_KEYS), multithreaded=True)
-        return df.to_arrow().cast(self.schemas[name])
+        df = df.select(list(self.columns[name]))
+        # NumPy's lexsort on the three int64 keys measured ~1.7x faster than a multi-column DataFrame sort.
+        order = np.lexsort([df.get_column(k).to_numpy() for k in reversed(STORE_SORT_KEYS)])
+        return df[order].to_arrow().cast(self.schemas[name])
 
 
 def split_days(df: pl.DataFrame) -> dict[int, pl.DataFrame]:

@@ -176,20 +176,24 @@ def read_stream(files: list[EventFile], micro_batch: int) -> Iterator[list[Chunk
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+def _no_rows(s: pl.Series) -> pl.Series:
+    return pl.Series(np.zeros(len(s), bool))
+
+
 def _int_column(s: pl.Series) -> tuple[pl.Series, pl.Series]:
     """(values as Int64 with null where bad, bad mask) for one required integer column."""
     dtype = s.dtype
     if dtype == pl.Null:
-        return pl.Series(s.name, [None] * len(s), pl.Int64), pl.Series([False] * len(s))
+        return pl.Series(s.name, [None] * len(s), pl.Int64), _no_rows(s)
     if isinstance(dtype, pl.Datetime):
         unit = {"ns": 1_000_000, "us": 1_000, "ms": 1}[dtype.time_unit]
         v = s.dt.epoch("ms") if unit != 1 else s.cast(pl.Int64)
-        return v.cast(pl.Int64), pl.Series([False] * len(s))
+        return v.cast(pl.Int64), _no_rows(s)
     if dtype.is_integer():
         if dtype == pl.UInt64:
             bad = s.is_not_null() & (s > _INT64_MAX)
             return s.cast(pl.Int64, strict=False), bad.fill_null(False)
-        return s.cast(pl.Int64), pl.Series([False] * len(s))
+        return s.cast(pl.Int64), _no_rows(s)
     if dtype.is_float():
         ok = s.is_finite() & (s.floor() == s) & (s >= -(2.0**63)) & (s < 2.0**63)
         ok = ok.fill_null(True)
@@ -205,11 +209,11 @@ def _int_column(s: pl.Series) -> tuple[pl.Series, pl.Series]:
 def _str_column(s: pl.Series) -> tuple[pl.Series, pl.Series]:
     dtype = s.dtype
     if dtype == pl.Null:
-        return pl.Series(s.name, [None] * len(s), pl.String), pl.Series([False] * len(s))
+        return pl.Series(s.name, [None] * len(s), pl.String), _no_rows(s)
     if dtype == pl.Binary:
         v = s.cast(pl.String, strict=False)
         return v, (v.is_null() & s.is_not_null())
-    return s.cast(pl.String), pl.Series([False] * len(s))
+    return s.cast(pl.String), _no_rows(s)
 
 
 def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, int]]:
