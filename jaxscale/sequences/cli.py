@@ -1,0 +1,133 @@
+"""`python -m jaxscale.sequences {compile,backfill,stream,serve}`.
+
+Errors (a bad definition, a missing column, a locked store) print `error: ...` and exit with status 2.
+Runs print their report as JSON on stdout and save it under <store>/_reports/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxscale.sequences.definitions import DefinitionError
+from jaxscale.sequences.engine import EnrichmentError
+from jaxscale.sequences.events import EventsError
+from jaxscale.sequences.store import StoreError
+
+USER_ERRORS = (DefinitionError, EventsError, EnrichmentError, StoreError, FileNotFoundError, ValueError)
+
+
+def _sources(args) -> dict[str, str]:
+    sources = {}
+    for item in args.table or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--table takes NAME=PATH, got {item!r}")
+        sources[name] = path
+    if args.items:
+        sources["items"] = args.items
+    return sources
+
+
+def _tables_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--items", help="items table (Parquet) for the enrichment whose source is 'items'")
+    p.add_argument("--table", action="append", metavar="NAME=PATH", help="table for enrichment source NAME")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m jaxscale.sequences", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="validate definitions (.py) and write their JSON")
+    p.add_argument("defs", metavar="DEFS.py")
+    p.add_argument("--out", required=True, help="output JSON path")
+
+    p = sub.add_parser("backfill", help="index raw event Parquet files into the store, day by day")
+    p.add_argument("--defs", required=True, help="compiled definitions JSON")
+    p.add_argument("--events", required=True, help="a Parquet file or a directory of them (any layout)")
+    p.add_argument("--out", required=True, help="store directory")
+    _tables_args(p)
+    p.add_argument("--start", help="first day to (re)build, YYYY-MM-DD (default: the log's first day)")
+    p.add_argument("--end", help="last day to (re)build, inclusive (default: the log's last day)")
+    p.add_argument("--engine", choices=("embedded", "ray"), default="embedded", help="where the engine runs")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (--engine ray; default: local)")
+
+    p = sub.add_parser("stream", help="replay raw events in arrival order in micro-batches, indexing incrementally")
+    p.add_argument("--defs", required=True)
+    p.add_argument("--events", required=True)
+    p.add_argument("--out", required=True)
+    _tables_args(p)
+    p.add_argument("--micro-batch", type=int, required=True, metavar="N", help="rows per micro-batch")
+
+    p = sub.add_parser("serve", help="HTTP API over a store")
+    p.add_argument("--store", required=True)
+    p.add_argument("--port", type=int, required=True, help="port (0 = any free port; the bound one is printed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded")
+    p.add_argument("--access-log", action="store_true")
+    return ap
+
+
+def run(args) -> int:
+    if args.command == "compile":
+        from jaxscale.sequences.definitions import compile_definitions
+
+        defs = compile_definitions(args.defs, args.out)
+        print(json.dumps({"out": args.out, "sequences": [s.name for s in defs.sequences]}))
+        return 0
+    if args.command in ("backfill", "stream"):
+        from jaxscale.sequences.definitions import load_definitions
+
+        defs = load_definitions(args.defs)
+        if args.command == "stream":
+            from jaxscale.sequences.runtime import stream
+
+            report = stream(defs, args.events, args.out, sources=_sources(args), micro_batch=args.micro_batch)
+        elif args.engine == "ray":
+            from jaxscale.sequences.distributed import backfill_ray
+
+            report = backfill_ray(
+                defs,
+                args.events,
+                args.out,
+                sources=_sources(args),
+                start=args.start,
+                end=args.end,
+                address=args.ray_address,
+            )
+        else:
+            from jaxscale.sequences.runtime import backfill
+
+            report = backfill(defs, args.events, args.out, sources=_sources(args), start=args.start, end=args.end)
+        report.warn_bad_rows()
+        path = report.save(args.out)
+        summary = report.to_json()
+        summary.pop("files")
+        summary["report"] = str(path)
+        print(json.dumps(summary))
+        return 0
+    if args.command == "serve":
+        from jaxscale.sequences.server import SequenceServer
+
+        server = SequenceServer(
+            args.store, args.host, args.port, refresh_seconds=args.refresh_seconds, access_log=args.access_log
+        )
+        print(f"serving {args.store} on {server.url} (sequences: {sorted(server.store.readers)})", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,246 @@
+"""The batch and streaming runtimes: both feed raw chunks through the same `Engine` into the store.
+
+backfill: every chunk of the log (row groups whose ts statistics fall outside --start/--end are skipped),
+grouped by (sequence, day), each day assembled and installed atomically. Days of the range with no events
+are removed, so re-running a day replaces it exactly.
+
+stream: the log replayed in arrival order in micro-batches of N rows; each micro-batch's events are
+assembled per (sequence, day) and added to their partitions as new sorted files (late events go to their
+own, older, day). A partition with more than `max_files` files is merged into one; at the end every
+touched partition is merged, so the final store holds what a backfill of the same log holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import polars as pl
+
+from jaxscale.sequences.definitions import Definitions
+from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
+from jaxscale.sequences.events import check_schema, find_event_files, read_chunks, read_stream
+from jaxscale.sequences.store import (
+    MS_PER_DAY,
+    add_partition_file,
+    day_name,
+    day_number,
+    ensure_sequence_meta,
+    list_partitions,
+    merge_partition_files,
+    partition_dir,
+    partition_files,
+    replace_partition,
+    sequence_meta,
+    writer_lock,
+)
+
+REPORTS = "_reports"
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Per-file row accounting and what was written; saved to <store>/_reports/ and printed."""
+
+    runtime: str
+    events: str
+    files: dict[str, ChunkStats] = dataclasses.field(default_factory=dict)
+    partitions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    removed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, file: str, stats: ChunkStats) -> None:
+        self.files.setdefault(file, ChunkStats()).add(stats)
+
+    def totals(self) -> ChunkStats:
+        total = ChunkStats()
+        for st in self.files.values():
+            total.add(st)
+        return total
+
+    def to_json(self) -> dict:
+        total = self.totals()
+        return {
+            "runtime": self.runtime,
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
+            "events_per_second": round(total.rows / self.seconds, 1) if self.seconds > 0 else None,
+            "totals": total.to_json(),
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "partitions": self.partitions,
+            "removed": self.removed,
+            **self.extra,
+        }
+
+    def save(self, store: Path) -> Path:
+        from jaxscale.sequences.store import atomic_write_text
+
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
+        path = Path(store) / REPORTS / f"{self.runtime}-{stamp}-{uuid.uuid4().hex[:6]}.json"
+        atomic_write_text(path, json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    def warn_bad_rows(self, stream=sys.stderr) -> None:
+        for name, st in self.files.items():
+            if st.bad:
+                detail = ", ".join(f"{k}: {v}" for k, v in sorted(st.bad.items()))
+                print(f"warning: {name}: {sum(st.bad.values())} bad rows skipped ({detail})", file=stream)
+
+
+def day_range_ms(start: str | None, end: str | None) -> tuple[int | None, int | None]:
+    """[lo, hi) in epoch ms for the inclusive day range --start .. --end (either may be open)."""
+    lo = day_number(start) * MS_PER_DAY if start else None
+    hi = (day_number(end) + 1) * MS_PER_DAY if end else None
+    if lo is not None and hi is not None and hi <= lo:
+        raise ValueError(f"--end {end} is before --start {start}")
+    return lo, hi
+
+
+@contextlib.contextmanager
+def open_sequences(defs: Definitions, engine: Engine, store: Path):
+    """Locks every sequence of `defs` in the store and checks/writes their definitions."""
+    store = Path(store)
+    with contextlib.ExitStack() as stack:
+        for s in defs.sequences:
+            stack.enter_context(writer_lock(store / s.name))
+            ensure_sequence_meta(store / s.name, sequence_meta(s, engine.columns[s.name]))
+        yield
+
+
+def prepare(defs: Definitions, events, sources: dict[str, str] | None):
+    """Files (schemas checked, so a bad file fails before anything is written) and the engine."""
+    files = find_event_files(events)
+    for f in files:
+        check_schema(f)
+    engine = Engine(defs, load_enrichment_tables(defs, dict(sources or {})))
+    return files, engine
+
+
+def backfill(
+    defs: Definitions,
+    events,
+    store,
+    *,
+    sources: dict[str, str] | None = None,
+    start: str | None = None,
+    end: str | None = None,
+) -> RunReport:
+    """Indexes the log into the store, replacing each day of the range exactly (see module doc)."""
+    t0 = time.perf_counter()
+    lo_ms, hi_ms = day_range_ms(start, end)
+    files, engine = prepare(defs, events, sources)
+    report = RunReport("backfill", str(events))
+    with open_sequences(defs, engine, store):
+        frames: dict[tuple[str, int], list[pl.DataFrame]] = defaultdict(list)
+        for chunk in read_chunks(files, lo_ms=lo_ms, hi_ms=hi_ms):
+            out, stats = engine.transform(chunk.table, chunk.file.name, chunk.arrival_start, lo_ms, hi_ms)
+            report.add(chunk.file.name, stats)
+            for name, df in out.items():
+                for day, part in split_days(df).items():
+                    frames[(name, day)].append(part)
+        total = report.totals()
+        first = day_number(start) if start else total.first_day
+        last = day_number(end) if end else total.last_day
+        days = range(first, last + 1) if first is not None and last is not None else range(0)
+        for s in defs.sequences:
+            report.partitions[s.name], report.removed[s.name] = install_days(engine, Path(store) / s.name, days, frames)
+    report.seconds = time.perf_counter() - t0
+    report.extra["range"] = {"start": day_name(days[0]), "end": day_name(days[-1])} if len(days) else None
+    return report
+
+
+def install_days(engine: Engine, seq_dir: Path, days, frames) -> tuple[dict[str, int], list[str]]:
+    """Replaces each day of `days` of one sequence with its assembled frames (removing days without events)."""
+    written, removed = {}, []
+    for day in days:
+        parts = frames.pop((seq_dir.name, day), None)
+        name = day_name(day)
+        if parts:
+            table = engine.assemble(seq_dir.name, parts)
+            replace_partition(seq_dir, name, table)
+            written[name] = table.num_rows
+        elif partition_dir(seq_dir, name).exists():
+            replace_partition(seq_dir, name, None)
+            removed.append(name)
+    return written, removed
+
+
+def compact_partition(engine: Engine, store: Path, name: str, day: str, *, keep_largest: bool = False) -> None:
+    """Merges a partition's files into one, atomically; `keep_largest` leaves the biggest file alone (a
+    size-tiered merge while streaming, so an old day's base file is not rewritten for every late event)."""
+    seq_dir = Path(store) / name
+    files = partition_files(partition_dir(seq_dir, day))
+    if keep_largest:
+        files = sorted(files, key=lambda f: f.stat().st_size)[:-1]
+    if len(files) < 2:
+        return
+    merged = engine.assemble(name, [pl.read_parquet(f) for f in files])
+    merge_partition_files(seq_dir, day, files, merged, f"part-m{uuid.uuid4().hex[:12]}.parquet")
+
+
+def stream(
+    defs: Definitions,
+    events,
+    store,
+    *,
+    sources: dict[str, str] | None = None,
+    micro_batch: int,
+    max_files: int = 8,
+    on_commit=None,
+) -> RunReport:
+    """Replays the log in arrival order, `micro_batch` rows at a time, indexing each incrementally.
+
+    `on_commit(i, report)` is called after micro-batch i is in the store (tests and monitoring).
+    """
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
+        raise ValueError(f"--micro-batch must be a positive integer, got {micro_batch!r}")
+    t0 = time.perf_counter()
+    files, engine = prepare(defs, events, sources)
+    report = RunReport("stream", str(events))
+    token = uuid.uuid4().hex[:8]
+    touched: dict[str, set[str]] = {s.name: set() for s in defs.sequences}
+    with open_sequences(defs, engine, store):
+        batches = 0
+        for batches, chunks in enumerate(read_stream(files, micro_batch), start=1):
+            frames: dict[tuple[str, int], list[pl.DataFrame]] = defaultdict(list)
+            for chunk in chunks:
+                out, stats = engine.transform(chunk.table, chunk.file.name, chunk.arrival_start)
+                report.add(chunk.file.name, stats)
+                for name, df in out.items():
+                    for day, part in split_days(df).items():
+                        frames[(name, day)].append(part)
+            for (name, day_num), parts in sorted(frames.items()):
+                day = day_name(day_num)
+                table = engine.assemble(name, parts)
+                add_partition_file(Path(store) / name, day, table, f"part-{batches:010d}-{token}.parquet")
+                touched[name].add(day)
+                if len(partition_files(partition_dir(Path(store) / name, day))) > max_files:
+                    compact_partition(engine, store, name, day, keep_largest=True)
+            if on_commit is not None:
+                on_commit(batches, report)
+        for name, days in touched.items():
+            for day in sorted(days):
+                compact_partition(engine, store, name, day)
+    for s in defs.sequences:
+        parts = list_partitions(Path(store) / s.name)
+        report.partitions[s.name] = {
+            d: sum(_rows(f) for f in partition_files(p)) for d, p in parts.items() if d in touched[s.name]
+        }
+    report.seconds = time.perf_counter() - t0
+    report.extra["micro_batches"] = batches
+    report.extra["micro_batch"] = micro_batch
+    return report
+
+
+def _rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows

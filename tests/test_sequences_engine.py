@@ -1,0 +1,166 @@
+"""The engine and the backfill against a brute-force, row-by-row reference on random logs."""
+
+import json
+import shutil
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_sequences_helpers import (
+    MS_PER_DAY,
+    T0,
+    assert_frames_equal,
+    make_defs,
+    random_log,
+    reference_store,
+    store_frame,
+)
+
+from jaxscale.sequences.engine import EnrichmentError
+from jaxscale.sequences.events import EventsError
+from jaxscale.sequences.runtime import backfill
+from jaxscale.sequences.store import list_partitions, read_partition, read_sequence
+
+
+def _snapshot(store):
+    """{relative path: bytes} of every file of a store (to prove it did not change)."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_backfill_equals_brute_force(tmp_path, seed):
+    defs = make_defs()
+    raw, items = random_log(seed, tmp_path, files=3, rows=250, days=3)
+    report = backfill(defs, tmp_path / "events", tmp_path / "store", sources={"items": items})
+    want, bad = reference_store(raw, defs, pd.read_parquet(items))
+    for s in defs.sequences:
+        assert_frames_equal(store_frame(read_sequence(tmp_path / "store", s.name)), want[s.name])
+        assert report.totals().indexed[s.name] == len(want[s.name])
+    got_bad = {name: dict(st.bad) for name, st in report.files.items() if st.bad}
+    assert got_bad == bad and sum(sum(v.values()) for v in bad.values()) > 0
+    assert report.totals().rows == len(raw)
+
+
+def test_partitions_hold_their_day_sorted(tmp_path):
+    defs = make_defs()
+    random_log(3, tmp_path, days=4, late=0.3)
+    backfill(defs, tmp_path / "events", tmp_path / "store", sources={"items": tmp_path / "items.parquet"})
+    parts = list_partitions(tmp_path / "store" / "s1")
+    assert len(parts) >= 3
+    for day, path in parts.items():
+        df = read_partition(path).to_pandas()
+        days = {pd.Timestamp(t, unit="ms", tz="UTC").date().isoformat() for t in df.ts}
+        assert days == {day}
+        keys = list(zip(df.user_id, df.ts, df.arrival))
+        assert keys == sorted(keys)
+
+
+def test_range_backfill_rebuilds_only_its_days(tmp_path):
+    defs = make_defs()
+    raw, items = random_log(4, tmp_path, days=4, late=0.3)
+    store = tmp_path / "store"
+    backfill(defs, tmp_path / "events", store, sources={"items": items})
+    before = {d: read_partition(p) for d, p in list_partitions(store / "s1").items()}
+    # Change the log (drop the last file), then rebuild one day only.
+    last = sorted((tmp_path / "events").glob("*.parquet"))[-1]
+    last.unlink()
+    raw = raw[raw.file != last.name]
+    day = sorted(before)[1]
+    lo = int(pd.Timestamp(day, tz="UTC").timestamp() * 1000)
+    report = backfill(defs, tmp_path / "events", store, sources={"items": items}, start=day, end=day)
+    want, _ = reference_store(raw, defs, pd.read_parquet(items), lo, lo + MS_PER_DAY)
+    after = list_partitions(store / "s1")
+    assert_frames_equal(store_frame(read_partition(after[day])), want["s1"])
+    for d in before:
+        if d != day:
+            assert read_partition(after[d]).equals(before[d]), d
+    assert report.totals().outside > 0
+
+
+def test_missing_required_column_fails_naming_file_and_column(tmp_path):
+    defs = make_defs()
+    random_log(5, tmp_path)
+    store = tmp_path / "store"
+    backfill(defs, tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
+    snap = _snapshot(store)
+    t = pq.read_table(tmp_path / "events" / "part-001.parquet").drop_columns(["surface"])
+    pq.write_table(t, tmp_path / "events" / "part-001b.parquet")
+    with pytest.raises(EventsError, match=r"part-001b\.parquet.*'surface'"):
+        backfill(defs, tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
+    assert _snapshot(store) == snap
+
+
+def test_column_of_unusable_type_fails(tmp_path):
+    defs = make_defs()
+    (tmp_path / "ev").mkdir()
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": [1],
+                "ts": pa.array([[T0]], pa.list_(pa.int64())),
+                "event_type": ["a"],
+                "item_id": [1],
+                "surface": ["home"],
+            }
+        ),
+        tmp_path / "ev" / "x.parquet",
+    )
+    with pytest.raises(EventsError, match=r"x\.parquet: column 'ts' has type list"):
+        backfill(defs, tmp_path / "ev", tmp_path / "store", sources={"items": tmp_path / "i.parquet"})
+    assert not (tmp_path / "store").exists()
+
+
+def test_enrichment_table_errors(tmp_path):
+    defs = make_defs()
+    random_log(6, tmp_path, files=1)
+    with pytest.raises(EnrichmentError, match="enrichment 'items' needs its source table 'items': pass --items"):
+        backfill(defs, tmp_path / "events", tmp_path / "store")
+    pq.write_table(pa.table({"item_id": [1, 1], "category": [2, 3], "score": [0.0, 1.0]}), tmp_path / "dup.parquet")
+    with pytest.raises(EnrichmentError, match="duplicated 'item_id'"):
+        backfill(defs, tmp_path / "events", tmp_path / "store", sources={"items": tmp_path / "dup.parquet"})
+    pq.write_table(pa.table({"item_id": [1], "category": [2]}), tmp_path / "nocol.parquet")
+    with pytest.raises(EnrichmentError, match="has no column 'score'"):
+        backfill(defs, tmp_path / "events", tmp_path / "store", sources={"items": tmp_path / "nocol.parquet"})
+    assert not (tmp_path / "store").exists()
+
+
+def test_raw_types_and_layouts(tmp_path):
+    """Timestamps stored as Arrow timestamps, dictionary strings, uint64 overflow, a nested dt= layout."""
+    defs = make_defs()
+    folder = tmp_path / "ev" / "dt=2026-01-05" / "hour=01"
+    folder.mkdir(parents=True)
+    t = pa.table(
+        {
+            "user_id": pa.array([1, 2, 2**63 + 5, 3], pa.uint64()),
+            "ts": pa.array([T0, T0 + 5, T0 + 6, T0 + 7], pa.timestamp("ms")),
+            "event_type": pa.array(["a", "b", "a", "zzz"]).dictionary_encode(),
+            "item_id": [0, 10**9, 0, 0],
+            "surface": ["home", "x", "home", "home"],
+        }
+    )
+    pq.write_table(t, folder / "f.parquet")
+    items = tmp_path / "items.parquet"
+    pq.write_table(pa.table({"item_id": [0], "category": [7], "score": [0.5]}), items)
+    report = backfill(defs, tmp_path / "ev", tmp_path / "store", sources={"items": items})
+    got = read_sequence(tmp_path / "store", "s1").to_pylist()
+    assert [(r["user_id"], r["ts"], r["event_type"], r["category"]) for r in got] == [
+        (1, T0, "a", 7),
+        (2, T0 + 5, "b", -1),
+    ]
+    st = report.files["dt=2026-01-05/hour=01/f.parquet"]
+    assert dict(st.bad) == {"wrong type user_id": 1} and st.filtered == 1
+    summary = json.loads(json.dumps(report.to_json()))
+    assert summary["totals"]["bad_rows"] == 1
+
+
+def test_rerun_into_store_of_other_definition_is_refused(tmp_path):
+    from jaxscale.sequences.store import StoreError
+
+    random_log(7, tmp_path, files=1)
+    store = tmp_path / "store"
+    backfill(make_defs(), tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
+    with pytest.raises(StoreError, match="different definition"):
+        backfill(make_defs(max_length=9), tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
+    shutil.rmtree(store / "s1")
+    backfill(make_defs(max_length=9), tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
