@@ -152,7 +152,9 @@ def compile_library(plan: BuildPlan) -> Path:
     try:
         plan.library.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BuildError(f"cannot create the cache directory {plan.library.parent}: {e} (set JAXSCALE_NATIVE_CACHE)")
+        raise BuildError(
+            f"cannot create the cache directory {plan.library.parent}: {e} (set JAXSCALE_NATIVE_CACHE)"
+        ) from e
     with _build_lock(plan.library.with_suffix(".lock")):
         if plan.library.exists():  # another process built it while we waited
             return plan.library

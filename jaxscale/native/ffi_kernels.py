@@ -17,9 +17,7 @@ _EMPTY = ((0,), jnp.float32)
 
 def gather_rows(table, rows):
     m, w = rows.shape[0], table.shape[1]
-    call = jax.ffi.ffi_call(
-        "jaxscale_gather_rows", jax.ShapeDtypeStruct((m, w), jnp.float32), vmap_method="sequential"
-    )
+    call = jax.ffi.ffi_call("jaxscale_gather_rows", jax.ShapeDtypeStruct((m, w), jnp.float32), vmap_method="sequential")
     return call(table, rows)
 
 
@@ -28,9 +26,7 @@ def gather_pool(table, ids, pooling):
     w = table.shape[1]
     if pooling is None:  # a sequence lookup is a row gather of the flattened ids
         return gather_rows(table, ids.reshape(-1)).reshape(b, L, w)
-    call = jax.ffi.ffi_call(
-        "jaxscale_gather_pool", jax.ShapeDtypeStruct((b, w), jnp.float32), vmap_method="sequential"
-    )
+    call = jax.ffi.ffi_call("jaxscale_gather_pool", jax.ShapeDtypeStruct((b, w), jnp.float32), vmap_method="sequential")
     return call(table, ids, pooling=np.int32(POOLING_CODES[pooling]))
 
 
@@ -44,9 +40,7 @@ def update_rows(table, acc, rows, grads, *, optimizer, learning_rate, eps, apply
     acc_in, shapes = _state_io(table, acc)
     inc = acc_increment if acc_increment is not None else jnp.zeros(*_EMPTY)
     after = after if after is not None else jnp.zeros(*_EMPTY)
-    call = jax.ffi.ffi_call(
-        "jaxscale_update_rows", shapes, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential"
-    )
+    call = jax.ffi.ffi_call("jaxscale_update_rows", shapes, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
     new_table, new_acc = call(
         table,
         acc_in,

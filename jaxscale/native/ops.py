@@ -102,10 +102,37 @@ def _order_token(after):
     return jnp.concatenate(picks) if picks else None
 
 
+def _vma(x) -> frozenset:
+    """The shard_map axes one value varies over (`aval.vma`, or `aval.mat.varying` in jax >= 0.10)."""
+    aval = jax.typeof(x)
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(axes or ())
+
+
+def _varying_axes(tree) -> frozenset:
+    """The shard_map axes the values of `tree` vary over (empty outside shard_map)."""
+    return frozenset().union(*(_vma(x) for x in jax.tree.leaves(tree)))
+
+
+def _vary(outputs, axes: frozenset):
+    """Marks the FFI outputs as varying over the inputs' shard_map axes (an ffi_call's outputs are not)."""
+    if not axes:
+        return outputs
+
+    def cast(y):
+        missing = tuple(sorted(axes - _vma(y)))
+        return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+    return jax.tree.map(cast, outputs)
+
+
 def _dispatch(native_fn, jax_fn, *args):
     """The native kernel on CPU when available, the pure-JAX kernel on other platforms or otherwise."""
     if runtime.use_native():
-        return jax.lax.platform_dependent(*args, cpu=native_fn, default=jax_fn)
+        axes = _varying_axes(args)
+        return jax.lax.platform_dependent(*args, cpu=lambda *a: _vary(native_fn(*a), axes), default=jax_fn)
     return jax_fn(*args)
 
 
@@ -224,9 +251,7 @@ def update_rows(
     def run(impl):
         return lambda t, a, r, g, ap, inc, tok: impl(t, a, r, g, apply=ap, acc_increment=inc, after=tok, **kw)
 
-    return _dispatch(
-        run(_ffi.update_rows), run(_jk.update_rows), table, acc, rows, grads, apply, acc_increment, token
-    )
+    return _dispatch(run(_ffi.update_rows), run(_jk.update_rows), table, acc, rows, grads, apply, acc_increment, token)
 
 
 def update_pooled(
@@ -274,4 +299,3 @@ def update_pooled(
         return lambda t, a, x, g, ap, tok: impl(t, a, x, g, apply=ap, after=tok, **kw)
 
     return _dispatch(run(_ffi.update_pooled), run(_jk.update_pooled), table, acc, ids, grad, apply, token)
-
