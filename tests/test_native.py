@@ -648,3 +648,47 @@ def test_concurrent_first_use_builds_once(tmp_path):
     for symbol in runtime.TARGETS.values():
         assert hasattr(lib, symbol)
     assert lib.jaxscale_native_abi_version() == build.ABI_VERSION
+
+
+# ------------------------------------------------------------------------ the benchmark and GPU scripts
+
+
+def _script_env(tmp_path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.mark.slow  # two engines x one round of the quick workload, each in its own process (~1 min)
+def test_bench_native_quick_run_writes_a_checked_table(native_ready, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("fbgemm_gpu") is None:
+        pytest.skip("fbgemm_gpu is not installed (experiments/baselines/install_torchrec.sh installs it)")
+    out = tmp_path / "bench.md"
+    cmd = [sys.executable, str(REPO / "experiments/bench/bench_native.py"), "--quick", "--rounds", "1"]
+    cmd += ["--engines", "jaxscale-native,fbgemm", "--no-interference", "--out", str(out)]
+    proc = subprocess.run(cmd, env=_script_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "| jaxscale-native |" in text and "| fbgemm |" in text and "Check (passed)" in text
+    assert "Load average" in text
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["check"]["ok"] and res["check"]["max_abs_diff_native_vs_fbgemm"] <= res["check"]["tolerance"]
+    assert res["info"]["jaxscale-native"]["native_kernels"] is True
+    assert len(res["all_step_ms"]["fbgemm"][0]) == res["config"]["steps"]
+
+
+@pytest.mark.slow  # every part of the GPU check at its quick size, on CPU (~1-2 min)
+def test_gpu_check_script_runs_on_cpu_in_quick_mode(tmp_path):
+    out = tmp_path / "gpu_check.txt"
+    env = dict(_script_env(tmp_path), GPU_CHECK_OUT=str(out))
+    cmd = ["bash", str(REPO / "experiments/gpu/check.sh"), "--quick"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    text = out.read_text()
+    for header in ("(a) lookup + update", "(b) summary", "(c) ragged_all_to_all", "(d) smoke train", "all parts ran"):
+        assert header in text, header
+    assert "WRONG" not in text
+    # XLA:CPU cannot run ragged-all-to-all (jax 0.10.2): the script reports it instead of failing.
+    assert "NOT SUPPORTED on cpu" in text or "correct;" in text

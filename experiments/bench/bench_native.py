@@ -19,7 +19,11 @@ steps of all rounds, and the median of each round. Each process also times --ste
 Afterwards the engines' final tables and accumulators (touched rows) must agree with each other and with
 a NumPy replay of the same steps, or the run fails.
 
-Interference (--interference, on by default): the old suite kept a JAX worker and an FBGEMM worker alive
+One CPU, one thread (on by default; --no-single-thread skips it): the same rounds for jaxscale-native and
+fbgemm with each process pinned to one CPU and one thread: the work per step, without thread scheduling
+(OpenMP teams suffer most when the machine is busy and their threads get descheduled).
+
+Interference (on by default; --no-interference skips it): the old suite kept a JAX worker and an FBGEMM worker alive
 side by side and interleaved their steps. Here FBGEMM (and jaxscale-native) are timed again with the other
 engine's process alive: (idle) the other process waits, blocked on a pipe; (interleaved) it runs one step
 before each timed step. The table reports the medians beside the alone medians.
@@ -191,10 +195,23 @@ def _engine(name: str, spec: dict):
     return _jax_engine(spec, "1" if name == "jaxscale-native" else "0")
 
 
+def pin_to_one_cpu(cpu: int):
+    """This process on one CPU with one thread (before JAX / torch start): per-thread efficiency."""
+    os.sched_setaffinity(0, {cpu})
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch's OpenMP pool; the native kernels follow the affinity
+
+
 def worker(name: str, spec_path: str, out_path: str):
     """One engine, one process: warm-up + timed steps, forward-only timings, final state saved."""
     spec = json.loads(Path(spec_path).read_text())
+    if os.environ.get("BENCH_NATIVE_PIN"):
+        pin_to_one_cpu(int(os.environ["BENCH_NATIVE_PIN"]))
     run_step, run_forward, final, first_out, info = _engine(name, spec)
+    if os.environ.get("BENCH_NATIVE_PIN") and name == "fbgemm":
+        import torch
+
+        torch.set_num_threads(1)
+        info["torch_threads"] = torch.get_num_threads()
     nsteps = spec["warmup"] + spec["steps"]
     step_s = [run_step(i) for i in range(nsteps)][spec["warmup"] :]
     fwd_s = [run_forward(i) for i in range(nsteps)][spec["warmup"] :]
@@ -229,10 +246,13 @@ def _child_env() -> dict:
     return env
 
 
-def run_worker(name: str, spec_path: str, tmp: str, tag: str) -> dict:
+def run_worker(name: str, spec_path: str, tmp: str, tag: str, pin: int | None = None) -> dict:
     out = os.path.join(tmp, f"{name}.{tag}.json")
     cmd = [sys.executable, __file__, "--worker", name, "--spec", spec_path, "--out", out]
-    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=3600)
+    env = _child_env()
+    if pin is not None:
+        env["BENCH_NATIVE_PIN"] = str(pin)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} worker failed:\n{proc.stderr[-4000:]}")
     res = json.loads(Path(out).read_text())
@@ -289,6 +309,32 @@ def interference(spec_path: str, cfg: dict) -> dict:
             f"interleaved {out[timed]['interleaved_ms']:.2f} ms"
         )
     return out
+
+
+def rounds(engines, spec: str, tmp: str, cfg: dict, pin: int | None = None):
+    """Whole processes alternate (order rotated each round); returns (runs, medians per engine)."""
+    runs = {e: [] for e in engines}
+    loads = {e: [] for e in engines}
+    tag = "pinned" if pin is not None else "r"
+    for r in range(cfg["rounds"]):
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
+        for name in order:
+            runs[name].append(run_worker(name, spec, tmp, f"{tag}{r}", pin=pin))
+            loads[name].append(loadavg())
+            log(
+                f"round {r}{' (one CPU, one thread)' if pin is not None else ''}: {name} step median "
+                f"{med_ms(runs[name][-1]['step_s']):.2f} ms (load {loads[name][-1]})"
+            )
+    medians = {
+        name: {
+            "step": med_ms([t for run in runs[name] for t in run["step_s"]]),
+            "forward": med_ms([t for run in runs[name] for t in run["forward_s"]]),
+            "per_round": [med_ms(run["step_s"]) for run in runs[name]],
+            "load": loads[name],
+        }
+        for name in engines
+    }
+    return runs, medians
 
 
 def med_ms(seconds) -> float:
@@ -362,7 +408,6 @@ def check(results: dict, tmp: str) -> dict:
 def markdown(res: dict) -> str:
     cfg, m = res["config"], res["machine"]
     med = res["median_ms"]
-    fb = med["fbgemm"]["step"]
     lines = [
         "# Native fused CPU kernels vs FBGEMM's CPU TBE (one device)",
         "",
@@ -382,12 +427,15 @@ def markdown(res: dict) -> str:
         "per-round step medians (ms) | load avg during its runs |",
         "|---|---|---|---|---|---|",
     ]
-    for name in res["engines"]:
-        s = med[name]
-        ratio = fb / s["step"]
-        rounds = ", ".join(f"{x:.2f}" for x in s["per_round"])
-        loads = "; ".join(str(x[0]) for x in s["load"])
-        lines.append(f"| {name} | {s['step']:.2f} | {ratio:.2f}x | {s['forward']:.2f} | {rounds} | {loads} |")
+    busy = max([res["load_start"][0], res["load_end"][0]] if res["load_start"] and res["load_end"] else [0.0])
+    if m["nproc"] and busy > 0.5 * m["nproc"]:
+        lines[-2:-2] = [
+            f"**The machine was busy** (1-min load average up to {busy:.1f} on {m['nproc']} CPUs): other "
+            "processes shared the cores, so these times and ratios are indicative only (an OpenMP engine "
+            "suffers more than others when its threads are descheduled). Re-run on an idle machine.",
+            "",
+        ]
+    lines += engine_rows(med)
     c = res["check"]
     lines += [
         "",
@@ -437,8 +485,39 @@ def markdown(res: dict) -> str:
                 f"| {inter:.2f} ms ({inter / alone:.2f}x) | {load} |"
             )
         lines += ["", *interference_notes(res)]
+    if res.get("single_thread_ms"):
+        st = res["single_thread_ms"]
+        sc = res["single_thread_check"]
+        lines += [
+            "",
+            f"## One CPU, one thread each (both pinned to CPU {res['single_thread_cpu']})",
+            "",
+            "The same rounds with every engine process pinned to one CPU (`sched_setaffinity`), FBGEMM with one "
+            "OpenMP thread, the native kernels single-threaded (they follow the affinity): the work each engine "
+            "does per step, with no thread scheduling in the way.",
+            "",
+            "| engine | lookup + update step (ms) | ratio vs FBGEMM (>1 = faster) | forward only (ms) | "
+            "per-round step medians (ms) | load avg during its runs |",
+            "|---|---|---|---|---|---|",
+            *engine_rows(st),
+            "",
+            f"Check ({'passed' if sc['ok'] else 'FAILED'}): jaxscale-native vs FBGEMM "
+            f"{sc.get('max_abs_diff_native_vs_fbgemm', float('nan')):.1e} after the same steps.",
+        ]
     lines += ["", "Raw per-step times (ms) are in the JSON written next to this file."]
     return "\n".join(lines) + "\n"
+
+
+def engine_rows(med: dict) -> list[str]:
+    fb = med["fbgemm"]["step"]
+    rows = []
+    for name, s in med.items():
+        per_round = ", ".join(f"{x:.2f}" for x in s["per_round"])
+        loads = "; ".join(str(x[0]) for x in s["load"])
+        rows.append(
+            f"| {name} | {s['step']:.2f} | {fb / s['step']:.2f}x | {s['forward']:.2f} | {per_round} | {loads} |"
+        )
+    return rows
 
 
 def interference_notes(res: dict) -> list[str]:
@@ -463,6 +542,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int)
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
     p.add_argument("--no-interference", action="store_true", help="skip the interference runs")
+    p.add_argument("--no-single-thread", action="store_true", help="skip the one-CPU, one-thread rounds")
     p.add_argument("--out", default=str(RESULTS), help="Markdown results file (a .json is written beside it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -501,23 +581,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_native_") as tmp:
         log("generating data")
         spec = make_data(cfg, tmp)
-        runs = {e: [] for e in engines}
-        loads = {e: [] for e in engines}
-        for r in range(cfg["rounds"]):
-            order = engines[r % len(engines) :] + engines[: r % len(engines)]
-            for name in order:
-                runs[name].append(run_worker(name, spec, tmp, f"r{r}"))
-                loads[name].append(loadavg())
-                log(f"round {r}: {name} step median {med_ms(runs[name][-1]['step_s']):.2f} ms (load {loads[name][-1]})")
-        res["median_ms"] = {
-            name: {
-                "step": med_ms([t for run in runs[name] for t in run["step_s"]]),
-                "forward": med_ms([t for run in runs[name] for t in run["forward_s"]]),
-                "per_round": [med_ms(run["step_s"]) for run in runs[name]],
-                "load": loads[name],
-            }
-            for name in engines
-        }
+        runs, res["median_ms"] = rounds(engines, spec, tmp, cfg)
         res["all_step_ms"] = {
             name: [[round(1e3 * t, 3) for t in run["step_s"]] for run in runs[name]] for name in engines
         }
@@ -526,13 +590,19 @@ def main(argv=None) -> int:
         res["check"] = check(runs, tmp)
         if not args.no_interference and "jaxscale-native" in engines:
             res["interference"] = interference(spec, cfg)
+        if not args.no_single_thread and "jaxscale-native" in engines and hasattr(os, "sched_setaffinity"):
+            cpu = sorted(os.sched_getaffinity(0))[-1]
+            pinned = ["jaxscale-native", "fbgemm"]
+            pruns, res["single_thread_ms"] = rounds(pinned, spec, tmp, cfg, pin=cpu)
+            res["single_thread_cpu"] = cpu
+            res["single_thread_check"] = check(pruns, tmp)
     res["load_end"] = loadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(res))
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     print(markdown(res))
-    return 0 if res["check"]["ok"] else 1
+    return 0 if res["check"]["ok"] and res.get("single_thread_check", {"ok": True})["ok"] else 1
 
 
 if __name__ == "__main__":
