@@ -273,6 +273,30 @@ def test_update_rows_apply_false_and_empty(impl, optimizer):
     np.testing.assert_array_equal(np.asarray(new_a), acc)
 
 
+def test_update_rows_on_a_large_table(impl):
+    """5M rows: 23-bit row ids, three radix passes in the native sort; ids spread over the whole range."""
+    rng = np.random.default_rng(14)
+    R = 5_000_003
+    table = np.zeros((R, 2), np.float32)
+    acc = np.zeros(R, np.float32)
+    r = np.concatenate([rng.integers(0, R, 300), [R - 1, R - 1, 0, 1 << 22, (1 << 22) - 1, R, -1]]).astype(np.int32)
+    g = rng.normal(size=(r.size, 2)).astype(np.float32)
+    new_t, new_a = jax.jit(
+        lambda t, a, r, g: native.update_rows(t, a, r, g, optimizer="rowwise_adagrad", learning_rate=LR, eps=EPS),
+        donate_argnums=(0, 1),
+    )(jnp.asarray(table), jnp.asarray(acc), r, g)
+    valid = (r >= 0) & (r < R)
+    touched = np.unique(r[valid])
+    local = np.where(valid, np.searchsorted(touched, r), -1)  # the reference runs on the touched rows only
+    sub_t, sub_a = ref_update(table[touched], acc[touched], local, g, "rowwise_adagrad")
+    new_t, new_a = np.asarray(new_t), np.asarray(new_a)
+    close(new_t[touched], sub_t)
+    close(new_a[touched], sub_a)
+    untouched = np.ones(R, bool)
+    untouched[touched] = False
+    assert not new_t[untouched].any() and not new_a[untouched].any()
+
+
 def test_update_rows_acc_increment(impl):
     rng = np.random.default_rng(12)
     table, acc = state(rng, 60, 7)

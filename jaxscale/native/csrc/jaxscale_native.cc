@@ -36,7 +36,7 @@ namespace {
 constexpr int kAbiVersion = 2;
 constexpr int64_t kPrefetchIds = 8;     // ids ahead whose rows are prefetched in the gathers
 constexpr int64_t kPrefetchUniques = 8;  // unique rows ahead prefetched in the update
-constexpr int kMaxDigitBits = 8;        // radix sort digit: <= 256 write streams, which stay in L1
+constexpr int kMaxDigitBits = 11;       // radix sort digit: two passes up to 4M rows (2048 buckets)
 
 enum Pooling : int32_t { kSum = 1, kMean = 2 };
 enum Optimizer : int32_t { kSgd = 0, kRowwiseAdagrad = 1 };
@@ -244,8 +244,8 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-// LSD radix sort of packed pairs by their row (rows <= max_row), digits of at most kMaxDigitBits bits so
-// that the scatter's write streams stay in L1. Returns the buffer holding the result.
+// LSD radix sort of packed pairs by their row (rows <= max_row), in as few passes of at most kMaxDigitBits
+// bits as the row count needs (fewer passes beat L1-sized digits here). Returns the buffer holding the result.
 uint64_t* SortByRow(ffi::ThreadPool* pool, uint64_t* data, uint64_t* tmp, int64_t n, uint32_t max_row,
                     std::vector<uint32_t>& histogram) {
   int bits = 0;
