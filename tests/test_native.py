@@ -716,3 +716,16 @@ def test_gpu_check_script_runs_on_cpu_in_quick_mode(tmp_path):
     assert "WRONG" not in text
     # XLA:CPU cannot run ragged-all-to-all (jax 0.10.2): the script reports it instead of failing.
     assert "NOT SUPPORTED on cpu" in text or "correct;" in text
+
+
+def test_unwritable_cache_is_a_clear_build_error(monkeypatch, tmp_path):
+    if os.geteuid() == 0:
+        target = tmp_path / "not-a-dir"
+        target.write_text("a file where the cache directory should be")
+        monkeypatch.setenv("JAXSCALE_NATIVE_CACHE", str(target / "cache"))
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        monkeypatch.setenv("JAXSCALE_NATIVE_CACHE", str(ro))
+    with pytest.raises(build.BuildError, match="JAXSCALE_NATIVE_CACHE"):
+        build.compile_library(build.plan_build())

@@ -158,7 +158,12 @@ def compile_library(plan: BuildPlan) -> Path:
     with _build_lock(plan.library.with_suffix(".lock")):
         if plan.library.exists():  # another process built it while we waited
             return plan.library
-        fd, tmp = tempfile.mkstemp(dir=plan.library.parent, prefix=plan.library.stem + ".", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=plan.library.parent, prefix=plan.library.stem + ".", suffix=".tmp")
+        except OSError as e:
+            raise BuildError(
+                f"cannot write to the cache directory {plan.library.parent}: {e} (set JAXSCALE_NATIVE_CACHE)"
+            ) from e
         os.close(fd)
         cmd = [plan.compiler, *plan.flags, "-I", plan.include_dir, str(SOURCE), "-o", tmp]
         try:

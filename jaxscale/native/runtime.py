@@ -48,7 +48,12 @@ def _load() -> dict:
             return _loaded
         try:
             path = _build.build()
-            lib = ctypes.CDLL(str(path))
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:  # a damaged cache entry: build it again, once
+                path.unlink(missing_ok=True)
+                path = _build.build()
+                lib = ctypes.CDLL(str(path))
             abi = lib.jaxscale_native_abi_version()
             if abi != _build.ABI_VERSION:
                 raise _build.BuildError(f"{path} has ABI version {abi}, expected {_build.ABI_VERSION}")
