@@ -223,18 +223,37 @@ def worker(name: str, spec_path: str, out_path: str):
     Path(out_path).write_text(json.dumps({"step_s": step_s, "forward_s": fwd_s, "info": info}))
 
 
+IDLE_PROBE_S = 0.5
+
+
+def process_cpu_s() -> float:
+    """CPU seconds used so far by every thread of this process."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def server(name: str, spec_path: str):
-    """A persistent engine process (interference runs): 'step' on stdin runs one step, replies its time."""
+    """A persistent engine process (interference runs), driven by stdin lines:
+    'step' runs one step and replies its time; 'probe' runs one step, then sleeps IDLE_PROBE_S and replies
+    the CPU seconds its threads burnt meanwhile (worker threads that spin after a step show up here)."""
     spec = json.loads(Path(spec_path).read_text())
     run_step, *_ = _engine(name, spec)
     n = spec["warmup"] + spec["steps"]
     i = 0
     print("READY", flush=True)
     for line in sys.stdin:
-        if line.strip() != "step":
+        cmd = line.strip()
+        if cmd not in ("step", "probe"):
             break
-        print(json.dumps(run_step(i % n)), flush=True)
+        dt = run_step(i % n)
         i += 1
+        if cmd == "probe":
+            c0 = process_cpu_s()
+            time.sleep(IDLE_PROBE_S)
+            dt = process_cpu_s() - c0
+        print(json.dumps(dt), flush=True)
 
 
 # ---------------------------------------------------------------------------------------- orchestrator
@@ -270,8 +289,8 @@ class Server:
         if line.strip() != "READY":
             raise RuntimeError(f"{name} server did not start: {line!r}")
 
-    def step(self) -> float:
-        self.proc.stdin.write("step\n")
+    def step(self, cmd: str = "step") -> float:
+        self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
@@ -281,7 +300,18 @@ class Server:
             self.proc.wait(timeout=60)
 
 
-def interference(spec_path: str, cfg: dict) -> dict:
+def idle_probe(name: str, spec_path: str, cfg: dict) -> float:
+    """Median CPU ms a waiting engine process burns in the IDLE_PROBE_S after a step."""
+    srv = Server(name, spec_path)
+    try:
+        for _ in range(cfg["warmup"]):
+            srv.step()
+        return 1e3 * statistics.median(srv.step("probe") for _ in range(5))
+    finally:
+        srv.close()
+
+
+def interference(spec_path: str, cfg: dict, engines) -> dict:
     """Medians of each timed engine with the other engine's process alive (idle, or stepping in between)."""
     n = cfg["warmup"] + cfg["steps"]
     out = {}
@@ -299,15 +329,24 @@ def interference(spec_path: str, cfg: dict) -> dict:
                     t = a.step()
                     if i >= cfg["warmup"]:
                         inter.append(t)
+                spin = statistics.median(a.step("probe") for _ in range(5))
             finally:
                 b.close()
         finally:
             a.close()
-        out[timed] = {"other": other, "idle_ms": med_ms(idle), "interleaved_ms": med_ms(inter), "load": loadavg()}
+        out[timed] = {
+            "other": other,
+            "idle_ms": med_ms(idle),
+            "interleaved_ms": med_ms(inter),
+            "cpu_ms_while_waiting": 1e3 * spin,
+            "load": loadavg(),
+        }
         log(
             f"interference: {timed} with {other} alive: idle {out[timed]['idle_ms']:.2f} ms, "
             f"interleaved {out[timed]['interleaved_ms']:.2f} ms"
         )
+    if "jaxscale-jax" in engines:  # the engine the old suite's JAX worker ran: XLA's own threads at work
+        out["jaxscale-jax"] = {"cpu_ms_while_waiting": idle_probe("jaxscale-jax", spec_path, cfg), "load": loadavg()}
     return out
 
 
@@ -473,16 +512,19 @@ def markdown(res: dict) -> str:
             "## Interference: timing with the other engine's process alive",
             "",
             "| timed engine | alone (main rounds) | other process alive, idle | other process stepping in between "
-            "| load avg |",
-            "|---|---|---|---|---|",
+            f"| CPU its threads burn in the {IDLE_PROBE_S:g} s after a step | load avg |",
+            "|---|---|---|---|---|---|",
         ]
         for name, r in res["interference"].items():
+            if "idle_ms" not in r:
+                continue
             alone = med[name]["step"]
             idle, inter = r["idle_ms"], r["interleaved_ms"]
             load = r["load"][0] if r["load"] else "?"
+            spin = r.get("cpu_ms_while_waiting", float("nan"))
             lines.append(
                 f"| {name} (other: {r['other']}) | {alone:.2f} ms | {idle:.2f} ms ({idle / alone:.2f}x) "
-                f"| {inter:.2f} ms ({inter / alone:.2f}x) | {load} |"
+                f"| {inter:.2f} ms ({inter / alone:.2f}x) | {spin:.1f} ms | {load} |"
             )
         lines += ["", *interference_notes(res)]
     if res.get("single_thread_ms"):
@@ -526,10 +568,20 @@ def interference_notes(res: dict) -> list[str]:
     for name, r in res["interference"].items():
         alone = res["median_ms"][name]["step"]
         for key, label in (("idle_ms", "idle"), ("interleaved_ms", "stepping in between")):
+            if key not in r:
+                continue
             ratio = r[key] / alone
             verdict = "slower" if ratio > 1.1 else ("faster" if ratio < 0.9 else "within 10% of alone")
             notes.append(
                 f"- {name} with a {r['other']} process alive and {label}: {ratio:.2f}x its alone time ({verdict})."
+            )
+        if "cpu_ms_while_waiting" in r:
+            spin = r["cpu_ms_while_waiting"]
+            share = spin / (1e3 * IDLE_PROBE_S)
+            notes.append(
+                f"- a waiting {name} process burns {spin:.1f} ms of CPU in the {IDLE_PROBE_S:g} s after a step "
+                f"({share:.1%} of one core): "
+                + ("its threads keep spinning after the step." if share > 0.05 else "its threads go to sleep.")
             )
     return notes
 
@@ -589,7 +641,7 @@ def main(argv=None) -> int:
         log("checking the updated tables against a NumPy replay")
         res["check"] = check(runs, tmp)
         if not args.no_interference and "jaxscale-native" in engines:
-            res["interference"] = interference(spec, cfg)
+            res["interference"] = interference(spec, cfg, engines)
         if not args.no_single_thread and "jaxscale-native" in engines and hasattr(os, "sched_setaffinity"):
             cpu = sorted(os.sched_getaffinity(0))[-1]
             pinned = ["jaxscale-native", "fbgemm"]
