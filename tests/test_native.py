@@ -382,6 +382,95 @@ def test_native_equals_pure_jax_on_a_zipf_training_run(native_ready, monkeypatch
     assert not np.allclose(finals["1"][0], table)
 
 
+# ------------------------------------------------------------ per-slot pooling (the partial-sums path)
+
+
+def ref_segment_sum(table, rows, segments, num_segments):
+    out = np.zeros((num_segments, table.shape[1]))
+    for r, s in zip(rows, segments):
+        if 0 <= r < table.shape[0] and 0 <= s < num_segments:
+            out[s] += table[r]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gather_segment_sum(impl, case):
+    seed, rows, w, b, L, kind = case
+    rng = np.random.default_rng(300 + seed)
+    table, _ = state(rng, rows, w)
+    r = make_ids(rng, kind, rows, (b * L,))
+    segs = rng.integers(-2, b + 2, b * L).astype(np.int32)  # out-of-range slots contribute nothing
+    out = jax.jit(lambda t, r, s: native.gather_segment_sum(t, r, s, num_segments=b))(table, r, segs)
+    assert out.shape == (b, w)
+    close(out, ref_segment_sum(table, r, segs, b))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=_case_id)
+def test_update_rows_indexed(impl, case, optimizer):
+    seed, rows, w, b, L, kind = case
+    rng = np.random.default_rng(400 + seed)
+    table, acc = state(rng, rows, w)
+    r = make_ids(rng, kind, rows, (b * L,))
+    gi = rng.integers(-1, b + 1, b * L).astype(np.int32)
+    grads = rng.normal(size=(b, w)).astype(np.float32)
+    acc_in = acc if optimizer == "rowwise_adagrad" else None
+    new_t, new_a = jax.jit(
+        lambda t, a, r, gi, g: native.update_rows_indexed(
+            t, a, r, gi, g, optimizer=optimizer, learning_rate=LR, eps=EPS
+        ),
+        donate_argnums=(0, 1),
+    )(jnp.asarray(table), None if acc_in is None else jnp.asarray(acc_in), r, gi, grads)
+    ok = (gi >= 0) & (gi < b)
+    per_row = np.where(ok[:, None], grads[np.clip(gi, 0, b - 1)], 0.0).astype(np.float32)
+    want_t, want_a = ref_update(table, acc_in, np.where(ok, r, -1), per_row, optimizer)
+    close(new_t, want_t)
+    if acc_in is not None:
+        close(new_a, want_a)
+
+
+def test_segment_path_equals_pooled_path(impl):
+    """Pooling by slot + the indexed update == gather_pool + update_pooled when the slot is the bag."""
+    rng = np.random.default_rng(41)
+    table, acc = state(rng, 300, 16)
+    ids = make_ids(rng, "messy", 300, (12, 7))
+    grad = rng.normal(size=(12, 16)).astype(np.float32)
+    bags = np.repeat(np.arange(12, dtype=np.int32), 7)
+
+    def via_segments(t, a, x, g):
+        out = native.gather_segment_sum(t, x.reshape(-1), bags, num_segments=12)
+        t, a = native.update_rows_indexed(
+            t, a, x.reshape(-1), bags, g, optimizer="rowwise_adagrad", learning_rate=LR, eps=EPS, after=out
+        )
+        return out, t, a
+
+    def via_pooled(t, a, x, g):
+        out = native.gather_pool(t, x, pooling="sum")
+        t, a = native.update_pooled(
+            t, a, x, g, pooling="sum", optimizer="rowwise_adagrad", learning_rate=LR, eps=EPS, after=out
+        )
+        return out, t, a
+
+    got = jax.jit(via_segments)(table, acc, ids, grad)
+    want = jax.jit(via_pooled)(table, acc, ids, grad)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
+
+
+def test_gather_segment_sum_is_differentiable(impl):
+    rng = np.random.default_rng(42)
+    table, _ = state(rng, 40, 6)
+    r = make_ids(rng, "messy", 40, (30,))
+    segs = rng.integers(0, 5, 30).astype(np.int32)
+    ct = rng.normal(size=(5, 6)).astype(np.float32)
+    got = jax.grad(lambda t: jnp.sum(native.gather_segment_sum(t, r, segs, num_segments=5) * ct))(table)
+    want = np.zeros_like(table, np.float64)
+    for ri, si in zip(r, segs):
+        if 0 <= ri < 40:
+            want[ri] += ct[si]
+    close(got, want)
+
+
 # -------------------------------------------------------------------------------------- errors / input
 
 
@@ -417,6 +506,14 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         native.update_rows(t, a, r, g, optimizer="sgd", learning_rate=0.1, apply=jnp.ones((2,), bool))
     with pytest.raises(ValueError, match="acc_increment only applies"):
         native.update_rows(t, a, r, g, optimizer="sgd", learning_rate=0.1, acc_increment=jnp.zeros(3))
+    with pytest.raises(TypeError, match="segments must have the shape of rows"):
+        native.gather_segment_sum(t, r, r[:2], num_segments=4)
+    with pytest.raises(TypeError, match="num_segments must be a static non-negative int"):
+        native.gather_segment_sum(t, r, r, num_segments=-1)
+    with pytest.raises(TypeError, match="grad_index must have the shape of rows"):
+        native.update_rows_indexed(t, a, r, r[:1], g, optimizer="sgd", learning_rate=0.1)
+    with pytest.raises(TypeError, match=r"grads must be a float32 array of shape \[3, 4\]"):
+        native.update_rows_indexed(t, a, r, r, g[:, :3], optimizer="sgd", learning_rate=0.1)
 
 
 def test_bad_mode_names_the_variable(monkeypatch):

@@ -10,7 +10,14 @@ The C++ source ships with the package and is compiled on first use with the syst
 `jaxscale.native.runtime`). `python -m jaxscale.native` builds the library and prints its status.
 """
 
-from jaxscale.native.ops import gather_pool, gather_rows, update_pooled, update_rows
+from jaxscale.native.ops import (
+    gather_pool,
+    gather_rows,
+    gather_segment_sum,
+    update_pooled,
+    update_rows,
+    update_rows_indexed,
+)
 from jaxscale.native.runtime import NativeUnavailableError, available, library_path, mode, unavailable_reason
 
 __all__ = [
@@ -18,9 +25,11 @@ __all__ = [
     "available",
     "gather_pool",
     "gather_rows",
+    "gather_segment_sum",
     "library_path",
     "mode",
     "unavailable_reason",
     "update_pooled",
     "update_rows",
+    "update_rows_indexed",
 ]

@@ -88,3 +88,34 @@ def update_pooled(table, acc, ids, grad, *, pooling, optimizer, learning_rate, e
         eps=np.float32(eps),
     )
     return new_table, (new_acc if acc is not None else None)
+
+
+def gather_segment_sum(table, rows, segments, num_segments):
+    w = table.shape[1]
+    call = jax.ffi.ffi_call(
+        "jaxscale_gather_segment_sum",
+        jax.ShapeDtypeStruct((num_segments, w), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(table, rows, segments)
+
+
+def update_rows_indexed(table, acc, rows, grad_index, grads, *, optimizer, learning_rate, eps, apply, after=None):
+    acc_in, shapes = _state_io(table, acc)
+    after = after if after is not None else jnp.zeros(*_EMPTY)
+    call = jax.ffi.ffi_call(
+        "jaxscale_update_rows_indexed", shapes, input_output_aliases={0: 0, 1: 1}, vmap_method="sequential"
+    )
+    new_table, new_acc = call(
+        table,
+        acc_in,
+        rows,
+        grad_index,
+        grads,
+        apply,
+        after,
+        optimizer=np.int32(OPTIMIZER_CODES[optimizer]),
+        learning_rate=np.float32(learning_rate),
+        eps=np.float32(eps),
+    )
+    return new_table, (new_acc if acc is not None else None)

@@ -86,3 +86,27 @@ def update_pooled(table, acc, ids, grad, *, pooling, optimizer, learning_rate, e
     return update_rows(
         table, acc, rows, g, optimizer=optimizer, learning_rate=learning_rate, eps=eps, apply=apply, after=after
     )
+
+
+def gather_segment_sum(table, rows, segments, num_segments):
+    """out[s] = sum of table[rows[i]] over the i with segments[i] == s; invalid rows / segments skipped."""
+    vals = gather_rows(table, rows)
+    idx = jnp.where(valid_rows(segments, num_segments), segments, num_segments)
+    return jnp.zeros((num_segments, table.shape[1]), jnp.float32).at[idx].add(vals, mode="drop")
+
+
+def update_rows_indexed(table, acc, rows, grad_index, grads, *, optimizer, learning_rate, eps, apply, after=None):
+    """Row rows[i] receives grads[grad_index[i]] (materialises the per-row gradients)."""
+    ok = valid_rows(grad_index, grads.shape[0])
+    g = jnp.take(grads, jnp.where(ok, grad_index, 0), axis=0)
+    return update_rows(
+        table,
+        acc,
+        jnp.where(ok, rows, -1),
+        g,
+        optimizer=optimizer,
+        learning_rate=learning_rate,
+        eps=eps,
+        apply=apply,
+        after=after,
+    )

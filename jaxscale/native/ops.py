@@ -200,6 +200,51 @@ def _gather_pool_bwd(num_rows, pooling, ids, ct):
 _gather_pool.defvjp(_gather_pool_fwd, _gather_pool_bwd)
 
 
+def gather_segment_sum(table, rows, segments, *, num_segments: int):
+    """Rows summed into segments: table f32[R, w], rows i32[n], segments i32[n] -> f32[num_segments, w].
+
+    out[s] = sum of table[rows[i]] over the i with segments[i] == s (zeros for an empty segment); entries
+    whose row is outside [0, R) or whose segment is outside [0, num_segments) contribute nothing. This is
+    an owner pooling the rows it holds into per-bag partial sums (bags identified by arbitrary slots).
+    Differentiable in `table`.
+    """
+    op = "gather_segment_sum"
+    _table(op, table)
+    rows = _ints(op, "rows", rows, 1)
+    segments = _ints(op, "segments", segments, 1)
+    if segments.shape != rows.shape:
+        raise TypeError(f"{op}: segments must have the shape of rows {list(rows.shape)}, got {list(segments.shape)}")
+    if not isinstance(num_segments, int) or isinstance(num_segments, bool) or num_segments < 0:
+        raise TypeError(f"{op}: num_segments must be a static non-negative int, got {num_segments!r}")
+    return _gather_segment_sum(table.shape[0], num_segments, table, rows, segments)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gather_segment_sum(num_rows, num_segments, table, rows, segments):
+    return _dispatch(
+        functools.partial(_ffi.gather_segment_sum, num_segments=num_segments),
+        functools.partial(_jk.gather_segment_sum, num_segments=num_segments),
+        table,
+        rows,
+        segments,
+    )
+
+
+def _gather_segment_sum_fwd(num_rows, num_segments, table, rows, segments):
+    return _gather_segment_sum(num_rows, num_segments, table, rows, segments), (rows, segments)
+
+
+def _gather_segment_sum_bwd(num_rows, num_segments, res, ct):
+    rows, segments = res
+    ok = _jk.valid_rows(rows, num_rows) & _jk.valid_rows(segments, num_segments)
+    g = jnp.take(ct, jnp.where(ok, segments, 0), axis=0)
+    idx = jnp.where(ok, rows, num_rows)
+    return jnp.zeros((num_rows, ct.shape[-1]), ct.dtype).at[idx].add(g, mode="drop"), None, None
+
+
+_gather_segment_sum.defvjp(_gather_segment_sum_fwd, _gather_segment_sum_bwd)
+
+
 # ------------------------------------------------------------------------------------------ updates
 
 
@@ -299,3 +344,54 @@ def update_pooled(
         return lambda t, a, x, g, ap, tok: impl(t, a, x, g, apply=ap, after=tok, **kw)
 
     return _dispatch(run(_ffi.update_pooled), run(_jk.update_pooled), table, acc, ids, grad, apply, token)
+
+
+def update_rows_indexed(
+    table,
+    acc,
+    rows,
+    grad_index,
+    grads,
+    *,
+    optimizer: str,
+    learning_rate: float,
+    eps: float = 1e-8,
+    apply=True,
+    after=None,
+):
+    """Like `update_rows`, with each row's gradient picked from a smaller gradient matrix.
+
+    Args:
+      table: f32[R, w]. acc: f32[R] or None (SGD).
+      rows: i32[m]. grad_index: i32[m]. grads: f32[G, w]: row rows[i] receives grads[grad_index[i]]
+        (e.g. the gradient of the bag the row was pooled into, as `gather_segment_sum` pooled it).
+        Entries whose row is outside [0, R) or whose grad_index is outside [0, G) are ignored.
+      optimizer, learning_rate, eps, apply, after: as in `update_rows`.
+
+    The backward of `gather_segment_sum` fused with the optimizer, without materialising [m, w]. The sum
+    of a row's gradients runs in increasing grad_index (a fixed order, independent of the thread count).
+    """
+    op = "update_rows_indexed"
+    acc = _state(op, table, acc, optimizer)
+    rows = _ints(op, "rows", rows, 1)
+    grad_index = _ints(op, "grad_index", grad_index, 1)
+    if grad_index.shape != rows.shape:
+        raise TypeError(
+            f"{op}: grad_index must have the shape of rows {list(rows.shape)}, got {list(grad_index.shape)}"
+        )
+    grads = jnp.asarray(grads)
+    grads = _floats(op, "grads", grads, (grads.shape[0] if grads.ndim == 2 else "G", table.shape[1]))
+    kw = dict(
+        optimizer=optimizer,
+        learning_rate=_hyper(op, "learning_rate", learning_rate),
+        eps=_hyper(op, "eps", eps),
+    )
+    apply = _apply(op, apply)
+    token = _order_token(after)
+
+    def run(impl):
+        return lambda t, a, r, gi, g, ap, tok: impl(t, a, r, gi, g, apply=ap, after=tok, **kw)
+
+    return _dispatch(
+        run(_ffi.update_rows_indexed), run(_jk.update_rows_indexed), table, acc, rows, grad_index, grads, apply, token
+    )

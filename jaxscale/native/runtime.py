@@ -21,6 +21,8 @@ TARGETS = {
     "jaxscale_gather_pool": "JaxscaleGatherPool",
     "jaxscale_update_rows": "JaxscaleUpdateRows",
     "jaxscale_update_pooled": "JaxscaleUpdatePooled",
+    "jaxscale_gather_segment_sum": "JaxscaleGatherSegmentSum",
+    "jaxscale_update_rows_indexed": "JaxscaleUpdateRowsIndexed",
 }
 
 

@@ -33,7 +33,7 @@ namespace ffi = xla::ffi;
 namespace jaxscale_native {
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int64_t kPrefetchIds = 8;     // ids ahead whose rows are prefetched in the gathers
 constexpr int64_t kPrefetchUniques = 8;  // unique rows ahead prefetched in the update
 constexpr int kMaxDigitBits = 11;       // radix sort digit: two passes up to 4M rows (2048 buckets)
@@ -533,6 +533,90 @@ ffi::Error UpdatePooledImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R2 
   return ffi::Error::Success();
 }
 
+// out[s] = sum of table[rows[i]] over the i with segments[i] == s, in increasing i (zeros for an empty s).
+ffi::Error GatherSegmentSumImpl(ffi::ThreadPool pool, F32R2 table, S32R1 rows, S32R1 segments, F32R2Out out) {
+  const int64_t R = table.dimensions()[0], w = table.dimensions()[1], m = rows.dimensions()[0];
+  const int64_t S = out->dimensions()[0];
+  if (segments.dimensions()[0] != m || out->dimensions()[1] != w) {
+    return ffi::Error::InvalidArgument("jaxscale_gather_segment_sum: segments must be [len(rows)], out [S, width]");
+  }
+  if (m > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_gather_segment_sum: more than 2**31 rows");
+  float* o = out->typed_data();
+  if (S == 0 || w == 0) return ffi::Error::Success();
+  std::memset(o, 0, static_cast<size_t>(S * w) * sizeof(float));
+  if (m == 0 || R == 0) return ffi::Error::Success();
+  Scratch& s = ThreadScratch();
+  s.pairs.resize(static_cast<size_t>(m));
+  uint64_t* pairs = s.pairs.data();
+  const int32_t* r = rows.typed_data();
+  const int32_t* seg = segments.typed_data();
+  int64_t n = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (ValidRow(r[i], R) && ValidRow(seg[i], S)) pairs[n++] = Pack(static_cast<uint32_t>(seg[i]), static_cast<uint32_t>(i));
+  }
+  Groups g = GroupPairs(&pool, s, n, S);
+  if (g.unique == 0) return ffi::Error::Success();
+  const float* t = table.typed_data();
+  const int64_t per = 64;
+  const int64_t tasks = (g.unique + per - 1) / per;
+  DispatchWidth(w, [&](auto width) {
+    ParallelFor(&pool, tasks, [&](int64_t task) {
+      const int64_t u1 = std::min(g.unique, (task + 1) * per);
+      for (int64_t u = task * per; u < u1; ++u) {
+        const int64_t b = g.starts[u], e = g.starts[u + 1];
+        float* dst = o + static_cast<int64_t>(RowOf(g.pairs[b])) * w;
+        for (int64_t i = b; i < e; ++i) {
+          if (i + kPrefetchIds < n) PrefetchRow(t + static_cast<int64_t>(r[SourceOf(g.pairs[i + kPrefetchIds])]) * w, w, false);
+          const float* src = t + static_cast<int64_t>(r[SourceOf(g.pairs[i])]) * w;
+          if (i == b) {
+            Copy(dst, src, width);
+          } else {
+            AddTo(dst, src, width);
+          }
+        }
+      }
+    });
+  });
+  return ffi::Error::Success();
+}
+
+// Row rows[i] receives the gradient grads[grad_index[i]]: summed per unique row, then one optimizer step.
+ffi::Error UpdateRowsIndexedImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R1 rows, S32R1 grad_index,
+                                 F32R2 grads, PredR0 apply, ffi::AnyBuffer /*after*/, F32R2Out table_out,
+                                 F32R1Out acc_out, int32_t optimizer, float learning_rate, float eps) {
+  const int64_t R = table.dimensions()[0], w = table.dimensions()[1], m = rows.dimensions()[0];
+  const int64_t G = grads.dimensions()[0];
+  if (auto err = CheckOptimizer(optimizer, R, acc.dimensions()[0]); err.failure()) return err;
+  if (grad_index.dimensions()[0] != m || grads.dimensions()[1] != w) {
+    return ffi::Error::InvalidArgument("jaxscale_update_rows_indexed: grad_index must be [len(rows)], grads [G, width]");
+  }
+  if (m > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_update_rows_indexed: more than 2**31 rows");
+  CopyIfNotAliased(table.typed_data(), table_out->typed_data(), R * w);
+  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), acc.dimensions()[0]);
+  if (!*apply.typed_data() || m == 0 || R == 0 || w == 0 || G == 0) return ffi::Error::Success();
+  Scratch& s = ThreadScratch();
+  s.pairs.resize(static_cast<size_t>(m));
+  uint64_t* pairs = s.pairs.data();
+  const int32_t* r = rows.typed_data();
+  const int32_t* gi = grad_index.typed_data();
+  int64_t n = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    // Sorting (row, source) pairs orders each row's sources by index: a fixed summation order.
+    if (ValidRow(r[i], R) && ValidRow(gi[i], G)) pairs[n++] = Pack(static_cast<uint32_t>(r[i]), static_cast<uint32_t>(gi[i]));
+  }
+  Groups g = GroupPairs(&pool, s, n, R);
+  UpdateArgs a;
+  a.table = table_out->typed_data();
+  a.acc = acc_out->typed_data();
+  a.sources = grads.typed_data();
+  a.w = w;
+  a.optimizer = optimizer;
+  a.learning_rate = learning_rate;
+  a.eps = eps;
+  ApplyGroups(&pool, a, g);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxscale_native
 
@@ -583,6 +667,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdatePooled, jaxscale_native::UpdatePoole
                                   .Ret<F32R2>()
                                   .Ret<F32R1>()
                                   .Attr<int32_t>("pooling")
+                                  .Attr<int32_t>("optimizer")
+                                  .Attr<float>("learning_rate")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleGatherSegmentSum, jaxscale_native::GatherSegmentSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32R2>()  // table
+                                  .Arg<S32R1>()  // rows
+                                  .Arg<S32R1>()  // segments
+                                  .Ret<F32R2>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdateRowsIndexed, jaxscale_native::UpdateRowsIndexedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32R2>()   // table
+                                  .Arg<F32R1>()   // accumulator ([0] for SGD)
+                                  .Arg<S32R1>()   // rows
+                                  .Arg<S32R1>()   // grad_index
+                                  .Arg<F32R2>()   // grads [G, width]
+                                  .Arg<PredR0>()  // apply
+                                  .Arg<ffi::AnyBuffer>()  // after: ignored; orders the update after it
+                                  .Ret<F32R2>()
+                                  .Ret<F32R1>()
                                   .Attr<int32_t>("optimizer")
                                   .Attr<float>("learning_rate")
                                   .Attr<float>("eps"));
