@@ -129,8 +129,11 @@ def _vary(outputs, axes: frozenset):
 
 
 def _dispatch(native_fn, jax_fn, *args):
-    """The native kernel on CPU when available, the pure-JAX kernel on other platforms or otherwise."""
-    if runtime.use_native():
+    """The native kernel on CPU when available, the pure-JAX kernel on other platforms or otherwise.
+
+    With a GPU/TPU default backend nothing is built (the native kernels only serve CPU computations).
+    """
+    if jax.default_backend() == "cpu" and runtime.use_native():
         axes = _varying_axes(args)
         return jax.lax.platform_dependent(*args, cpu=lambda *a: _vary(native_fn(*a), axes), default=jax_fn)
     return jax_fn(*args)
