@@ -183,6 +183,31 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SequencesConfig:
+    """A sequence store as a data source (`jaxscale.sequences.training.SequenceBatches`, field for field).
+
+    Examples are (user, ts) anchors whose history is the user's point-in-time sequence (no event at or after
+    ts); the store's last `eval_days` days are the held-out split.
+    """
+
+    store: str | None = None
+    """The store directory (the output of `python -m jaxscale.sequences backfill` or `stream`)."""
+    sequence: str | None = None
+    """The sequence's name in the compiled definitions."""
+    defs: str | None = None
+    """The compiled definitions JSON (`python -m jaxscale.sequences compile`)."""
+    eval_days: int = 1
+    min_history: int = 1
+    """An anchor needs at least this many earlier events."""
+
+    def __post_init__(self):
+        if self.eval_days < 0:
+            raise _err("eval_days", f"must be >= 0, got {self.eval_days}")
+        if self.min_history < 1:
+            raise _err("min_history", f"must be >= 1, got {self.min_history}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str = "synthetic"
     """'synthetic' (the model's generator), 'parquet' (`path`), or a source the model registers."""
@@ -201,8 +226,8 @@ class DataConfig:
     invalid_ids: Literal["error", "count"] = "error"
     """An out-of-range id in a batch (checked on the host before dispatch): raise, naming the feature, table,
     id and where it came from; or count it (logged per step as `invalid_ids`) and treat it as padding."""
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Source-specific settings (e.g. the sequence store of `source: sequences`)."""
+    sequences: SequencesConfig = dataclasses.field(default_factory=lambda: SequencesConfig())
+    """`source: sequences`: the sequence store the examples are read from (`jaxscale.sequences`)."""
 
     def __post_init__(self):
         if self.source == "parquet" and not self.path:
@@ -213,6 +238,10 @@ class DataConfig:
             raise _err("num_clusters", f"must be >= 1, got {self.num_clusters}")
         if self.eval_batches < 0:
             raise _err("eval_batches", f"must be >= 0, got {self.eval_batches}")
+        if self.source == "sequences":
+            for f in ("store", "sequence", "defs"):
+                if not getattr(self.sequences, f):
+                    raise _err(f"sequences.{f}", "is required when source='sequences'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -479,6 +479,28 @@ def _summarize(cfg: FoundationConfig, batches: list) -> dict:
     return {"auc": auc(cat("engage_labels")[keep], cat("engage_probs")[keep])}
 
 
+def _sequence_store(cfg: FoundationConfig, config, split: str, process_index: int, process_count: int):
+    """`data.source: sequences`: point-in-time examples from a `jaxscale.sequences` store, through Grain."""
+    from jaxscale.sequences.training import SequenceBatches
+
+    s = config.data.sequences
+    return SequenceBatches(
+        s.store,
+        s.sequence,
+        s.defs,
+        global_batch_size=config.train.batch_size,
+        max_seq_len=cfg.max_seq_len,
+        num_actions=cfg.num_actions,
+        num_surfaces=cfg.num_surfaces,
+        seed=config.data.seed,
+        process_index=process_index,
+        process_count=process_count,
+        split=split,
+        eval_days=s.eval_days,
+        min_history=s.min_history,
+    )
+
+
 SPEC = ModelSpec(
     kind="foundation",
     config=FoundationConfig,
@@ -489,4 +511,5 @@ SPEC = ModelSpec(
     synthetic=_synthetic,
     parquet_columns=_parquet_columns,
     summarize=_summarize,
+    data_sources={"sequences": _sequence_store},
 )

@@ -180,3 +180,48 @@ def test_id_mapping_and_errors(built):
         PointInTimeExamples(store, "s2", defs_path, max_seq_len=L, num_actions=4, num_surfaces=4)
     with pytest.raises(ValueError, match="not divisible"):
         _batches(built, process_count=3)
+
+
+def test_the_trainer_reads_the_store_through_the_config(built, tmp_path):
+    """`data.source: sequences` (experiments/configs/foundation_sequences.yaml's shape): the foundation model
+    trains from the store; the checkpoint keeps Grain's data position and a resumed run continues it."""
+    from jaxscale.config import load_config
+    from jaxscale.trainer import Trainer
+
+    store, defs_path, _, _ = built
+    overrides = [
+        f"data.sequences.store={store}",
+        "data.sequences.sequence=s1",
+        f"data.sequences.defs={defs_path}",
+        "data.eval_batches=1",
+        f"model.foundation.max_seq_len={L}",
+        "model.foundation.item_rows=64",
+        "model.foundation.item_vocab=2147483647",
+        "model.foundation.d_model=16",
+        "model.foundation.num_layers=1",
+        "model.foundation.num_heads=2",
+        "train.batch_size=8",
+        "train.eval_every=0",
+        "train.checkpoint_every=2",
+        f"train.workdir={tmp_path}",
+    ]
+    from pathlib import Path
+
+    from jaxscale.train import DEFAULT_CONFIG
+
+    config = Path(DEFAULT_CONFIG).with_name("foundation_sequences.yaml")
+    cfg = load_config(str(config), overrides + ["train.steps=4"])
+    assert cfg.data.source == "sequences" and cfg.data.sequences.sequence == "s1"
+    tr = Trainer(cfg, progress=False)
+    out = tr.run()
+    assert len(out["losses"]) == 4 and all(np.isfinite(out["losses"]))
+    assert tr.evaluate(out["final_state"])["eval_loss"] > 0
+    saved = json.loads((tmp_path / "checkpoints" / "4" / "data" / "metadata").read_text())
+    assert saved["position"] is not None
+    # resuming at step 2 repositions the reader: steps 3 and 4 see the batches of the straight run
+    straight = [tr.data.batch(s)["item_ids"] for s in (2, 3)]
+    again = Trainer(load_config(str(config), overrides + ["train.steps=4"]), progress=False)
+    _, step = again.restore(again.init_state(), step=2)
+    assert step == 2
+    for s, want in zip((2, 3), straight):
+        np.testing.assert_array_equal(again.data.batch(s)["item_ids"], want)
