@@ -2,14 +2,13 @@
 
 They are applied only to rows that were looked up, after duplicate ids have been summed, so a step costs
 O(touched rows) whatever the table size. The math is that of FBGEMM's TBE (`EXACT_SGD`,
-`EXACT_ROWWISE_ADAGRAD`), which is what TorchRec's fused optimizers run.
+`EXACT_ROWWISE_ADAGRAD`), which is what TorchRec's fused optimizers run; these dataclasses hold the
+hyper-parameters, and the fused kernels of `jaxscale.native` (native on CPU, pure JAX elsewhere) run the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import jax.numpy as jnp
 
 
 def _check_positive(owner: str, field: str, value, allow_zero: bool = False) -> None:
@@ -30,11 +29,6 @@ class SGD:
 
     def __post_init__(self):
         _check_positive("SGD", "learning_rate", self.learning_rate, allow_zero=True)
-
-    def row_update(self, rows_w, rows_slots, g, grad_sq_mean=None):
-        """(delta for the rows' weights, new slot values) given the rows' summed gradients g [n, d]."""
-        del rows_w, grad_sq_mean
-        return -self.learning_rate * g, rows_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +58,6 @@ class RowWiseAdagrad:
         _check_positive("RowWiseAdagrad", "initial_accumulator_value", self.initial_accumulator_value, allow_zero=True)
         if not isinstance(self.per_column_shard, bool):
             raise ValueError(f"RowWiseAdagrad.per_column_shard must be a bool, got {self.per_column_shard!r}")
-
-    def row_update(self, rows_w, rows_slots, g, grad_sq_mean=None):
-        """`grad_sq_mean` [n]: the rows' mean squared gradient over the full dim, when g holds only some
-        of the columns (a column shard); None: the mean over g's columns."""
-        del rows_w
-        sq = jnp.mean(g * g, axis=-1) if grad_sq_mean is None else grad_sq_mean
-        acc = rows_slots["accumulator"] + sq
-        delta = -(self.learning_rate * g / (jnp.sqrt(acc)[:, None] + self.eps))
-        return delta, {"accumulator": acc}
 
     def initial_slot(self, name: str) -> float:
         return self.initial_accumulator_value

@@ -353,8 +353,15 @@ class EmbeddingCollection:
         partial = self._partial(feats, ids)
         parts: dict[str, dict[int, jax.Array]] = {}  # feature -> column block -> [b, (L,) w]
         overflow = jnp.zeros((), jnp.int32)
+        fused = {}  # single-shard features, gathered and pooled in one kernel
         for key in self.layout.stacks:
             table = weights[key][0, 0]
+            if self.num_shards == 1:  # every row is local: no routing, no all-to-all
+                for f in feats:
+                    if self.layout.routes[self.feature_table[f]].stack == key:
+                        t = self.tables[self.feature_table[f]]
+                        fused[f] = kernels.gather_pool(table, self._local_rows(f, ids[f]), pooling=t.pooling)
+                continue
             pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
             row_feats = [f for f in feats if f not in partial]
             if pair_feats:
@@ -367,6 +374,9 @@ class EmbeddingCollection:
             x = ids[f]
             valid = (x >= 0) & (x < t.stored_rows)
             invalid += jnp.sum((x != PADDING_ID) & ~valid, dtype=jnp.int32)
+            if f in fused:
+                outputs[f] = fused[f]
+                continue
             blocks = jnp.concatenate([parts[f][c] for c in range(len(parts[f]))], axis=-1)
             if f in partial:  # the owners' partial sums, added up; mean divides by the valid ids
                 if t.pooling == "mean":
@@ -375,6 +385,13 @@ class EmbeddingCollection:
             else:
                 outputs[f] = kernels.pool(blocks.reshape(x.shape + (t.stored_dim,)), valid, t.pooling)
         return outputs, self._stats(overflow, invalid)
+
+    def _local_rows(self, feature, x):
+        """Single shard: a feature's ids as rows of the (only) block; padding and invalid ids -> -1."""
+        t_idx = self.feature_table[feature]
+        t = self.tables[t_idx]
+        offset = int(self.layout.routes[t_idx].offset[0, 0])
+        return jnp.where((x >= 0) & (x < t.stored_rows), x + offset, -1)
 
     def _stats(self, overflow, invalid):
         # Each device counts its own requests (and its own sync rows), so the sums over every device are the
@@ -385,11 +402,6 @@ class EmbeddingCollection:
         """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
         st = self.layout.stacks[key]
         req = routing.row_requests(self.layout, self.feature_table, key, feats, ids)
-        if self.num_shards == 1:  # every row is local: no routing, no all-to-all
-            vals = kernels.gather_rows(table, jnp.where(req.dest < 1, req.row, -1))
-            for seg in req.segments:
-                parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
-            return jnp.zeros((), jnp.int32)
         route = routing.route_rows(req, self.num_shards, st.rows, capacity)
         wanted = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C] rows asked of me
         rows = kernels.gather_rows(table, wanted)
@@ -407,9 +419,9 @@ class EmbeddingCollection:
         recv = collectives.all_to_all_ids(route.send, self.shard_axes)  # (row, bag) pairs for me
         rrow, rbag = routing.unpack_pairs(recv, route, req.bags)
         S, G = self.num_shards, req.bags
-        rows = kernels.gather_rows(table, rrow)
-        bag = jnp.where(rrow >= 0, rbag, G)  # G: dropped
-        sums = jnp.zeros((S, G, st.width), jnp.float32).at[jnp.arange(S)[:, None], bag].add(rows, mode="drop")
+        segment = jnp.where(rrow >= 0, jnp.arange(S)[:, None] * G + rbag, -1)  # the bag's partial sum, per owner
+        sums = kernels.gather_segment_sum(table, rrow.reshape(-1), segment.reshape(-1), num_segments=S * G)
+        sums = sums.reshape(S, G, st.width)
         back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
         for seg in req.segments:  # add the partial sums of every owner holding a piece of this block
             partial_sums = [back[d, seg.offsets[d] : seg.offsets[d] + seg.bags] for d in seg.holders]
@@ -462,6 +474,24 @@ class EmbeddingCollection:
             invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
         partial = self._partial(feats, ids)
         for key, st in self.layout.stacks.items():
+            reads = [f for f in feats if self.layout.routes[self.feature_table[f]].stack == key]
+            if self.num_shards == 1 and not self._exact_sync and len(reads) == 1:
+                # One feature on one local block: the fused backward of the fused lookup (no [b*L, w] copy).
+                (f,) = reads
+                t = self.tables[self.feature_table[f]]
+                w, new = kernels.apply_pooled(
+                    weights[key][0, 0],
+                    {s: v[key][0, 0] for s, v in slot_state.items()},
+                    self._local_rows(f, ids[f]),
+                    grads[f],
+                    pooling=t.pooling,
+                    optimizer=self.optimizer,
+                    apply=apply,
+                )
+                weights[key] = w[None, None]
+                for s, v in new.items():
+                    slot_state[s][key] = v[None, None]
+                continue
             pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
             row_feats = [f for f in feats if f not in partial]
             received = []  # (exchange, rows i32[S, C], grads f32[S, C, w]) that reached this owner

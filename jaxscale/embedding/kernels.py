@@ -1,9 +1,9 @@
-"""Per-shard compute on one device's block: gather rows, sum gradients per row, apply the sparse optimizer.
+"""Per-shard compute on one device's block: gather rows, pool, sum gradients per row, the sparse optimizer.
 
 Plain functions on local arrays (no collectives), called inside `shard_map` bodies and usable alone
-inside `jax.jit`. Static arguments are keyword-only. This is where a native kernel replaces the
-pure-JAX path (`jaxscale.native`, selected by JAXSCALE_NATIVE): same signatures, same results up to
-float summation order.
+inside `jax.jit`. Static arguments are keyword-only. The gathers and the optimizer step run the fused
+native CPU kernels of `jaxscale.native` (JAXSCALE_NATIVE=auto|0|1), which fall back to pure-JAX kernels
+of the same semantics on other platforms or when the native library is unavailable.
 """
 
 from __future__ import annotations
@@ -11,12 +11,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxscale import native
+from jaxscale.optimizers import SGD
+
 
 def gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
-    """table f32[R, w], rows i32[...] -> f32[..., w]; rows < 0 give zeros (rows >= R never occur:
-    every row id reaching a kernel was routed from a validated id)."""
-    vals = jnp.take(table, jnp.clip(rows, 0, table.shape[0] - 1), axis=0, mode="clip")
-    return jnp.where((rows >= 0)[..., None], vals, jnp.zeros((), table.dtype))
+    """table f32[R, w], rows i32[...] -> f32[..., w]; rows < 0 (or >= R) give zeros."""
+    out = native.gather_rows(table, rows.reshape(-1))
+    return out.reshape(rows.shape + (table.shape[1],))
+
+
+def gather_pool(table: jax.Array, rows: jax.Array, *, pooling: str | None) -> jax.Array:
+    """Fused gather + pool: table f32[R, w], rows i32[b, L] (< 0: padding) -> f32[b, w] ('sum' / 'mean',
+    the mean over the valid rows) or f32[b, L, w] (None), never materialising [b*L, w] for pooled bags."""
+    return native.gather_pool(table, rows, pooling=pooling)
+
+
+def gather_segment_sum(table: jax.Array, rows: jax.Array, segments: jax.Array, *, num_segments: int) -> jax.Array:
+    """Fused gather + segment sum: rows i32[n] (< 0: none), segments i32[n] -> f32[num_segments, w]."""
+    return native.gather_segment_sum(table, rows, segments, num_segments=num_segments)
 
 
 def pool(emb: jax.Array, valid: jax.Array, pooling: str | None) -> jax.Array:
@@ -53,20 +66,33 @@ def sum_by_row(rows: jax.Array, grads: jax.Array, *, block_rows: int, values: ja
     return urows, sums, count, per_row
 
 
+def _optimizer_args(optimizer) -> dict:
+    if isinstance(optimizer, SGD):
+        return dict(optimizer="sgd", learning_rate=optimizer.learning_rate)
+    return dict(optimizer="rowwise_adagrad", learning_rate=optimizer.learning_rate, eps=optimizer.eps)
+
+
 def apply_rows(table, slots: dict, rows, grads, *, optimizer, apply, grad_sq_mean=None):
-    """Applies `optimizer` to the rows named in `rows` (duplicates summed first; rows < 0 ignored).
+    """Applies `optimizer` to the rows named in `rows` (duplicates summed first; rows < 0 ignored), in place.
 
     table f32[R, w], slots {name: f32[R]}, rows i32[m], grads f32[m, w]; `apply` (traced bool) False
     leaves everything unchanged. `grad_sq_mean` f32[m] (optional, equal for entries of one row): the
     row's mean squared gradient over the FULL embedding dim, for row-wise AdaGrad on a column-sharded
     table (the mean over this shard's columns otherwise). Only the touched rows are read and written.
     """
-    R = table.shape[0]
-    urows, gsum, _, sq = sum_by_row(rows, grads, block_rows=R, values=grad_sq_mean)
-    idx = jnp.where(urows >= 0, urows, R)  # R: dropped by the scatters, zero-filled by the gathers
-    old = {s: v.at[idx].get(mode="fill", fill_value=0.0) for s, v in slots.items()}
-    rows_w = table.at[idx].get(mode="fill", fill_value=0.0)
-    delta, new = optimizer.row_update(rows_w, old, gsum, grad_sq_mean=sq)
-    table = table.at[idx].add(jnp.where(apply, delta, 0.0), mode="drop")
-    out = {s: v.at[idx].set(jnp.where(apply, new[s], old[s]), mode="drop") for s, v in slots.items()}
-    return table, out
+    acc = slots.get("accumulator")
+    table, acc = native.update_rows(
+        table, acc, rows, grads, apply=apply, acc_increment=grad_sq_mean, **_optimizer_args(optimizer)
+    )
+    return table, ({"accumulator": acc} if acc is not None else {})
+
+
+def apply_pooled(table, slots: dict, rows, grad, *, pooling, optimizer, apply):
+    """The fused backward of `gather_pool`: rows i32[b, L] (< 0: padding), grad f32[b, w] (pooled) or
+    f32[b, L, w] (sequence): per-row gradients summed and the optimizer applied, never materialising
+    [b*L, w]. Only for a block read by ONE feature (features sharing a table need one combined step)."""
+    acc = slots.get("accumulator")
+    table, acc = native.update_pooled(
+        table, acc, rows, grad, pooling=pooling, apply=apply, **_optimizer_args(optimizer)
+    )
+    return table, ({"accumulator": acc} if acc is not None else {})
