@@ -114,6 +114,8 @@ class EmbeddingConfig:
     sync_every: int = 1
     sync_strategy: Literal[("auto",) + SYNC_STRATEGIES] = "auto"
     pooled_comm: Literal[POOLED_COMM_MODES] = "auto"
+    sparse_sync_rows: int | None = None
+    """replica_sync=periodic_sparse: rows per shard one sync can move (None: 1/8 of a shard's block)."""
 
     def __post_init__(self):
         shardings = [self.sharding] if isinstance(self.sharding, str) else list(self.sharding.values())
@@ -299,8 +301,11 @@ class Config:
                 f"{self.train.batch_size} is not divisible by the "
                 f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh",
             )
-        if self.embedding.replica_sync == "periodic" and self.embedding.topology == "1d":
-            raise _err("embedding.replica_sync", "'periodic' needs replicas: use topology '2d_ar' or '2d_a2a'")
+        if self.embedding.replica_sync != "exact" and self.embedding.topology == "1d":
+            raise _err(
+                "embedding.replica_sync",
+                f"{self.embedding.replica_sync!r} needs replicas: use topology '2d_ar' or '2d_a2a'",
+            )
         if self.data.source not in ("synthetic", "parquet", *registry.get(self.model.kind).data_sources):
             known = ["synthetic", "parquet", *registry.get(self.model.kind).data_sources]
             raise _err(

@@ -97,9 +97,12 @@ def make_train_step(spec: registry.ModelSpec, ec: EmbeddingCollection, graphdef,
         def loss_fn(dense, emb):
             model = nnx.merge(graphdef, dense, state["rest"])
             loss, metrics = spec.loss(model, emb, batch)
-            return loss, _scalars(metrics)
+            # the model's non-parameter state after the call (e.g. dropout's RNG counters, which advance
+            # every step: kept, so no two steps draw the same dropout masks)
+            _, _, rest = nnx.split(model, nnx.Param, ...)
+            return loss, (_scalars(metrics), rest)
 
-        (loss, metrics), (g_dense, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        (loss, (metrics, new_rest)), (g_dense, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
             state["dense"], emb
         )
         finite = jnp.isfinite(loss) & _all_finite(g_dense) & _all_finite(g_emb)
@@ -116,6 +119,7 @@ def make_train_step(spec: registry.ModelSpec, ec: EmbeddingCollection, graphdef,
             state,
             step=state["step"] + 1,
             dense=keep(new_dense, state["dense"]),
+            rest=new_rest,
             opt=keep(new_opt, state["opt"]),
             emb=new_emb,
             skipped=state["skipped"] + (~finite).astype(jnp.int32),

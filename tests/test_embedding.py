@@ -254,3 +254,46 @@ def test_update_can_be_skipped_without_touching_state():
     for n in w0:
         np.testing.assert_array_equal(got[n], w0[n])
     assert float(sum(v.sum() for v in ec.slots_to_dense(state)["accumulator"].values())) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_sparse_periodic_sync_equals_dense_periodic_and_sends_less(shape):
+    """'periodic_sparse' averages only rows some replica touched since the last sync: the result equals the
+    dense periodic average (untouched rows are equal everywhere already), with a compacted all-reduce; a sync
+    with more touched rows than its buffer averages every row, still equal."""
+    from jaxscale.comm_inspect import list_collectives
+
+    mesh = jaxscale.make_mesh(*shape)
+    rng = np.random.default_rng(7)
+    tables = [jaxscale.TableConfig("t", rows=512, dim=16, pooling=None)]
+    w0 = {"t": rng.normal(size=(512, 16)).astype(np.float32)}
+    kw = dict(topology="2d_a2a", optimizer=jaxscale.RowWiseAdagrad(0.1), sync_every=2)
+    dense = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic", **kw)
+    sparse = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic_sparse", **kw)
+    tiny = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic_sparse", sparse_sync_rows=2, **kw)
+    states = [ec.from_dense(w0) for ec in (dense, sparse, tiny)]
+    for _ in range(4):
+        ids = {"t": rng.integers(-1, 512, (16, 3)).astype(np.int32)}
+        grads = {"t": jnp.asarray(rng.normal(size=(16, 3, 16)).astype(np.float32))}
+        states = [ec.update(s, ids, grads) for ec, s in zip((dense, sparse, tiny), states)]
+    ref = [dense.to_dense(states[0], r)["t"] for r in range(dense.num_replicas)]
+    for ec, st in zip((sparse, tiny), states[1:]):
+        for r in range(ec.num_replicas):
+            np.testing.assert_allclose(ec.to_dense(st, r)["t"], ref[r], rtol=1e-6, atol=1e-7)
+        acc = ec.slots_to_dense(st)["accumulator"]["t"]
+        np.testing.assert_allclose(acc, dense.slots_to_dense(states[0])["accumulator"]["t"], rtol=1e-6)
+    assert not np.array_equal(ref[0], w0["t"])
+
+    def reduce_sizes(ec):
+        ids = ec.shard_batch({"t": np.zeros((16, 3), np.int32)})
+        grads = {"t": jnp.zeros((16, 3, 16))}
+        cs = list_collectives(jax.jit(ec.update), ec.abstract_state(), ids, grads, mesh=mesh)
+        return {c.result_bytes for c in cs if c.kind == "all-reduce" and any(d == "f32" for d in c.dtypes)}
+
+    # the sparse sync moves its compacted buffer (weights + accumulator of `cap` rows), a fraction of the
+    # block the dense average all-reduces (its fallback stays in the program, taken only when more rows moved)
+    block = sparse.layout.stacks["w16"].rows
+    cap = sparse._sparse_capacity("w16")
+    assert cap == block // 8
+    compact = reduce_sizes(sparse) - reduce_sizes(dense)
+    assert compact and max(compact) <= cap * (16 + 1) * 4, (compact, cap)

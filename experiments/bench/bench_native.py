@@ -46,7 +46,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 from jaxscale.bench import machine, zipf_ids  # noqa: E402  (numpy-only helpers: no JAX in this process)
 
 RESULTS = REPO / "experiments" / "results" / "bench_native.md"

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 FTZ_OPTION = "-nvptx-allow-ftz-atomics"
 # Peak HBM bandwidth of common accelerators (vendor data sheets), bytes/s, by jax device_kind prefix.

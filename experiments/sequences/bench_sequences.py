@@ -39,7 +39,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
 
 EVENT_MAP = {"click": "click", "pin_click": "click", "save": "save", "repin": "save", "closeup": "closeup"}
 MS_PER_DAY = 86_400_000

@@ -37,7 +37,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
 
 COMPRESSIONS = ("none", "lz4", "zstd")
 BUCKETS = (8, 16, 32, 64, 128, 256, 512)

@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     p.add_argument("--max-slowdown", type=float, default=0.5)
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
     from jaxscale.config import load_config
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxscale_soak_")

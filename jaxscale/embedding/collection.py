@@ -41,7 +41,7 @@ from jaxscale.plan import ShardingPlan, resolve_plan
 from jaxscale.quantization import CommConfig, payload_bytes
 from jaxscale.tables import TableConfig, check_tables
 
-REPLICA_SYNC_MODES = ("exact", "periodic")
+REPLICA_SYNC_MODES = ("exact", "periodic", "periodic_sparse")
 SYNC_STRATEGIES = ("auto",) + capacity_lib.SYNC_STRATEGIES
 POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
 _NO_STATS = {"overflow": P(), "invalid_ids": P()}
@@ -65,7 +65,11 @@ class EmbeddingCollection:
         requests (smaller messages; overflow is then possible, counted and reported).
       replica_sync: 'exact' (default: replicas apply the same combined update every step) or 'periodic'
         (replicas update independently; weights and optimizer state are averaged every `sync_every`
-        steps, TorchRec DMPCollection semantics).
+        steps, TorchRec DMPCollection semantics). 'periodic_sparse' averages the same way but only the rows
+        some replica touched since the last sync (the others are equal on every replica already): a
+        'touched' marker per row, and a compacted all-reduce of at most `sparse_sync_rows` rows per shard
+        (when more were touched, that sync averages every row).
+      sparse_sync_rows: rows per shard the sparse periodic sync can move (default: 1/8 of a shard's block).
       sync_strategy: how the exact sync moves gradients between replicas: 'gather', 'owner', or 'auto'
         (default: the cheaper for each batch, from the host's counts; see `jaxscale.embedding.sync`).
       pooled_comm: how pooled features come back. 'rows' returns every looked-up row and pools on the
@@ -88,6 +92,7 @@ class EmbeddingCollection:
         sync_every: int = 1,
         sync_strategy: str = "auto",
         pooled_comm: str = "auto",
+        sparse_sync_rows: int | None = None,
     ):
         self.tables = check_tables(tables)
         self.mesh = mesh
@@ -115,12 +120,15 @@ class EmbeddingCollection:
             raise ValueError(f"sync_strategy must be one of {SYNC_STRATEGIES}, got {sync_strategy!r}")
         if pooled_comm not in POOLED_COMM_MODES:
             raise ValueError(f"pooled_comm must be one of {POOLED_COMM_MODES}, got {pooled_comm!r}")
-        self.replica_sync, self.sync_every = replica_sync, sync_every
+        if sparse_sync_rows is not None and (not isinstance(sparse_sync_rows, int) or sparse_sync_rows < 1):
+            raise ValueError(f"sparse_sync_rows must be None or a positive integer, got {sparse_sync_rows!r}")
+        self.replica_sync, self.sync_every, self.sparse_sync_rows = replica_sync, sync_every, sparse_sync_rows
         self.sync_strategy, self.pooled_comm = sync_strategy, pooled_comm
 
         self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
         self.layout = build_layout(self.tables, self.plan)
-        self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer)
+        markers = ("touched",) if replica_sync == "periodic_sparse" and self.topology.num_replicas > 1 else ()
+        self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer, markers)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self._capacity_cache = capacity_lib.CapacityCache()
         self._lookup_jit = jax.jit(self._lookup)
@@ -141,6 +149,7 @@ class EmbeddingCollection:
             sync_every=config.sync_every,
             sync_strategy=config.sync_strategy,
             pooled_comm=config.pooled_comm,
+            sparse_sync_rows=config.sparse_sync_rows,
         )
 
     # ------------------------------------------------------------------ layout facts
@@ -164,6 +173,11 @@ class EmbeddingCollection:
     @property
     def _exact_sync(self) -> bool:
         return self.num_replicas > 1 and self.replica_sync == "exact"
+
+    def _sparse_capacity(self, key: str) -> int:
+        """Rows per shard the sparse periodic sync moves in its compacted all-reduce."""
+        rows = self.layout.stacks[key].rows
+        return min(rows, self.sparse_sync_rows or max(1, rows // 8))
 
     @property
     def _invariant_adagrad(self) -> bool:
@@ -446,7 +460,7 @@ class EmbeddingCollection:
         if missing:
             raise ValueError(f"update: no gradient for features {missing}")
         caps = self._capacities_in_trace(ids)
-        slots = self.optimizer.slots
+        slots = self.state_spec.slots
         spec = self.state_spec.spec
         stacks = {k: spec for k in self.layout.stacks}
         batch = {f: P(BATCH_AXES) for f in feats}
@@ -514,13 +528,27 @@ class EmbeddingCollection:
             if self._invariant_adagrad and st.has_column_pieces:
                 rows, g, sq = self._full_dim_sq_means(key, rows, g, received)
             weights[key], new_slots = self._apply(
-                weights[key], {s: slot_state[s][key] for s in slot_state}, rows, g, apply, sq
+                weights[key], {s: slot_state[s][key] for s in self.optimizer.slots}, rows, g, apply, sq
             )
             for s, v in new_slots.items():
                 slot_state[s][key] = v
-        if self.num_replicas > 1 and self.replica_sync == "periodic":
+            if "touched" in slot_state:  # sparse periodic sync: remember the rows this replica moved
+                marks = slot_state["touched"][key][0, 0]
+                hit = jnp.where((rows >= 0) & apply, rows, st.rows)
+                slot_state["touched"][key] = marks.at[hit].set(1.0, mode="drop")[None, None]
+        if self.num_replicas > 1 and self.replica_sync in ("periodic", "periodic_sparse"):
             do_sync = (step + 1) % self.sync_every == 0
-            average = functools.partial(sync.average, replica_axes=self.replica_axes, num_replicas=self.num_replicas)
+            if self.replica_sync == "periodic":
+                average = functools.partial(
+                    sync.average, replica_axes=self.replica_axes, num_replicas=self.num_replicas
+                )
+            else:
+                average = functools.partial(
+                    sync.average_touched,
+                    replica_axes=self.replica_axes,
+                    num_replicas=self.num_replicas,
+                    capacity=self._sparse_capacity,
+                )
             weights, slot_state = jax.lax.cond(do_sync, average, lambda tree: tree, (weights, slot_state))
         return weights, slot_state, self._stats(overflow, invalid)
 

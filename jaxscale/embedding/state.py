@@ -31,6 +31,8 @@ class StateSpec:
     layout: Layout
     topology: Topology
     optimizer: object
+    markers: tuple[str, ...] = ()
+    """Per-row state beside the optimizer's, starting at 0 (e.g. 'touched' of the sparse periodic sync)."""
 
     @property
     def spec(self) -> P:
@@ -39,7 +41,11 @@ class StateSpec:
 
     @property
     def slots(self) -> tuple[str, ...]:
-        return tuple(self.optimizer.slots)
+        """Per-row state arrays: the optimizer's slots, then the markers."""
+        return tuple(self.optimizer.slots) + tuple(self.markers)
+
+    def initial(self, slot: str) -> float:
+        return 0.0 if slot in self.markers else slot_initial_value(self.optimizer, slot)
 
     def shardings(self) -> dict:
         """NamedShardings of the state pytree (for jit in/out shardings and checkpoint restore)."""
@@ -125,7 +131,7 @@ class StateSpec:
             }
             rs = (topology.num_replicas, topology.num_shards)
             for slot in self.slots:
-                value = slot_initial_value(self.optimizer, slot)
+                value = self.initial(slot)
                 state[slot] = {k: jnp.full(rs + (st.rows,), value, jnp.float32) for k, st in layout.stacks.items()}
             return state
 
@@ -161,7 +167,7 @@ class StateSpec:
             "step": put(np.asarray(step, np.int32), sh["step"]),
         }
         for slot in self.slots:
-            fill = slot_initial_value(self.optimizer, slot)
+            fill = self.initial(slot)
             given = (slots or {}).get(slot, {})
             stacks = layout_lib.dense_slots_to_stacks(self.layout, given, fill)
             state[slot] = {k: put(np.broadcast_to(v[None], (reps,) + v.shape), sh[slot][k]) for k, v in stacks.items()}
@@ -177,7 +183,7 @@ class StateSpec:
             slot: layout_lib.slots_to_dense(
                 self.layout, {k: to_host(v)[replica] for k, v in state[slot].items()}, per_column_shard
             )
-            for slot in self.slots
+            for slot in self.optimizer.slots
         }
 
 

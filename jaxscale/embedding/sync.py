@@ -76,3 +76,45 @@ def average(tree, *, replica_axes, num_replicas):
     return jax.tree.map(
         lambda a: jax.lax.pcast(jax.lax.psum(a, replica_axes) / num_replicas, replica_axes, to="varying"), tree
     )
+
+
+def average_touched(tree, *, replica_axes, num_replicas, capacity):
+    """The periodic average restricted to the rows some replica touched since the last sync.
+
+    tree = (weights {key: [1, 1, R, w]}, slots {name: {key: [1, 1, R]}}) with slots['touched'] the 0/1
+    markers. Rows no replica touched are already equal on every replica, so averaging them changes
+    nothing: only the union of the touched rows is gathered into a [capacity] buffer and all-reduced
+    (plus one max-reduce of the markers). When more rows than `capacity(key)` were touched, that stack
+    averages every row instead. The markers are cleared.
+    """
+    weights, slots = tree
+    weights, slots = dict(weights), {s: dict(v) for s, v in slots.items()}
+    for key in weights:
+        marks = jax.lax.pmax(slots["touched"][key][0, 0], replica_axes)  # [R]: the union over replicas
+        rows_total = marks.shape[0]
+        cap = capacity(key)
+        state = [weights[key][0, 0]] + [slots[s][key][0, 0] for s in slots if s != "touched"]
+
+        def sparse(state, marks=marks, cap=cap, rows_total=rows_total):
+            (idx,) = jnp.nonzero(marks > 0, size=cap, fill_value=rows_total)
+            out = []
+            for a in state:
+                picked = a.at[idx].get(mode="fill", fill_value=0.0)
+                mean = jax.lax.psum(picked, replica_axes) / num_replicas
+                out.append(a.at[idx].set(mean, mode="drop"))
+            return out
+
+        def dense(state):
+            # the averages are replica-invariant; the state is typed replica-varying
+            return [
+                jax.lax.pcast(jax.lax.psum(a, replica_axes) / num_replicas, replica_axes, to="varying") for a in state
+            ]
+
+        fits = jnp.sum(marks > 0) <= cap
+        state = jax.lax.cond(fits, sparse, dense, state)
+        weights[key] = state[0][None, None]
+        names = [s for s in slots if s != "touched"]
+        for s, a in zip(names, state[1:]):
+            slots[s][key] = a[None, None]
+        slots["touched"][key] = jnp.zeros_like(slots["touched"][key])
+    return weights, slots
