@@ -265,6 +265,10 @@ class TrainConfig:
     workdir: str = "runs/foundation_smoke"
     nonfinite_policy: Literal["skip", "raise"] = "skip"
     """A non-finite loss/gradient: skip the update (and count it) or raise."""
+    dense_grad_precision: Literal["fp32", "bf16"] = "fp32"
+    """Wire precision of the dense gradient all-reduce. 'bf16' halves its bytes: the model's per-example
+    forward runs data-parallel in shard_map and the trainer all-reduces the gradients itself (GPU runs also
+    overlap it with the backward pass through XLA's latency-hiding scheduler, see jaxscale.distributed)."""
     overflow_policy: Literal["error", "grow"] = "error"
     """An all-to-all capacity overflow (capacity_factor set): raise, or grow the capacity and recompile."""
 

@@ -35,6 +35,10 @@ class ModelSpec:
       build: (model config, nnx.Rngs) -> the dense nnx.Module.
       loss: (model, embeddings, batch) -> (scalar loss, metrics); 0-d metrics are averaged and logged,
         others are handed to `summarize`.
+      forward / objective (optional): the loss split into its per-example part, (model, embeddings, batch)
+        -> {name: batch-major array}, and the rest, (model config, outputs, batch) -> (loss, metrics), with
+        `loss == objective(cfg, forward(...), batch)`. With them the trainer can run the forward data-parallel
+        in `shard_map` and all-reduce the dense gradients itself (`train.dense_grad_precision=bf16`).
       summarize: (model config, [per-batch metrics as NumPy]) -> {name: float}: held-out metrics that need
         the whole eval set (AUC, full-corpus recall); {} when the averages are enough.
       synthetic: (model config, global batch, data config, split) -> a source whose
@@ -53,6 +57,8 @@ class ModelSpec:
     synthetic: Callable[..., Any]
     parquet_columns: Callable[[Any], tuple]
     summarize: Callable[[Any, list], dict] = lambda cfg, batches: {}
+    forward: Callable[..., dict] | None = None
+    objective: Callable[..., tuple] | None = None
     data_sources: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 

@@ -229,7 +229,18 @@ class DLRM(nnx.Module):
 
 def dlrm_loss(model: DLRM, embeddings: Mapping, batch: Mapping):
     """(mean BCE, metrics): loss, accuracy, logits [B], probs [B], labels [B] (the last three for AUC)."""
-    logits = model(embeddings, batch["dense"])
+    return dlrm_objective(model.cfg, dlrm_forward(model, embeddings, batch), batch)
+
+
+def dlrm_forward(model: DLRM, embeddings: Mapping, batch: Mapping) -> dict:
+    """The per-example part of the loss: {'logits': [B]}."""
+    return {"logits": model(embeddings, batch["dense"])}
+
+
+def dlrm_objective(cfg: DLRMConfig, out: Mapping, batch: Mapping):
+    """Mean BCE of the logits against the labels: (loss, metrics)."""
+    del cfg
+    logits = out["logits"]
     labels = jnp.asarray(batch["label"], jnp.float32)
     loss = jnp.mean(jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
     acc = jnp.mean((logits > 0) == (labels > 0.5))
@@ -262,6 +273,8 @@ SPEC = ModelSpec(
     ids=dlrm_ids,
     build=lambda cfg, rngs: DLRM(cfg, rngs=rngs),
     loss=dlrm_loss,
+    forward=dlrm_forward,
+    objective=dlrm_objective,
     synthetic=_synthetic,
     parquet_columns=_parquet_columns,
     summarize=_summarize,

@@ -412,8 +412,16 @@ def foundation_loss(model: FoundationModel, embeddings: Mapping, batch: Mapping)
     """(loss, metrics). Loss = retrieval_weight * InfoNCE + engage_weight * BCE, both over the pairs
     (t, t+1) where both events are real. Scalar metrics are 0-d; engage_probs/engage_labels/engage_weights
     ([B, L-1]) are returned for AUC."""
-    cfg = model.cfg
-    out = model(embeddings, batch)
+    return foundation_objective(model.cfg, model(embeddings, batch), batch)
+
+
+def foundation_forward(model: FoundationModel, embeddings: Mapping, batch: Mapping) -> dict:
+    """The per-example part of the loss (every output is batch-major): the model's forward pass."""
+    return model(embeddings, batch)
+
+
+def foundation_objective(cfg: FoundationConfig, out: Mapping, batch: Mapping):
+    """The batch-coupled part of the loss (in-batch negatives) from the forward's outputs: (loss, metrics)."""
     mask = jnp.asarray(batch["mask"], bool)
     pair = mask[:, :-1] & mask[:, 1:]
     e = out["query"].shape[-1]
@@ -508,6 +516,8 @@ SPEC = ModelSpec(
     ids=foundation_ids,
     build=lambda cfg, rngs: FoundationModel(cfg, rngs=rngs),
     loss=foundation_loss,
+    forward=foundation_forward,
+    objective=foundation_objective,
     synthetic=_synthetic,
     parquet_columns=_parquet_columns,
     summarize=_summarize,

@@ -494,17 +494,17 @@ class EmbeddingCollection:
                 (f,) = reads
                 t = self.tables[self.feature_table[f]]
                 w, new = kernels.apply_pooled(
-                    weights[key][0, 0],
-                    {s: v[key][0, 0] for s, v in slot_state.items()},
+                    weights[key],
+                    {s: v[key] for s, v in slot_state.items()},
                     self._local_rows(f, ids[f]),
                     grads[f],
                     pooling=t.pooling,
                     optimizer=self.optimizer,
                     apply=apply,
                 )
-                weights[key] = w[None, None]
+                weights[key] = w
                 for s, v in new.items():
-                    slot_state[s][key] = v[None, None]
+                    slot_state[s][key] = v
                 continue
             pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
             row_feats = [f for f in feats if f not in partial]
@@ -553,16 +553,11 @@ class EmbeddingCollection:
         return weights, slot_state, self._stats(overflow, invalid)
 
     def _apply(self, w_block, slot_blocks, rows, g, apply, grad_sq_mean):
-        w, new = kernels.apply_rows(
-            w_block[0, 0],
-            {s: v[0, 0] for s, v in slot_blocks.items()},
-            rows,
-            g,
-            optimizer=self.optimizer,
-            apply=apply,
-            grad_sq_mean=grad_sq_mean,
+        # The [1, 1, R, w] blocks go to the kernel as they are: a reshape in front of the in-place update
+        # would make XLA copy the whole donated block.
+        return kernels.apply_rows(
+            w_block, slot_blocks, rows, g, optimizer=self.optimizer, apply=apply, grad_sq_mean=grad_sq_mean
         )
-        return w[None, None], {s: v[None, None] for s, v in new.items()}
 
     def _row_grads_to_owner(self, key, feats, ids, grads, capacity):
         """Reverse path of the row strategy: per-request gradients summed per unique row on the requester,

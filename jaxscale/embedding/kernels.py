@@ -75,7 +75,8 @@ def _optimizer_args(optimizer) -> dict:
 def apply_rows(table, slots: dict, rows, grads, *, optimizer, apply, grad_sq_mean=None):
     """Applies `optimizer` to the rows named in `rows` (duplicates summed first; rows < 0 ignored), in place.
 
-    table f32[R, w], slots {name: f32[R]}, rows i32[m], grads f32[m, w]; `apply` (traced bool) False
+    table f32[R, w] (or a [1, ..., 1, R, w] state block), slots {name: f32[R] (or [1, ..., 1, R])}, rows
+    i32[m] (rows of the block), grads f32[m, w]; `apply` (traced bool) False
     leaves everything unchanged. `grad_sq_mean` f32[m] (optional, equal for entries of one row): the
     row's mean squared gradient over the FULL embedding dim, for row-wise AdaGrad on a column-sharded
     table (the mean over this shard's columns otherwise). Only the touched rows are read and written.

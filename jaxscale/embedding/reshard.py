@@ -54,11 +54,12 @@ class _Units:
     recv: dict  # {'row', 'col'}: int32 [D, D, cap] on the receiver, indexed [receiver, sender, slot]
 
 
-def _plan_units(saved: Layout, target: Layout, topology: Topology, q: int, slots: bool) -> list[_Units]:
+def _plan_units(saved: Layout, target: Layout, topology: Topology, q: dict, slots: bool) -> list[_Units]:
     """Host index lists of every unit that moves from a reading device to a holding device.
 
     With `slots`, one unit per (row, target piece): the saved slot of the column piece holding the target
-    piece's first column. Otherwise units of gcd(widths) columns covering every target column.
+    piece's first column. Otherwise units of gcd(widths) columns covering every target column. `q[stack]`
+    is the chunk each device reads of that saved stack's blocks.
     """
     D = topology.nodes * topology.local
     positions = np.arange(D)
@@ -71,7 +72,6 @@ def _plan_units(saved: Layout, target: Layout, topology: Topology, q: int, slots
         x = np.arange(t.stored_rows, dtype=np.int64)
         for p in range(rt.row_parts):
             rows = x[p :: rt.row_parts]
-            b_t = rt.offset[p][0] + rows // rt.row_parts  # target block rows (offset per column piece below)
             p_s = rows % rs.row_parts
             for c in range(rt.col_parts):
                 b_t = rt.offset[p, c] + rows // rt.row_parts
@@ -80,7 +80,7 @@ def _plan_units(saved: Layout, target: Layout, topology: Topology, q: int, slots
                     c_s, col_s = col // ws, col % ws
                     s_s = rs.shard[p_s, c_s]
                     b_s = rs.offset[p_s, c_s] + rows // rs.row_parts
-                    sender = b_s // q
+                    sender = b_s // q[rs.stack]
                     for receiver in holders[int(rt.shard[p, c])]:
                         pieces.setdefault((rs.stack, rt.stack, u), []).append(
                             np.stack(
@@ -88,7 +88,7 @@ def _plan_units(saved: Layout, target: Layout, topology: Topology, q: int, slots
                                     sender,
                                     np.full_like(sender, receiver),
                                     s_s,
-                                    b_s % q,
+                                    b_s % q[rs.stack],
                                     np.full_like(sender, 0 if slots else col_s),
                                     b_t,
                                     np.full_like(sender, 0 if slots else col - c * wt),
@@ -130,7 +130,7 @@ def reshard(saved: Layout, chunks: dict, target_spec, *, step) -> dict:
     """
     target, topology, mesh = target_spec.layout, target_spec.topology, target_spec.mesh
     D = topology.nodes * topology.local
-    q = next(iter(chunks["weights"].values())).shape[2] // D
+    q = {k: v.shape[2] // D for k, v in chunks["weights"].items()}  # rows of every block each device read
     kinds = [("weights", False)] + [(s, True) for s in target_spec.slots if s in chunks]
     plans = {name: _plan_units(saved, target, topology, q, is_slot) for name, is_slot in kinds}
     out_spec = target_spec.spec
@@ -148,7 +148,7 @@ def reshard(saved: Layout, chunks: dict, target_spec, *, step) -> dict:
                 send, recv = index[name][n]
                 width = 1 if is_slot else src.shape[-1]
                 flat = src.reshape(-1)
-                base = (send["shard"][0] * q + send["row"][0]) * width + send["col"][0]  # [D, cap]
+                base = (send["shard"][0] * q[units.saved] + send["row"][0]) * width + send["col"][0]  # [D, cap]
                 span = jnp.arange(units.width)
                 idx = base[..., None] + span
                 vals = jnp.where((send["shard"][0] >= 0)[..., None], flat[jnp.clip(idx, 0, flat.size - 1)], 0.0)

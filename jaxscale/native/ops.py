@@ -78,18 +78,45 @@ def _apply(op: str, apply):
     return a.astype(jnp.bool_)
 
 
+def _state_block(op: str, table):
+    """An update op's table: f32[R, w], or a state block with leading axes of size 1 ([1, ..., 1, R, w]),
+    which the kernel updates in place as it is (reshaping it first would make XLA copy the donated buffer)."""
+    ndim = getattr(table, "ndim", None)
+    if ndim is None or ndim < 2 or table.dtype != jnp.float32 or any(d != 1 for d in table.shape[:-2]):
+        got = _shape(table) if hasattr(table, "dtype") else type(table).__name__
+        raise TypeError(f"{op}: table must be a float32 [R, w] array (or [1, ..., 1, R, w]), got {got}")
+    return table
+
+
 def _state(op: str, table, acc, optimizer):
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"{op}: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    _table(op, table)
+    _state_block(op, table)
     if acc is None:
         if optimizer == "rowwise_adagrad":
             raise ValueError(f"{op}: optimizer 'rowwise_adagrad' needs the accumulator acc (float32 [R])")
         return None
-    if getattr(acc, "dtype", None) != jnp.float32 or tuple(acc.shape) != (table.shape[0],):
+    if getattr(acc, "dtype", None) != jnp.float32 or tuple(acc.shape) != tuple(table.shape[:-1]):
         got = _shape(acc) if hasattr(acc, "dtype") else type(acc).__name__
-        raise TypeError(f"{op}: acc must be a float32 [R] = [{table.shape[0]}] array, got {got}")
+        want = ", ".join(str(d) for d in table.shape[:-1])
+        raise TypeError(
+            f"{op}: acc must be a float32 [R] = [{want}] array (the table's shape without width), got {got}"
+        )
     return acc
+
+
+def _flat_state(jax_fn):
+    """A pure-JAX update kernel applied to a state block with leading unit axes: reshaped to [R, w] / [R]
+    around the call (XLA keeps its own scatters in place through a reshape)."""
+
+    def run(table, acc, *rest, **kw):
+        shape, acc_shape = table.shape, None if acc is None else acc.shape
+        t = table.reshape(shape[-2:])
+        a = None if acc is None else acc.reshape(acc_shape[-1:])
+        new_t, new_a = jax_fn(t, a, *rest, **kw)
+        return new_t.reshape(shape), (None if new_a is None else new_a.reshape(acc_shape))
+
+    return run
 
 
 def _order_token(after):
@@ -134,8 +161,9 @@ def _dispatch(native_fn, jax_fn, *args):
     With a GPU/TPU default backend nothing is built (the native kernels only serve CPU computations).
     """
     if jax.default_backend() == "cpu" and runtime.use_native():
-        axes = _varying_axes(args)
-        return jax.lax.platform_dependent(*args, cpu=lambda *a: _vary(native_fn(*a), axes), default=jax_fn)
+        # A direct call, not `jax.lax.platform_dependent`: inside shard_map that lowers to a conditional,
+        # whose operands XLA copies, so the donated table would be copied whole instead of updated in place.
+        return _vary(native_fn(*args), _varying_axes(args))
     return jax_fn(*args)
 
 
@@ -283,7 +311,7 @@ def update_rows(
     op = "update_rows"
     acc = _state(op, table, acc, optimizer)
     rows = _ints(op, "rows", rows, 1)
-    grads = _floats(op, "grads", grads, (rows.shape[0], table.shape[1]))
+    grads = _floats(op, "grads", grads, (rows.shape[0], table.shape[-1]))
     if acc_increment is not None:
         if optimizer != "rowwise_adagrad":
             raise ValueError(f"{op}: acc_increment only applies to optimizer 'rowwise_adagrad'")
@@ -299,7 +327,9 @@ def update_rows(
     def run(impl):
         return lambda t, a, r, g, ap, inc, tok: impl(t, a, r, g, apply=ap, acc_increment=inc, after=tok, **kw)
 
-    return _dispatch(run(_ffi.update_rows), run(_jk.update_rows), table, acc, rows, grads, apply, acc_increment, token)
+    return _dispatch(
+        run(_ffi.update_rows), run(_flat_state(_jk.update_rows)), table, acc, rows, grads, apply, acc_increment, token
+    )
 
 
 def update_pooled(
@@ -332,7 +362,7 @@ def update_pooled(
     pooling = _pooling(op, pooling)
     ids = _ints(op, "ids", ids, 2)
     b, L = ids.shape
-    w = table.shape[1]
+    w = table.shape[-1]
     grad = _floats(op, "grad", grad, (b, w) if pooling is not None else (b, L, w))
     kw = dict(
         pooling=pooling,
@@ -346,7 +376,7 @@ def update_pooled(
     def run(impl):
         return lambda t, a, x, g, ap, tok: impl(t, a, x, g, apply=ap, after=tok, **kw)
 
-    return _dispatch(run(_ffi.update_pooled), run(_jk.update_pooled), table, acc, ids, grad, apply, token)
+    return _dispatch(run(_ffi.update_pooled), run(_flat_state(_jk.update_pooled)), table, acc, ids, grad, apply, token)
 
 
 def update_rows_indexed(
@@ -383,7 +413,7 @@ def update_rows_indexed(
             f"{op}: grad_index must have the shape of rows {list(rows.shape)}, got {list(grad_index.shape)}"
         )
     grads = jnp.asarray(grads)
-    grads = _floats(op, "grads", grads, (grads.shape[0] if grads.ndim == 2 else "G", table.shape[1]))
+    grads = _floats(op, "grads", grads, (grads.shape[0] if grads.ndim == 2 else "G", table.shape[-1]))
     kw = dict(
         optimizer=optimizer,
         learning_rate=_hyper(op, "learning_rate", learning_rate),
@@ -396,5 +426,13 @@ def update_rows_indexed(
         return lambda t, a, r, gi, g, ap, tok: impl(t, a, r, gi, g, apply=ap, after=tok, **kw)
 
     return _dispatch(
-        run(_ffi.update_rows_indexed), run(_jk.update_rows_indexed), table, acc, rows, grad_index, grads, apply, token
+        run(_ffi.update_rows_indexed),
+        run(_flat_state(_jk.update_rows_indexed)),
+        table,
+        acc,
+        rows,
+        grad_index,
+        grads,
+        apply,
+        token,
     )

@@ -393,6 +393,17 @@ using S32R2 = ffi::Buffer<ffi::S32, 2>;
 using PredR0 = ffi::Buffer<ffi::PRED, 0>;
 using F32R1Out = ffi::ResultBuffer<ffi::F32, 1>;
 using F32R2Out = ffi::ResultBuffer<ffi::F32, 2>;
+// The table and accumulator of the update ops: any rank (the engine passes its [1, 1, R, w] / [1, 1, R]
+// state blocks as they are: a reshape before an in-place custom call makes XLA copy the donated buffer).
+using F32State = ffi::Buffer<ffi::F32>;
+using F32StateOut = ffi::ResultBuffer<ffi::F32>;
+
+// Rows and width of a table block of any rank >= 2 (the last axis is the width).
+inline std::pair<int64_t, int64_t> TableShape(const F32State& table) {
+  auto d = table.dimensions();
+  const int64_t w = d.size() == 0 ? 0 : d[d.size() - 1];
+  return {w == 0 ? 0 : static_cast<int64_t>(table.element_count()) / w, w};
+}
 
 ffi::Error GatherRowsImpl(ffi::ThreadPool pool, F32R2 table, S32R1 rows, F32R2Out out) {
   const int64_t R = table.dimensions()[0], w = table.dimensions()[1], m = rows.dimensions()[0];
@@ -444,11 +455,12 @@ ffi::Error CheckOptimizer(int32_t optimizer, int64_t R, int64_t acc_rows) {
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateRowsImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R1 rows, F32R2 grads, PredR0 apply,
-                          F32R1 increment, ffi::AnyBuffer /*after*/, F32R2Out table_out, F32R1Out acc_out, int32_t optimizer,
+ffi::Error UpdateRowsImpl(ffi::ThreadPool pool, F32State table, F32State acc, S32R1 rows, F32R2 grads, PredR0 apply,
+                          F32R1 increment, ffi::AnyBuffer /*after*/, F32StateOut table_out, F32StateOut acc_out, int32_t optimizer,
                           float learning_rate, float eps) {
-  const int64_t R = table.dimensions()[0], w = table.dimensions()[1], m = rows.dimensions()[0];
-  if (auto err = CheckOptimizer(optimizer, R, acc.dimensions()[0]); err.failure()) return err;
+  const auto [R, w] = TableShape(table);
+  const int64_t m = rows.dimensions()[0];
+  if (auto err = CheckOptimizer(optimizer, R, static_cast<int64_t>(acc.element_count())); err.failure()) return err;
   if (grads.dimensions()[0] != m || grads.dimensions()[1] != w) {
     return ffi::Error::InvalidArgument("jaxscale_update_rows: grads must be [len(rows), width]");
   }
@@ -457,7 +469,7 @@ ffi::Error UpdateRowsImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R1 ro
     return ffi::Error::InvalidArgument("jaxscale_update_rows: acc_increment must be [len(rows)]");
   }
   CopyIfNotAliased(table.typed_data(), table_out->typed_data(), R * w);
-  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), acc.dimensions()[0]);
+  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), static_cast<int64_t>(acc.element_count()));
   if (!*apply.typed_data() || m == 0 || R == 0 || w == 0) return ffi::Error::Success();
 
   if (m > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_update_rows: more than 2**31 rows");
@@ -483,18 +495,18 @@ ffi::Error UpdateRowsImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R1 ro
   return ffi::Error::Success();
 }
 
-ffi::Error UpdatePooledImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R2 ids, F32R2 grad, PredR0 apply,
-                            ffi::AnyBuffer /*after*/, F32R2Out table_out, F32R1Out acc_out, int32_t pooling, int32_t optimizer,
+ffi::Error UpdatePooledImpl(ffi::ThreadPool pool, F32State table, F32State acc, S32R2 ids, F32R2 grad, PredR0 apply,
+                            ffi::AnyBuffer /*after*/, F32StateOut table_out, F32StateOut acc_out, int32_t pooling, int32_t optimizer,
                             float learning_rate, float eps) {
-  const int64_t R = table.dimensions()[0], w = table.dimensions()[1];
+  const auto [R, w] = TableShape(table);
   const int64_t B = ids.dimensions()[0], L = ids.dimensions()[1];
-  if (auto err = CheckOptimizer(optimizer, R, acc.dimensions()[0]); err.failure()) return err;
+  if (auto err = CheckOptimizer(optimizer, R, static_cast<int64_t>(acc.element_count())); err.failure()) return err;
   if (pooling != kSum && pooling != kMean) return ffi::Error::InvalidArgument("jaxscale_update_pooled: bad pooling");
   if (grad.dimensions()[0] != B || grad.dimensions()[1] != w) {
     return ffi::Error::InvalidArgument("jaxscale_update_pooled: grad must be [bags, width]");
   }
   CopyIfNotAliased(table.typed_data(), table_out->typed_data(), R * w);
-  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), acc.dimensions()[0]);
+  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), static_cast<int64_t>(acc.element_count()));
   const int64_t total = B * L;
   if (!*apply.typed_data() || total == 0 || R == 0 || w == 0) return ffi::Error::Success();
   if (total > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_update_pooled: more than 2**31 ids");
@@ -581,18 +593,19 @@ ffi::Error GatherSegmentSumImpl(ffi::ThreadPool pool, F32R2 table, S32R1 rows, S
 }
 
 // Row rows[i] receives the gradient grads[grad_index[i]]: summed per unique row, then one optimizer step.
-ffi::Error UpdateRowsIndexedImpl(ffi::ThreadPool pool, F32R2 table, F32R1 acc, S32R1 rows, S32R1 grad_index,
-                                 F32R2 grads, PredR0 apply, ffi::AnyBuffer /*after*/, F32R2Out table_out,
-                                 F32R1Out acc_out, int32_t optimizer, float learning_rate, float eps) {
-  const int64_t R = table.dimensions()[0], w = table.dimensions()[1], m = rows.dimensions()[0];
+ffi::Error UpdateRowsIndexedImpl(ffi::ThreadPool pool, F32State table, F32State acc, S32R1 rows, S32R1 grad_index,
+                                 F32R2 grads, PredR0 apply, ffi::AnyBuffer /*after*/, F32StateOut table_out,
+                                 F32StateOut acc_out, int32_t optimizer, float learning_rate, float eps) {
+  const auto [R, w] = TableShape(table);
+  const int64_t m = rows.dimensions()[0];
   const int64_t G = grads.dimensions()[0];
-  if (auto err = CheckOptimizer(optimizer, R, acc.dimensions()[0]); err.failure()) return err;
+  if (auto err = CheckOptimizer(optimizer, R, static_cast<int64_t>(acc.element_count())); err.failure()) return err;
   if (grad_index.dimensions()[0] != m || grads.dimensions()[1] != w) {
     return ffi::Error::InvalidArgument("jaxscale_update_rows_indexed: grad_index must be [len(rows)], grads [G, width]");
   }
   if (m > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_update_rows_indexed: more than 2**31 rows");
   CopyIfNotAliased(table.typed_data(), table_out->typed_data(), R * w);
-  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), acc.dimensions()[0]);
+  CopyIfNotAliased(acc.typed_data(), acc_out->typed_data(), static_cast<int64_t>(acc.element_count()));
   if (!*apply.typed_data() || m == 0 || R == 0 || w == 0 || G == 0) return ffi::Error::Success();
   Scratch& s = ThreadScratch();
   s.pairs.resize(static_cast<size_t>(m));
@@ -624,6 +637,7 @@ using jaxscale_native::F32R1;
 using jaxscale_native::F32R1Out;
 using jaxscale_native::F32R2;
 using jaxscale_native::F32R2Out;
+using jaxscale_native::F32State;
 using jaxscale_native::PredR0;
 using jaxscale_native::S32R1;
 using jaxscale_native::S32R2;
@@ -642,15 +656,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleGatherPool, jaxscale_native::GatherPoolImp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdateRows, jaxscale_native::UpdateRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32R2>()   // table
-                                  .Arg<F32R1>()   // accumulator ([0] for SGD)
+                                  .Arg<F32State>()  // table
+                                  .Arg<F32State>()  // accumulator ([0] for SGD)
                                   .Arg<S32R1>()   // rows
                                   .Arg<F32R2>()   // grads
                                   .Arg<PredR0>()  // apply
                                   .Arg<F32R1>()   // acc_increment ([0] when absent)
                                   .Arg<ffi::AnyBuffer>()  // after: ignored; orders the update after it
-                                  .Ret<F32R2>()
-                                  .Ret<F32R1>()
+                                  .Ret<F32State>()
+                                  .Ret<F32State>()
                                   .Attr<int32_t>("optimizer")
                                   .Attr<float>("learning_rate")
                                   .Attr<float>("eps"));
@@ -658,14 +672,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdateRows, jaxscale_native::UpdateRowsImp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdatePooled, jaxscale_native::UpdatePooledImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32R2>()   // table
-                                  .Arg<F32R1>()   // accumulator ([0] for SGD)
+                                  .Arg<F32State>()  // table
+                                  .Arg<F32State>()  // accumulator ([0] for SGD)
                                   .Arg<S32R2>()   // ids [bags, L]
                                   .Arg<F32R2>()   // grad [bags, width]
                                   .Arg<PredR0>()  // apply
                                   .Arg<ffi::AnyBuffer>()  // after: ignored; orders the update after it
-                                  .Ret<F32R2>()
-                                  .Ret<F32R1>()
+                                  .Ret<F32State>()
+                                  .Ret<F32State>()
                                   .Attr<int32_t>("pooling")
                                   .Attr<int32_t>("optimizer")
                                   .Attr<float>("learning_rate")
@@ -682,15 +696,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleGatherSegmentSum, jaxscale_native::GatherS
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleUpdateRowsIndexed, jaxscale_native::UpdateRowsIndexedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32R2>()   // table
-                                  .Arg<F32R1>()   // accumulator ([0] for SGD)
+                                  .Arg<F32State>()  // table
+                                  .Arg<F32State>()  // accumulator ([0] for SGD)
                                   .Arg<S32R1>()   // rows
                                   .Arg<S32R1>()   // grad_index
                                   .Arg<F32R2>()   // grads [G, width]
                                   .Arg<PredR0>()  // apply
                                   .Arg<ffi::AnyBuffer>()  // after: ignored; orders the update after it
-                                  .Ret<F32R2>()
-                                  .Ret<F32R1>()
+                                  .Ret<F32State>()
+                                  .Ret<F32State>()
                                   .Attr<int32_t>("optimizer")
                                   .Attr<float>("learning_rate")
                                   .Attr<float>("eps"));
