@@ -135,7 +135,7 @@ def describe_machine(m: Mapping) -> str:
 def load_line(before, after, busy=None) -> str:
     """'load average 0.12 -> 0.95 (1 min)' [+ the others' CPU share sampled before each session]."""
     fmt = lambda la: "?" if not la else f"{la[0]:.2f}"  # noqa: E731
-    text = f"load average (1 min) {fmt(before)} before, {fmt(after)} after"
+    text = f"Load average (1 min) {fmt(before)} before, {fmt(after)} after"
     if busy:
         text += f"; other processes' CPU before each session: max {100 * max(busy):.0f}% of the machine"
     return text
@@ -310,3 +310,76 @@ def alternate(sessions: Mapping[str, Callable[[], object]], rounds: int, gate: L
             out["results"][name].append(sessions[name]())
             out["order"].append(name)
     return out
+
+
+# ------------------------------------------------------------------ persistent workers (timing_probe.py)
+
+
+class Worker:
+    """A persistent worker process, driven step by step: JSON commands on its stdin, one JSON reply per
+    command on its stdout (lines starting with '@@'; anything else it prints is passed through)."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping | None = None, timeout_s: float = 900):
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen(
+            [sys.executable, *map(str, argv)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=sys.stderr,
+            text=True,
+            env=dict(env) if env is not None else child_env(),
+            cwd=str(REPO),
+            bufsize=1,
+        )
+        self.name = Path(str(argv[0])).stem + " " + " ".join(map(str, argv[1:2]))
+
+    def read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise WorkerError(f"{self.name}: exited (code {self.proc.poll()}) before answering")
+            if line.startswith("@@"):
+                msg = json.loads(line[2:])
+                if "error" in msg:
+                    raise WorkerError(f"{self.name}: {msg['error']}")
+                return msg
+            sys.stderr.write(line)
+
+    def ask(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def reply(**message) -> None:
+    print("@@" + json.dumps(message, default=float), flush=True)
+
+
+def serve(handlers: Mapping[str, Callable[[dict], dict]]) -> None:
+    """The worker side of `Worker`: answer commands until 'quit' or end of input; an exception is
+    answered as {"error": ...} and ends the worker."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "quit":
+            return
+        try:
+            reply(**handlers[command["op"]](command))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises WorkerError
+            reply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            return

@@ -71,123 +71,142 @@ def _numpy_step(W, acc, ids, G, lr, eps):
 # --------------------------------------------------------------------------------------- engines
 
 
-def _load(spec):
-    d = spec["dir"]
-    return (
-        np.load(os.path.join(d, "table.npy")),
-        np.load(os.path.join(d, "ids.npy")),
-        np.load(os.path.join(d, "grads.npy")),
-        np.load(os.path.join(d, "touched.npy")),
-    )
+def _load(d: str):
+    return tuple(np.load(os.path.join(d, f"{n}.npy")) for n in ("table", "ids", "grads", "touched"))
 
 
-def _finish(spec, times, first, final_rows, **info) -> dict:
-    stem = spec["result_stem"]
-    np.save(stem + ".first.npy", np.asarray(first, np.float32))
-    np.save(stem + ".rows.npy", np.asarray(final_rows, np.float32))
-    warm = int(spec["warmup"])
-    return {
-        "warmup_s": times[:warm],
-        "times_s": times[warm:],
-        "first_output": stem + ".first.npy",
-        "final_rows": stem + ".rows.npy",
-        **info,
-    }
+class JaxscaleEngine:
+    """`EmbeddingCollection` on a 1x1 mesh; one jitted, donated lookup + update step (compiled on step 0)."""
 
+    def __init__(self, d: str, lr: float, eps: float):
+        import jax
 
-def _jaxscale(spec: dict) -> dict:
-    import jax
+        jax.config.update("jax_num_cpu_devices", 1)
+        import jaxscale
 
-    jax.config.update("jax_num_cpu_devices", 1)
-    import jaxscale
+        self.jax = jax
+        W0, self.ids, self.grads, self.touched = _load(d)
+        table = TableConfig("t", rows=W0.shape[0], dim=W0.shape[1], pooling="sum", features=("f",))
+        self.ec = ec = jaxscale.EmbeddingCollection(
+            [table],
+            jaxscale.make_mesh(1, 1, devices=jax.devices()[:1]),
+            topology="1d",
+            sharding="row_wise",
+            optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps),
+        )
+        self.state = ec.from_dense({"t": W0})
 
-    W0, ids, grads, touched = _load(spec)
-    table = TableConfig("t", rows=W0.shape[0], dim=W0.shape[1], pooling="sum", features=("f",))
-    ec = jaxscale.EmbeddingCollection(
-        [table],
-        jaxscale.make_mesh(1, 1, devices=jax.devices()[:1]),
-        topology="1d",
-        sharding="row_wise",
-        optimizer=jaxscale.RowWiseAdagrad(spec["lr"], eps=spec["eps"]),
-    )
-    state = ec.from_dense({"t": W0})
-    del W0
+        def step(state, ids, g):
+            emb = ec.lookup(state, ids)
+            return ec.update(state, ids, {"f": g}), emb["f"]
 
-    def step(state, ids, g):
-        emb = ec.lookup(state, ids)
-        return ec.update(state, ids, {"f": g}), emb["f"]
+        self._step = jax.jit(step, donate_argnums=0)
+        self.info = {"jax": jax.__version__}
 
-    step = jax.jit(step, donate_argnums=0)  # compiled on the first (warm-up) step
-    times, first = [], None
-    for s in range(len(ids)):
-        g = jax.device_put(grads[s], ec.batch_sharding)
-        jax.block_until_ready(g)
+    def step(self, s: int):
+        """(seconds, output) of step s: `shard_batch` of its ids, then the jitted step, until ready."""
+        jax = self.jax
+        g = jax.block_until_ready(jax.device_put(self.grads[s], self.ec.batch_sharding))
         t = time.perf_counter()
-        batch = ec.shard_batch({"f": ids[s]})
-        state, out = step(state, batch, g)
-        jax.block_until_ready((state, out))
-        times.append(time.perf_counter() - t)
-        first = np.asarray(out) if first is None else first
-    rows = ec.to_dense(state)["t"][touched]
-    return _finish(spec, times, first, rows, jax=jax.__version__)
+        batch = self.ec.shard_batch({"f": self.ids[s]})
+        self.state, out = self._step(self.state, batch, g)
+        jax.block_until_ready((self.state, out))
+        return time.perf_counter() - t, out
+
+    def final_rows(self):
+        return self.ec.to_dense(self.state)["t"][self.touched]
 
 
-def _fbgemm(spec: dict) -> dict:
-    import fbgemm_gpu
-    import torch
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
+class FbgemmEngine:
+    """`SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM), torch's default threads."""
 
-    W0, ids, grads, touched = _load(spec)
-    rows, dim = W0.shape
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=spec["lr"],
-        eps=spec["eps"],
-        pooling_mode=PoolingMode.SUM,
-    )
-    w = tbe.split_embedding_weights()[0]
-    with torch.no_grad():
-        w.copy_(torch.from_numpy(W0))
-    del W0
-    B, L = ids.shape[1:]
-    offsets = torch.arange(0, B * L + 1, L, dtype=torch.int64)
-    times, first = [], None
-    for s in range(len(ids)):
-        G = torch.from_numpy(grads[s])
+    def __init__(self, d: str, lr: float, eps: float):
+        import fbgemm_gpu
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.torch = torch
+        W0, self.ids, self.grads, self.touched = _load(d)
+        rows, dim = W0.shape
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=lr,
+            eps=eps,
+            pooling_mode=PoolingMode.SUM,
+        )
+        self.w = self.tbe.split_embedding_weights()[0]
+        with torch.no_grad():
+            self.w.copy_(torch.from_numpy(W0))
+        B, L = self.ids.shape[1:]
+        self.offsets = torch.arange(0, B * L + 1, L, dtype=torch.int64)
+        self.info = {
+            "torch": torch.__version__,
+            "fbgemm": getattr(fbgemm_gpu, "__version__", "?"),
+            "threads": torch.get_num_threads(),
+        }
+
+    def step(self, s: int):
+        """(seconds, output) of step s: int64 indices, forward, backward (the fused optimizer updates rows)."""
+        G = self.torch.from_numpy(self.grads[s])
         t = time.perf_counter()
-        idx = torch.from_numpy(ids[s].reshape(-1).astype(np.int64))
-        out = tbe(idx, offsets)
-        out.backward(G)  # the fused optimizer updates the touched rows here
-        times.append(time.perf_counter() - t)
-        first = out.detach().numpy().copy() if first is None else first
-    rows_out = w.detach().numpy()[touched]
-    return _finish(
-        spec,
-        times,
-        first,
-        rows_out,
-        torch=torch.__version__,
-        fbgemm=getattr(fbgemm_gpu, "__version__", "?"),
-        threads=torch.get_num_threads(),
-    )
+        idx = self.torch.from_numpy(self.ids[s].reshape(-1).astype(np.int64))
+        out = self.tbe(idx, self.offsets)
+        out.backward(G)
+        return time.perf_counter() - t, out.detach()
+
+    def final_rows(self):
+        return self.w.detach().numpy()[self.touched]
 
 
-def _numpy(spec: dict) -> dict:
-    W, ids, grads, touched = _load(spec)
-    acc = np.zeros(W.shape[0], np.float32)
-    times, first = [], None
-    for s in range(len(ids)):
+class NumpyEngine:
+    """`jaxscale.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place."""
+
+    def __init__(self, d: str, lr: float, eps: float):
+        self.W, self.ids, self.grads, self.touched = _load(d)
+        self.acc = np.zeros(self.W.shape[0], np.float32)
+        self.lr, self.eps = lr, eps
+        self.info = {"numpy": np.__version__}
+
+    def step(self, s: int):
         t = time.perf_counter()
-        out = _numpy_step(W, acc, ids[s], grads[s], spec["lr"], spec["eps"])
-        times.append(time.perf_counter() - t)
-        first = out if first is None else first
-    return _finish(spec, times, first, W[touched], numpy=np.__version__)
+        out = _numpy_step(self.W, self.acc, self.ids[s], self.grads[s], self.lr, self.eps)
+        return time.perf_counter() - t, out
+
+    def final_rows(self):
+        return self.W[self.touched]
+
+
+ENGINE_CLASSES = {"jaxscale": JaxscaleEngine, "fbgemm": FbgemmEngine, "numpy": NumpyEngine}
+
+
+def session(kind: str):
+    """The worker handler of one engine session: every step in order, warm-up first."""
+
+    def handler(spec: dict) -> dict:
+        engine = ENGINE_CLASSES[kind](spec["dir"], spec["lr"], spec["eps"])
+        times, first = [], None
+        for s in range(len(engine.ids)):
+            dt, out = engine.step(s)
+            times.append(dt)
+            first = np.asarray(out) if first is None else first
+        stem, warm = spec["result_stem"], int(spec["warmup"])
+        np.save(stem + ".first.npy", np.asarray(first, np.float32))
+        np.save(stem + ".rows.npy", np.asarray(engine.final_rows(), np.float32))
+        return {
+            "warmup_s": times[:warm],
+            "times_s": times[warm:],
+            "first_output": stem + ".first.npy",
+            "final_rows": stem + ".rows.npy",
+            **engine.info,
+        }
+
+    return handler
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -252,4 +271,4 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 1800) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main({"jaxscale": _jaxscale, "fbgemm": _fbgemm, "numpy": _numpy}))
+    sys.exit(worker_main({kind: session(kind) for kind in ENGINE_CLASSES}))

@@ -7,9 +7,9 @@
 Parts (`--parts`, default all):
   one_device   lookup + row-wise AdaGrad on one device: jaxscale vs FBGEMM's CPU TBE vs the NumPy
                reference, same table, ids and gradients; the updated tables are checked (one_device.py)
-  distributed  jaxscale on W simulated devices in one process and on W processes (gloo) vs TorchRec on W
+  equal_devices  jaxscale on W simulated devices in one process and on W processes (gloo) vs TorchRec on W
                gloo ranks, W = 1, 2, 4, per sharding type and precision; time and bytes ratios
-               (distributed.py)
+               (equal_devices.py)
   stages       bytes per example of the foundation smoke config's embedding step per technique stage,
                from the compiled HLO (stages.py)
 
@@ -32,12 +32,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-import distributed
+import equal_devices
 import one_device
 import stages
 from common import RESULTS, LoadGate, alternate, describe_machine, load_average, load_line, log, machine, write_atomic
 
-PARTS = ("one_device", "distributed", "stages")
+PARTS = ("one_device", "equal_devices", "stages")
 EXIT_CHECK_FAILED, EXIT_LOADED = 1, 3
 
 
@@ -45,7 +45,7 @@ def sizes(quick: bool) -> dict:
     if quick:
         return {
             "one_device": dict(rows=100_000, dim=64, batch=1024, hotness=20, zipf=1.1, warmup=2, steps=6, rounds=2),
-            "distributed": dict(
+            "equal_devices": dict(
                 tables=4,
                 rows=5_000,
                 dim=64,
@@ -63,7 +63,7 @@ def sizes(quick: bool) -> dict:
         }
     return {
         "one_device": dict(rows=1_000_000, dim=64, batch=4096, hotness=20, zipf=1.1, warmup=3, steps=15, rounds=3),
-        "distributed": dict(
+        "equal_devices": dict(
             tables=8,
             rows=20_000,
             dim=64,
@@ -74,7 +74,7 @@ def sizes(quick: bool) -> dict:
             steps=8,
             rounds=2,
             worlds=(2, 4),
-            shardings=distributed.SHARDINGS,
+            shardings=equal_devices.SHARDINGS,
             precisions=("fp32", "fp16", "bf16", "fp8"),
             torchrec_fp8_probe=True,
         ),
@@ -102,15 +102,15 @@ def run(args) -> dict:
             gate.busy = []
             log(f"part {part}")
             if part == "stages":
-                out = {"stages": stages_part(tmp)}
+                out = stages_part(tmp)
             else:
                 cfg = dict(S[part])
                 if args.rounds:
                     cfg["rounds"] = args.rounds
-                if part == "distributed" and args.capacity_factor:
+                if part == "equal_devices" and args.capacity_factor:
                     cfg["capacity_factor"] = args.capacity_factor
                 alt = partial(alternate, rounds=cfg["rounds"], gate=gate)
-                module = one_device if part == "one_device" else distributed
+                module = one_device if part == "one_device" else equal_devices
                 out = module.run(cfg, tmp, alt)
                 out["rounds"] = cfg["rounds"]
             out["load_average_before"], out["load_average_after"] = before, load_average()
@@ -134,7 +134,7 @@ def checks_ok(res: dict) -> bool:
     one = res["parts"].get("one_device")
     if one:
         ok &= one["check"]["ok"]
-    dist = res["parts"].get("distributed")
+    dist = res["parts"].get("equal_devices")
     if dist:
         for engine in ("jaxscale_sim", "jaxscale_mp", "torchrec"):
             for world in dist["engines"].get(engine, {}).values():
@@ -214,7 +214,7 @@ def render_one_device(p: dict) -> list[str]:
     return L
 
 
-def render_distributed(p: dict) -> list[str]:
+def render_equal_devices(p: dict) -> list[str]:
     s = p["shape"]
     L = [
         "## 2. Equal devices: jaxscale vs TorchRec",
@@ -289,14 +289,14 @@ def render_distributed(p: dict) -> list[str]:
 
 
 def render_stages(p: dict) -> list[str]:
-    st = p["stages"]["stages"]
+    st = p["stages"]
     if not st:
         return []
     base = st[0]["total_bytes_per_example"]
     L = [
-        f"## 3. Bytes per technique stage (foundation smoke config, {'x'.join(map(str, p['stages']['mesh']))} mesh)",
+        f"## 3. Bytes per technique stage (foundation smoke config, {'x'.join(map(str, p['mesh']))} mesh)",
         "",
-        f"The embedding step (lookup + update) of `{p['stages']['config']}` compiled per stage, global batch "
+        f"The embedding step (lookup + update) of `{p['config']}` compiled per stage, global batch "
         f"{st[0]['global_batch']}; stages are cumulative. Bytes from the compiled HLO, split intra- / inter-node "
         "(`jaxscale.comm_report.split_bytes`). The dense model's all-reduce is the same in every stage and not "
         "included.",
@@ -327,7 +327,7 @@ def findings(res: dict) -> list[str]:
             f"One device: jaxscale {_ms(j)} ms vs FBGEMM {_ms(f)} ms per step: {f / j:.2f}x FBGEMM's speed "
             f"(target >= 1.0x: {'met' if f / j >= 1 else 'not met'})."
         )
-    dist = res["parts"].get("distributed")
+    dist = res["parts"].get("equal_devices")
     if dist:
         rows = [r for r in dist["comparisons"] if r["devices"] > 1]
         for key, label in (("time_ratio_sim", "1 process"), ("time_ratio_mp", "W processes")):
@@ -369,8 +369,8 @@ def render(res: dict) -> str:
     parts = res["parts"]
     if "one_device" in parts:
         L += render_one_device(parts["one_device"])
-    if "distributed" in parts:
-        L += render_distributed(parts["distributed"])
+    if "equal_devices" in parts:
+        L += render_equal_devices(parts["equal_devices"])
     if "stages" in parts:
         L += render_stages(parts["stages"])
     return "\n".join(L)

@@ -20,7 +20,7 @@ all-reduce 2(W-1)/W, all-gather (W-1)/W of the result, reduce-scatter (W-1)/W of
 After the last step the fp32 tables are checked against `jaxscale.reference` (column-wise tables with one
 AdaGrad accumulator per column shard are checked against the reference with those accumulators).
 
-`python distributed.py jaxscale SPEC RESULT` is the jaxscale worker (one process of a session).
+`python equal_devices.py jaxscale SPEC RESULT` is the jaxscale worker (one process of a session).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiproc
         "coordinator": f"127.0.0.1:{free_port()}",
     }
     results = run_session(
-        HERE / "distributed.py",
+        HERE / "equal_devices.py",
         "jaxscale",
         [base | {"process_id": i} for i in range(nproc)],
         tmp=tmp,
