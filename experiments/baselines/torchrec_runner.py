@@ -588,16 +588,22 @@ def run_torchrec(
     timeout_s=300,
     start_method=None,
     return_plan=False,
+    expected_tables=None,
+    keep_arrays=True,
 ) -> dict:
     """Run TorchRec DMP on ``world_size`` gloo ranks (in-process when 1) and gather results to dense numpy.
 
     tables: jaxscale.TableConfig (or a dict of its fields); weights: {table: float32 [rows, dim]};
     batches: [{feature: int [B, L], -1 padded}] (global batch, split evenly over ranks);
     grads: None (lookup only), one {feature: dL/d output} used every step, or one per batch.
+    weights, batches and grads may each be given as the path of a pickle file holding them (large data
+    written once for many jobs). expected_tables: the path of an .npz {table: array} to compare the final
+    tables with (adds "max_abs_diff": {table: float}); keep_arrays=False leaves outputs and tables out.
     Returns {"outputs": [{feature: array}], "tables": {name: array}, "step_times": [[s] per rank],
              "comm": [[{op[dtype]: {calls, bytes, offrank_bytes}} per step] per rank], "config": {...}}.
     Raises RuntimeError carrying TorchRec's error (e.g. FP8 QComms on CPU)."""
     tables = [as_table(t) for t in tables]
+    weights, batches, grads = (_unpickle(x) for x in (weights, batches, grads))
     if qcomms not in PRECISIONS or (qcomms_bwd or qcomms) not in PRECISIONS:
         raise ValueError(f"qcomms precision must be one of {PRECISIONS}")
     if sharding not in SHARDING_TYPES:
@@ -681,7 +687,7 @@ def run_torchrec(
         notes.append("sequence tables ran row_wise: TorchRec EmbeddingCollection has no table_row_wise")
     if world_size == 1:
         notes.append("world size 1: no collectives, QComms not applied")
-    return {
+    result = {
         "outputs": outputs,
         "tables": dense,
         "step_times": [res["step_times"] for res in results],
@@ -690,8 +696,22 @@ def run_torchrec(
         "config": {
             k: job[k] for k in ("sharding", "optimizer", "lr", "eps", "qcomms", "qcomms_bwd", "gradient_division")
         }
-        | {"world_size": world_size, "notes": notes},
+        | {"world_size": world_size, "notes": notes, "threads": threads},
     }
+    if expected_tables is not None:
+        with np.load(expected_tables) as want:
+            result["max_abs_diff"] = {name: float(np.abs(dense[name] - want[name]).max()) for name in dense}
+    if not keep_arrays:
+        del result["outputs"], result["tables"]
+    return result
+
+
+def _unpickle(x):
+    """x, or the object pickled in the file x names."""
+    if isinstance(x, (str, os.PathLike)):
+        with open(x, "rb") as fh:
+            return pickle.load(fh)
+    return x
 
 
 def run_torchrec_subprocess(*args, jobs: list[dict] | None = None, timeout_s: int = 900, **kwargs):
@@ -734,10 +754,12 @@ def run_torchrec_subprocess(*args, jobs: list[dict] | None = None, timeout_s: in
 def _plain_job(job: dict) -> dict:
     job = dict(job)
     job["tables"] = [table_fields(as_table(t)) for t in job["tables"]]
-    job["weights"] = {k: np.asarray(v, np.float32) for k, v in job["weights"].items()}
-    job["batches"] = [{f: np.asarray(x) for f, x in b.items()} for b in job["batches"]]
+    if not isinstance(job["weights"], (str, os.PathLike)):
+        job["weights"] = {k: np.asarray(v, np.float32) for k, v in job["weights"].items()}
+    if not isinstance(job["batches"], (str, os.PathLike)):
+        job["batches"] = [{f: np.asarray(x) for f, x in b.items()} for b in job["batches"]]
     g = job.get("grads")
-    if g is not None:
+    if g is not None and not isinstance(g, (str, os.PathLike)):
         job["grads"] = (
             {f: np.asarray(x, np.float32) for f, x in g.items()}
             if isinstance(g, Mapping)
