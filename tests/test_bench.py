@@ -207,6 +207,24 @@ def test_comparisons_match_precisions_and_compute_ratios():
     assert fp8["bytes_target"] == 0.5 and fp8["time_ratio_mp"] is None
 
 
+def test_merge_sessions_pools_steps_and_keeps_only_the_error_of_a_failed_config():
+    def session(a_times, b):
+        return {
+            "configs": {
+                "row_wise/fp32": {"sharding": "row_wise", "precision": "fp32", "times_s": a_times, "warmup_s": [9.0]},
+                "table_wise/fp8": b,
+            }
+        }
+
+    ok_b = {"sharding": "table_wise", "precision": "fp8", "times_s": [0.5], "bytes_per_device": 10.0}
+    bad_b = {"sharding": "table_wise", "precision": "fp8", "error": "RuntimeError: boom"}
+    merged = equal_devices.merge_sessions([session([0.010, 0.030], ok_b), session([0.020], bad_b)])
+    a = merged["row_wise/fp32"]
+    assert a["n"] == 3 and a["median_ms"] == pytest.approx(20.0)
+    assert a["session_medians_ms"] == pytest.approx([20.0, 20.0])
+    assert merged["table_wise/fp8"] == bad_b  # no timings or bytes from the session that worked
+
+
 def test_plan_pairs_every_jaxscale_precision_with_a_torchrec_run():
     cfg = {"worlds": (2, 4), "shardings": ("table_wise", "row_wise"), "precisions": ("fp32", "bf16", "fp8")}
     p = equal_devices.plan(cfg)

@@ -130,88 +130,98 @@ def _jaxscale(spec: dict) -> dict:
         distributed.initialize(spec["coordinator"], nproc, pid, local_devices=local)
     else:
         jax.config.update("jax_num_cpu_devices", local)
-    from jax.experimental import multihost_utils
-
     import jaxscale
-    from jaxscale import comm_inspect
 
     d = spec["dir"]
     weights, batches, grads = _load(d, "weights"), _load(d, "batches"), _load(d, "grads")
     ts = tables(len(weights), *next(iter(weights.values())).shape)
     mesh = jaxscale.make_mesh(nproc, local)
     devices = nproc * local
-    B = next(iter(batches[0].values())).shape[0]
-    mine = slice(pid * B // nproc, (pid + 1) * B // nproc)
     out = {"devices": devices, "mesh": [nproc, local], "process_id": pid, "jax": jax.__version__, "configs": {}}
     for sharding, precision in spec["configs"]:
-        fwd, bwd = JAXSCALE_PRECISIONS[precision]
-        ec = jaxscale.EmbeddingCollection(
-            ts,
-            mesh,
-            topology="1d",
-            sharding=sharding,
-            optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
-            comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
-            capacity_factor=spec.get("capacity_factor"),
-        )
-        state = ec.from_dense(weights)
-
-        def step(state, ids, g, ec=ec):
-            emb, stats = ec.lookup(state, ids, return_stats=True)
-            return ec.update(state, ids, g), (emb, stats["overflow"])
-
-        step = jax.jit(step, donate_argnums=0)
-        times, overflow, bytes_by_exe, step_bytes = [], 0, {}, []
-        for s, (ids, g) in enumerate(zip(batches, grads)):
-            g_dev = {
-                f: jax.make_array_from_process_local_data(ec.batch_sharding, v[mine], v.shape) for f, v in g.items()
-            }
-            jax.block_until_ready(g_dev)
-            if nproc > 1:
-                multihost_utils.sync_global_devices(f"step {s}")
-            t = time.perf_counter()
-            ids_dev = ec.shard_batch({f: v[mine] for f, v in ids.items()})
-            state, (emb, ovf) = step(state, ids_dev, g_dev)
-            jax.block_until_ready((state, emb, ovf))
-            times.append(time.perf_counter() - t)
-            overflow += int(np.asarray(ovf.addressable_data(0)).sum())
-            key = str(jax.tree.structure(ids_dev))  # the batch's static metadata selects the executable
-            if key not in bytes_by_exe:
-                bytes_by_exe[key] = _collective_bytes(
-                    comm_inspect.list_collectives(step, state, ids_dev, g_dev, mesh=mesh)
-                )
-            step_bytes.append(bytes_by_exe[key])
-        dense = ec.to_dense(state)
-        acc = ec.slots_to_dense(state)["accumulator"]
-        cp = {a.shape[1] if a.ndim == 2 else 1 for a in acc.values()}
-        check = None
-        path = os.path.join(d, f"expected_cp{max(cp)}.npz")
-        if len(cp) == 1 and os.path.exists(path):
-            with np.load(path) as want:
-                check = {
-                    "col_parts": max(cp),
-                    "max_abs_diff": max(float(np.abs(dense[n] - want[n]).max()) for n in dense),
-                }
-        timed = slice(spec["warmup"], None)
-        per_kind: dict = {}
-        for b in step_bytes[timed]:
-            for k, v in b["per_kind"].items():
-                per_kind[k] = per_kind.get(k, 0.0) + v / len(step_bytes[timed])
-        out["configs"][config_name(sharding, precision)] = {
-            "sharding": sharding,
-            "precision": precision,
-            "comm": [fwd, bwd],
-            "times_s": times[timed],
-            "warmup_s": times[: spec["warmup"]],
-            "overflow_rows": overflow,
-            "bytes_per_device": float(np.mean([b["per_device"] for b in step_bytes[timed]])),
-            "bytes_cluster_per_kind": {k: v * devices for k, v in per_kind.items()},
-            "executables": len(bytes_by_exe),
-            "check": check,
-        }
-        print(f"[jaxscale {devices} dev, process {pid}] {sharding}/{precision} done", file=sys.stderr, flush=True)
-        del state
+        name = config_name(sharding, precision)
+        try:
+            out["configs"][name] = _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision)
+        except Exception as e:  # noqa: BLE001 - recorded; the other configurations still run
+            out["configs"][name] = {"sharding": sharding, "precision": precision, "error": f"{type(e).__name__}: {e}"}
+        print(f"[jaxscale {devices} dev, process {pid}] {name} done", file=sys.stderr, flush=True)
     return out
+
+
+def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -> dict:
+    """Warm-up and timed steps of one configuration; bytes per step from each executable's HLO; the check."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import jaxscale
+    from jaxscale import comm_inspect
+
+    nproc, pid = spec["num_processes"], spec["process_id"]
+    devices = mesh.devices.size
+    B = next(iter(batches[0].values())).shape[0]
+    mine = slice(pid * B // nproc, (pid + 1) * B // nproc)
+    d = spec["dir"]
+    fwd, bwd = JAXSCALE_PRECISIONS[precision]
+    ec = jaxscale.EmbeddingCollection(
+        ts,
+        mesh,
+        topology="1d",
+        sharding=sharding,
+        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+        comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
+        capacity_factor=spec.get("capacity_factor"),
+    )
+    state = ec.from_dense(weights)
+
+    def step(state, ids, g, ec=ec):
+        emb, stats = ec.lookup(state, ids, return_stats=True)
+        return ec.update(state, ids, g), (emb, stats["overflow"])
+
+    step = jax.jit(step, donate_argnums=0)
+    times, overflow, bytes_by_exe, step_bytes = [], 0, {}, []
+    for s, (ids, g) in enumerate(zip(batches, grads)):
+        g_dev = {f: jax.make_array_from_process_local_data(ec.batch_sharding, v[mine], v.shape) for f, v in g.items()}
+        jax.block_until_ready(g_dev)
+        if nproc > 1:
+            multihost_utils.sync_global_devices(f"step {s}")
+        t = time.perf_counter()
+        ids_dev = ec.shard_batch({f: v[mine] for f, v in ids.items()})
+        state, (emb, ovf) = step(state, ids_dev, g_dev)
+        jax.block_until_ready((state, emb, ovf))
+        times.append(time.perf_counter() - t)
+        overflow += int(np.asarray(ovf.addressable_data(0)).sum())
+        key = str(jax.tree.structure(ids_dev))  # the batch's static metadata selects the executable
+        if key not in bytes_by_exe:
+            bytes_by_exe[key] = _collective_bytes(comm_inspect.list_collectives(step, state, ids_dev, g_dev, mesh=mesh))
+        step_bytes.append(bytes_by_exe[key])
+    dense = ec.to_dense(state)
+    acc = ec.slots_to_dense(state)["accumulator"]
+    cp = {a.shape[1] if a.ndim == 2 else 1 for a in acc.values()}
+    check = None
+    path = os.path.join(d, f"expected_cp{max(cp)}.npz")
+    if len(cp) == 1 and os.path.exists(path):
+        with np.load(path) as want:
+            check = {
+                "col_parts": max(cp),
+                "max_abs_diff": max(float(np.abs(dense[n] - want[n]).max()) for n in dense),
+            }
+    timed = slice(spec["warmup"], None)
+    per_kind: dict = {}
+    for b in step_bytes[timed]:
+        for k, v in b["per_kind"].items():
+            per_kind[k] = per_kind.get(k, 0.0) + v / len(step_bytes[timed])
+    return {
+        "sharding": sharding,
+        "precision": precision,
+        "comm": [fwd, bwd],
+        "times_s": times[timed],
+        "warmup_s": times[: spec["warmup"]],
+        "overflow_rows": overflow,
+        "bytes_per_device": float(np.mean([b["per_device"] for b in step_bytes[timed]])),
+        "bytes_cluster_per_kind": {k: v * devices for k, v in per_kind.items()},
+        "executables": len(bytes_by_exe),
+        "check": check,
+    }
 
 
 def _collective_bytes(collectives) -> dict:
@@ -246,6 +256,10 @@ def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiproc
     )
     first = results[0]
     for name, c in first["configs"].items():  # the slowest process in each step
+        errors = [r["configs"][name]["error"] for r in results if "error" in r["configs"][name]]
+        if errors:
+            first["configs"][name] = {"sharding": c["sharding"], "precision": c["precision"], "error": errors[0]}
+            continue
         c["times_s"] = np.max([r["configs"][name]["times_s"] for r in results], axis=0).tolist()
     return first
 
@@ -337,7 +351,8 @@ def torchrec_session(d: str, tmp: str, world: int, cfg: dict, shardings, precisi
     for job, res in zip(jobs, results):
         name = config_name(job["sharding"], job["qcomms"])
         if "error" in res:
-            out["configs"][name] = {"error": res["error"][:400]}
+            error = res["error"][:400]
+            out["configs"][name] = {"sharding": job["sharding"], "precision": job["qcomms"], "error": error}
             continue
         per_kind = torchrec_bytes(res, world, timed)
         out["configs"][name] = {
@@ -386,29 +401,17 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
             sessions[f"jaxscale_mp@{w}"] = lambda w=w, p=p: jaxscale_session(
                 d, tmp, w, p["jaxscale"], cfg, True, timeout_s
             )
-        sessions[f"torchrec@{w}"] = lambda w=w, p=p: torchrec_session(d, tmp, w, cfg, *p["torchrec"], timeout_s)
+        if cfg.get("torchrec", True):
+            sessions[f"torchrec@{w}"] = lambda w=w, p=p: torchrec_session(d, tmp, w, cfg, *p["torchrec"], timeout_s)
     runs = alternate(sessions)
     engines = {}
     for name, results in runs["results"].items():
         engine, world = name.split("@")
-        merged = {}
-        for res in results:
-            for cname, c in res["configs"].items():
-                m = merged.setdefault(
-                    cname,
-                    {k: v for k, v in c.items() if k not in ("times_s", "warmup_s")}
-                    | {"times_s": [], "session_medians_ms": []},
-                )
-                if "error" in c:
-                    continue
-                m["times_s"] += c["times_s"]
-                m["session_medians_ms"].append(spread(c["times_s"])["median_ms"])
-        for m in merged.values():
-            m.update(spread(m.pop("times_s")) if "error" not in m else {})
+        merged = merge_sessions(results)
         engines.setdefault(engine, {})[world] = {"configs": merged, "background_busy": runs["busy"][name]}
         if engine.startswith("jaxscale"):
             engines[engine][world]["mesh"] = results[0]["mesh"]
-    if cfg.get("torchrec_fp8_probe"):
+    if cfg.get("torchrec_fp8_probe") and cfg.get("torchrec", True):
         engines["torchrec_fp8_probe"] = _fp8_probe(d, tmp, cfg, timeout_s)
     return {
         "shape": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "hotness", "zipf", "warmup", "steps")}
@@ -418,6 +421,32 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
         "comparisons": comparisons(engines, sorted(todo, key=int)),
         "order": runs["order"],
     }
+
+
+def merge_sessions(results: list[dict]) -> dict:
+    """{config: description + timing spread over every session's timed steps + per-session medians}. A
+    configuration that failed in any session keeps only its error: its sessions did not do the same work."""
+    merged = {}
+    for res in results:
+        for cname, c in res["configs"].items():
+            m = merged.setdefault(
+                cname,
+                {"sharding": c["sharding"], "precision": c["precision"], "times_s": [], "session_medians_ms": []},
+            )
+            if "error" in c:
+                m["error"] = c["error"]
+                continue
+            m.update({k: v for k, v in c.items() if k not in ("times_s", "warmup_s")})
+            m["times_s"] += c["times_s"]
+            m["session_medians_ms"].append(spread(c["times_s"])["median_ms"])
+    for m in merged.values():
+        times = m.pop("times_s")
+        if "error" in m:
+            for k in [k for k in m if k not in ("error", "sharding", "precision")]:
+                del m[k]
+        else:
+            m.update(spread(times))
+    return merged
 
 
 def _fp8_probe(d, tmp, cfg, timeout_s) -> dict:
@@ -447,9 +476,10 @@ def comparisons(engines: dict, worlds) -> list[dict]:
                 "jaxscale_sim_ms": j.get("median_ms"),
                 "jaxscale_mp_ms": m.get("median_ms"),
                 "torchrec_ms": t.get("median_ms"),
-                "jaxscale_bytes": j["bytes_per_device"] * w,
+                "jaxscale_bytes": j["bytes_per_device"] * w if "bytes_per_device" in j else None,
                 "torchrec_bytes": t.get("bytes_per_device", float("nan")) * w if ok_t else None,
                 "torchrec_error": t.get("error"),
+                "jaxscale_error": j.get("error") or m.get("error"),
             }
             row["time_ratio_sim"] = (
                 row["jaxscale_sim_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_sim_ms"] else None
@@ -458,7 +488,9 @@ def comparisons(engines: dict, worlds) -> list[dict]:
                 row["jaxscale_mp_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_mp_ms"] else None
             )
             row["bytes_ratio"] = (
-                row["jaxscale_bytes"] / row["torchrec_bytes"] if ok_t and row["torchrec_bytes"] else None
+                row["jaxscale_bytes"] / row["torchrec_bytes"]
+                if ok_t and row["torchrec_bytes"] and row["jaxscale_bytes"] is not None
+                else None
             )
             row["bytes_target"] = 0.5 if j["precision"] == "fp8" else 1.0
             rows.append(row)

@@ -24,6 +24,7 @@ table whose sessions saw more than --max-busy is marked. The Markdown is compute
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -84,8 +85,14 @@ def sizes(quick: bool) -> dict:
 # ------------------------------------------------------------------------------------------- run
 
 
+def torchrec_installed() -> bool:
+    """torch, fbgemm_gpu and torchrec importable (found without importing them into this process)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "fbgemm_gpu", "torchrec"))
+
+
 def run(args) -> dict:
     S = sizes(args.quick)
+    have_torchrec = torchrec_installed()
     parts = [p for p in PARTS if p in args.parts.split(",")]
     gate = LoadGate(args.max_load, args.max_busy, args.allow_load)
     res = {
@@ -94,6 +101,7 @@ def run(args) -> dict:
         "machine": machine(),
         "thresholds": {"max_load": args.max_load, "max_busy": args.max_busy, "allow_load": args.allow_load},
         "parts": {},
+        "torchrec_installed": have_torchrec,
     }
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="jaxscale_bench_") as tmp:
@@ -109,6 +117,9 @@ def run(args) -> dict:
                     cfg["rounds"] = args.rounds
                 if part == "equal_devices" and args.capacity_factor:
                     cfg["capacity_factor"] = args.capacity_factor
+                if not have_torchrec:  # FBGEMM and TorchRec columns stay empty; the report says why
+                    cfg["engines"] = tuple(e for e in one_device.ENGINES if e != "fbgemm")
+                    cfg["torchrec"] = False
                 alt = partial(alternate, rounds=cfg["rounds"], gate=gate)
                 module = one_device if part == "one_device" else equal_devices
                 out = module.run(cfg, tmp, alt)
@@ -243,6 +254,8 @@ def render_equal_devices(p: dict) -> list[str]:
         if r["bytes_ratio"] is not None:
             targets.append(f"bytes {'yes' if r['bytes_ratio'] <= r['bytes_target'] else 'no'}")
         tr = r["torchrec_precision"] if not r["torchrec_error"] else f"{r['torchrec_precision']} (failed)"
+        if r.get("jaxscale_error"):
+            targets.append("jaxscale failed: see below")
         L.append(
             f"| {r['devices']} | {r['sharding']} | {r['precision']} | {tr} | {_ms(r['jaxscale_sim_ms'])} | "
             f"{_ms(r['jaxscale_mp_ms'])} | {_ms(r['torchrec_ms'])} | {_ratio(r['time_ratio_sim'])} | "
@@ -363,6 +376,12 @@ def render(res: dict) -> str:
         "docs/benchmarks.md for why). CPU wall-clock is comparable only within one run; bytes are exact.",
         "",
     ]
+    if not res.get("torchrec_installed", True):
+        L += [
+            "**TorchRec / FBGEMM are not installed here, so their columns are empty** "
+            "(`bash experiments/baselines/install_torchrec.sh`).",
+            "",
+        ]
     f = findings(res)
     if f:
         L += ["**Summary (computed from the tables below):**", ""] + [f"- {x}" for x in f] + [""]

@@ -14,8 +14,9 @@ beside it and interleaved one step of each. This script times each engine (persi
   interleaved NumPy  the same with the NumPy reference step (memory traffic, no thread pool)
   interleaved FBGEMM (for JAX)
 
-and measures the CPU time a worker consumes while its main thread sleeps right after a step (windows of
-5 ms, 50 ms and 500 ms): threads that keep spinning after a step burn CPU that another process needs.
+and measures the CPU time a worker consumes while its main thread sleeps right after a step, in consecutive
+windows (0-2, 2-5, 5-10, 10-20, 20-50 and 50-500 ms): threads that keep spinning after a step burn CPU that
+another process needs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from common import (
     write_atomic,
 )
 
-IDLE_WINDOWS_S = (0.005, 0.05, 0.5)
+IDLE_WINDOWS_S = (0.002, 0.003, 0.005, 0.01, 0.03, 0.45)  # consecutive: 0-2, 2-5, 5-10, 10-20, 20-50, 50-500 ms
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -59,13 +60,14 @@ def _worker(kind: str, d: str) -> None:
         return {"s": dt, "cpu_s": time.process_time() - cpu}
 
     def idle(cmd):
-        """CPU seconds this process used in consecutive windows while its main thread slept."""
-        used = []
+        """CPU and wall seconds of consecutive windows in which this process's main thread slept."""
+        cpu, wall = [], []
         for w in cmd["windows"]:
-            cpu = time.process_time()
+            c, t = time.process_time(), time.perf_counter()
             time.sleep(w)
-            used.append(time.process_time() - cpu)
-        return {"cpu_s": used}
+            cpu.append(time.process_time() - c)
+            wall.append(time.perf_counter() - t)
+        return {"cpu_s": cpu, "wall_s": wall}
 
     reply(op="ready", **engine.info)
     serve({"step": step, "idle": idle})
@@ -111,7 +113,7 @@ def condition(name: str, engine: str, partner: str | None, mode: str, d: str, st
             idle = []
             for s in range(5):
                 target.ask(op="step", s=s)
-                idle.append(target.ask(op="idle", windows=list(IDLE_WINDOWS_S))["cpu_s"])
+                idle.append(target.ask(op="idle", windows=list(IDLE_WINDOWS_S)))
         return {"name": name, "engine": engine, "partner": partner, "mode": mode, **spread(times), "idle_cpu_s": idle}
     finally:
         for w in workers:
@@ -161,28 +163,35 @@ def render(res: dict) -> str:
                 f"| {n} | {med:.2f} | {min(r['p10_ms'] for r in rs):.2f} | {max(r['p90_ms'] for r in rs):.2f} | "
                 f"{', '.join(format(r['median_ms'], '.2f') for r in rs)} | {med / alone:.2f}x |"
             )
+    edges = [0.0]
+    for w in IDLE_WINDOWS_S:
+        edges.append(edges[-1] + w)
     L += [
         "",
-        "CPU time a process used while its main thread slept right after a step (median of 5 steps per round), "
-        "in ms, per window after the step:",
+        "CPU a process used while its main thread slept right after a step: CPU ms in each window after the step "
+        "(as a share of one core: CPU time / the window's measured wall time), median of 5 steps per round:",
         "",
-        "| process | "
-        + " | ".join(f"{1e3 * w:g} ms window" for w in IDLE_WINDOWS_S)
-        + " | share of one core, last window |",
-        "|---|" + "---:|" * (len(IDLE_WINDOWS_S) + 1),
+        "| process | " + " | ".join(f"{1e3 * a:g}-{1e3 * b:g} ms" for a, b in zip(edges, edges[1:])) + " |",
+        "|---|" + "---:|" * len(IDLE_WINDOWS_S),
     ]
-    for engine, rows in by_engine.items():
-        samples = [s for r in rows if r["idle_cpu_s"] for s in r["idle_cpu_s"]]
-        if not samples:
-            continue
-        med = [statistics.median(s[i] for s in samples) for i in range(len(IDLE_WINDOWS_S))]
-        L.append(
-            f"| {engine} | "
-            + " | ".join(f"{1e3 * x:.2f}" for x in med)
-            + f" | {100 * med[-1] / IDLE_WINDOWS_S[-1]:.1f}% |"
-        )
+    for engine in by_engine:
+        cpu, share = idle_profile(res, engine)
+        if cpu:
+            cells = [f"{1e3 * c:.2f} ({100 * f:.0f}%)" for c, f in zip(cpu, share)]
+            L.append(f"| {engine} | " + " | ".join(cells) + " |")
     L += ["", "Findings (computed from the tables above):", ""] + [f"- {x}" for x in findings(res)] + [""]
     return "\n".join(L)
+
+
+def idle_profile(res: dict, engine: str) -> tuple[list, list]:
+    """Median CPU seconds and core share per idle window after a step, over every sample of `engine`."""
+    samples = [s for r in res["conditions"] if r["engine"] == engine and r["idle_cpu_s"] for s in r["idle_cpu_s"]]
+    if not samples:
+        return [], []
+    n = len(IDLE_WINDOWS_S)
+    cpu = [statistics.median(s["cpu_s"][i] for s in samples) for i in range(n)]
+    share = [statistics.median(s["cpu_s"][i] / s["wall_s"][i] for s in samples) for i in range(n)]
+    return cpu, share
 
 
 def _median_of(res, name):
@@ -205,15 +214,14 @@ def findings(res: dict) -> list[str]:
     if j_alone and j_mixed:
         out.append(f"jaxscale interleaved with FBGEMM: {j_mixed / j_alone:.2f}x jaxscale alone.")
     for engine in ("jaxscale", "fbgemm"):
-        samples = [s for r in res["conditions"] if r["engine"] == engine and r["idle_cpu_s"] for s in r["idle_cpu_s"]]
-        if samples:
-            first = statistics.median(s[0] for s in samples)
-            last = statistics.median(s[-1] for s in samples)
+        cpu, share = idle_profile(res, engine)
+        if cpu:
+            busy_ms = 1e3 * sum(cpu[:-1])
+            span = 1e3 * sum(IDLE_WINDOWS_S[:-1])
             out.append(
-                f"{engine} process after a step: {1e3 * first:.2f} ms of CPU in the first "
-                f"{1e3 * IDLE_WINDOWS_S[0]:g} ms ({100 * first / IDLE_WINDOWS_S[0]:.0f}% of a core), "
-                f"{1e3 * last:.2f} ms in the {1e3 * IDLE_WINDOWS_S[-1]:g} ms window after that "
-                f"({100 * last / IDLE_WINDOWS_S[-1]:.1f}% of a core)."
+                f"{engine} process, main thread asleep after a step: {busy_ms:.1f} ms of CPU in the first "
+                f"{span:g} ms ({100 * share[0]:.0f}% of a core in the first {1e3 * IDLE_WINDOWS_S[0]:g} ms), "
+                f"{1e3 * cpu[-1]:.2f} ms in the following {1e3 * IDLE_WINDOWS_S[-1]:g} ms."
             )
     return out
 
