@@ -54,7 +54,11 @@ TORCHREC_MATCH = {
     "fp32": ("fp32", "same precision"),
     "fp16": ("fp16", "same precision"),
     "bf16": ("fp16", "TorchRec's BF16 QComms run as FP16 on CPU/gloo"),
-    "fp8": ("fp16", "TorchRec's FP8 QComms fail on CPU; FP16 is its narrowest precision that runs"),
+    "fp8": (
+        "fp16",
+        "TorchRec's FP8 QComms fail on CPU for its all-to-alls and run as FP16 for row-wise reduce-scatters; "
+        "FP16 is its narrowest precision that runs",
+    ),
 }
 # Byte model for TorchRec's counted collectives (what leaves a rank), given the input bytes b and world w.
 _OFFRANK = {
@@ -450,10 +454,14 @@ def merge_sessions(results: list[dict]) -> dict:
 
 
 def _fp8_probe(d, tmp, cfg, timeout_s) -> dict:
-    """Asks TorchRec for FP8 QComms once (row_wise, W=2) to record what happens on CPU (not timed)."""
-    job = torchrec_jobs(d, cfg, 2, ("row_wise",), ("fp8",))[0]
-    res = run_torchrec_jobs([job], tmp, timeout_s)[0]
-    return {"ran": "error" not in res, "error": res.get("error", "")[:600]}
+    """Asks TorchRec for FP8 QComms on 2 ranks, per sharding type, to record what happens on CPU (not timed):
+    {sharding: {"ran": bool, "error": str, "collectives": [op[dtype] it called]}}."""
+    jobs = torchrec_jobs(d, cfg, 2, cfg["shardings"], ("fp8",))
+    out = {}
+    for job, res in zip(jobs, run_torchrec_jobs(jobs, tmp, timeout_s)):
+        kinds = sorted({k for rank in res.get("comm", []) for step in rank for k in step})
+        out[job["sharding"]] = {"ran": "error" not in res, "error": res.get("error", "")[:600], "collectives": kinds}
+    return out
 
 
 def comparisons(engines: dict, worlds) -> list[dict]:

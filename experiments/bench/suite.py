@@ -269,11 +269,14 @@ def render_equal_devices(p: dict) -> list[str]:
     ]
     probe = p["engines"].get("torchrec_fp8_probe")
     if probe:
-        L.append(
-            f"TorchRec asked for FP8 QComms (row_wise, 2 ranks): {'ran' if probe['ran'] else 'failed'}"
-            + (f": `{probe['error'][:300]}`" if probe["error"] else "")
-            + "."
-        )
+        L += ["", "TorchRec asked for FP8 QComms on 2 ranks (not timed):", ""]
+        for sharding, r in probe.items():
+            what = (
+                f"ran; its collectives: {', '.join(r['collectives']) or 'none'}"
+                if r["ran"]
+                else f"failed: `{r['error'][:300]}`"
+            )
+            L.append(f"- {sharding}: {what}")
     L += [
         "",
         "Per engine and configuration (bytes per step summed over devices, by collective; check: max |table - "
