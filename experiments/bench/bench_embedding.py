@@ -47,16 +47,20 @@ def parse_args(argv=None):
 
 
 def make_step(ec, lookup_only=False):
+    """(state, ids) -> (state, probe): lookup + update with the state donated, or the lookup alone (the
+    state passes through outside jit: returning it from jit would copy the whole table every call)."""
     import jax
+
+    if lookup_only:
+        lookup = jax.jit(lambda state, ids: ec.lookup(state, ids)["f"][0, 0])
+        return lambda state, ids: (state, lookup(state, ids))
 
     def step(state, ids):
         emb = ec.lookup(state, ids)
-        if lookup_only:
-            return state, emb["f"][0, 0]
         grads = jax.tree.map(lambda e: 2.0 * e, emb)  # d/de sum(e**2)
         return ec.update(state, ids, grads), emb["f"][0, 0]
 
-    return jax.jit(step, donate_argnums=0 if not lookup_only else ())
+    return jax.jit(step, donate_argnums=0)
 
 
 def run_interleaved(setups, warmup, steps):
