@@ -285,7 +285,7 @@ def render_equal_devices(p: dict) -> list[str]:
             what = (
                 f"ran; its collectives: {', '.join(r['collectives']) or 'none'}"
                 if r["ran"]
-                else f"failed: `{r['error'][:300]}`"
+                else f"failed: `{r['error'].splitlines()[0][:300]}`"
             )
             L.append(f"- {sharding}: {what}")
     L += [
@@ -302,7 +302,7 @@ def render_equal_devices(p: dict) -> list[str]:
         for w, x in worlds.items():
             for name, c in x["configs"].items():
                 if "error" in c:
-                    L.append(f"| {engine} | {w} | {name} | failed | | | `{c['error'][:120]}` | | |")
+                    L.append(f"| {engine} | {w} | {name} | failed | | | `{c['error'].splitlines()[0][:120]}` | | |")
                     continue
                 kinds = "; ".join(f"{k} {v:,.0f}" for k, v in sorted(c["bytes_cluster_per_kind"].items())) or "none"
                 chk = c.get("check")
