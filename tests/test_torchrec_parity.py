@@ -2,7 +2,8 @@
 
 The TorchRec side runs in a fresh interpreter (experiments/baselines/torchrec_runner.py: DMP over gloo on
 127.0.0.1, FBGEMM fused TBE optimizers), never in this JAX process. One subprocess runs every TorchRec
-configuration, so torch/torchrec are imported once.
+configuration, so torch/torchrec are imported once. The reference is `jaxscale.reference` (the one NumPy
+reference of FBGEMM semantics); the runner module is importable through pytest's `pythonpath`.
 
 Checked, float32, rtol=1e-5 / atol=1e-6:
   * TorchRec (world size 1, and 2 gloo ranks row_wise / table_wise) == NumPy reference of FBGEMM semantics
@@ -20,14 +21,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 import pytest
+import torchrec_runner as runner  # pure NumPy at import time; torch is only imported inside the subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RUNNER_PATH = ROOT / "experiments" / "baselines" / "torchrec_runner.py"
+from jaxscale import reference
+from jaxscale.tables import TableConfig
 
 
 def _torchrec_importable() -> bool:
@@ -46,21 +46,11 @@ B, L = 16, 6  # B divisible by the 8 simulated devices and by 2 gloo ranks
 LR_SGD, LR_ADAGRAD, EPS = 0.05, 0.05, 1e-8
 
 
-def _load_runner():
-    spec = importlib.util.spec_from_file_location("torchrec_runner", RUNNER_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("torchrec_runner", mod)  # dataclasses need the module registered
-    spec.loader.exec_module(mod)
-    return mod
-
-
-runner = _load_runner()  # pure NumPy at import time; torch is only imported inside the subprocess
-
 # name, rows, dim, pooling, features. t_sum is shared by two features; 37 rows do not divide 2 or 8 shards.
 TABLES = [
-    runner.Table("t_sum", 64, 8, "sum", ("a", "b")),
-    runner.Table("t_mean", 37, 16, "mean", ("c",)),
-    runner.Table("t_seq", 40, 8, None, ("s",)),
+    TableConfig("t_sum", 64, 8, "sum", ("a", "b")),
+    TableConfig("t_mean", 37, 16, "mean", ("c",)),
+    TableConfig("t_seq", 40, 8, None, ("s",)),
 ]
 
 
@@ -122,9 +112,8 @@ def torchrec_results():
 
 
 def _reference(optimizer, lr, col_blocks=1):
-    return runner.numpy_reference(
-        TABLES, WEIGHTS, BATCHES, G, optimizer=optimizer, lr=lr, eps=EPS, col_blocks=col_blocks
-    )
+    col_parts = {t.name: col_blocks for t in TABLES} if col_blocks > 1 else None
+    return reference.train(WEIGHTS, TABLES, BATCHES, G, optimizer=optimizer, lr=lr, eps=EPS, col_parts=col_parts)
 
 
 def _assert_same(got, want, what):
@@ -183,9 +172,8 @@ def _jaxscale_run(sharding, optimizer, steps=STEPS, mesh_shape=(1, 8)):
     import jaxscale
 
     mesh = jaxscale.make_mesh(*mesh_shape)
-    tables = [jaxscale.TableConfig(t.name, t.rows, t.dim, pooling=t.pooling, features=t.features) for t in TABLES]
     opt = jaxscale.SGD(LR_SGD) if optimizer == "sgd" else jaxscale.RowWiseAdagrad(LR_ADAGRAD, eps=EPS)
-    ec = jaxscale.EmbeddingCollection(tables, mesh, topology="1d", sharding=sharding, optimizer=opt)
+    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="1d", sharding=sharding, optimizer=opt)
     state = ec.from_dense(WEIGHTS)
     outputs = []
     for s in range(steps):

@@ -2,12 +2,13 @@
 """TorchRec baseline runner: the same tables, ids and gradients through stock TorchRec.
 
 Runs TorchRec ``DistributedModelParallel`` (FBGEMM fused TBE kernels) over ``torch.distributed`` gloo on N
-local processes (127.0.0.1, free port chosen at run time), or in-process for world size 1. Pooled tables go
-through ``EmbeddingBagCollection``, sequence tables (``pooling=None``) through ``EmbeddingCollection``.
+local processes (rendezvous through a file in a private temporary directory; gloo itself connects over
+127.0.0.1), or in-process for world size 1. Pooled tables go through ``EmbeddingBagCollection``, sequence
+tables (``pooling=None``) through ``EmbeddingCollection``. Tables are ``jaxscale.TableConfig``s.
 
 Returns per-step lookup outputs (global batch, dense numpy), the final tables gathered to dense numpy, the
 bytes handed to each torch.distributed collective (per rank and step) and step wall-clock times, so results
-can be compared with jaxscale and with the NumPy reference of FBGEMM semantics in :func:`numpy_reference`.
+can be compared with jaxscale and with `jaxscale.reference`, the NumPy reference of FBGEMM semantics.
 
 Semantics (chosen to match a single-process run over the whole global batch):
   * ids: int [B, L] per feature, ``-1`` = padding (any position); converted to a KeyedJaggedTensor.
@@ -18,13 +19,17 @@ Semantics (chosen to match a single-process run over the whole global batch):
   * optimizers: FBGEMM ``EXACT_SGD`` (w -= lr*g) and ``EXACT_ROWWISE_ADAGRAD`` (per touched row:
     acc += mean(g^2 over the row's columns); w -= lr*g/(sqrt(acc)+eps)); duplicate ids are summed first.
 
-Programmatic use::
+Programmatic use (with experiments/baselines on the import path; jaxscale installed)::
 
-    from torchrec_runner import Table, run_torchrec            # in a process without JAX, or:
+    from torchrec_runner import run_torchrec                    # in a process without JAX, or:
     from torchrec_runner import run_torchrec_subprocess         # fresh interpreter (safe next to JAX)
     res = run_torchrec_subprocess(tables, weights, batches, grads, sharding="row_wise", world_size=2,
                                   optimizer="rowwise_adagrad", lr=0.1, eps=1e-8)
     res["outputs"][step][feature], res["tables"][name], res["comm"], res["step_times"]
+
+From any process, without importing this module: pickle a list of job dicts (the keyword arguments of
+`run_torchrec`, tables as dicts of `TableConfig` fields) and run
+``python experiments/baselines/torchrec_runner.py --input jobs.pkl --output results.pkl``.
 
 CLI (synthetic data, compares with the NumPy reference)::
 
@@ -35,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +53,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxscale import reference
+from jaxscale.tables import TableConfig
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 OPTIMIZERS = {
@@ -63,33 +69,24 @@ PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
 
 # ----------------------------------------------------------------------------------------------- inputs
-@dataclasses.dataclass(frozen=True)
-class Table:
-    name: str
-    rows: int
-    dim: int
-    pooling: str | None = "sum"  # 'sum' | 'mean' | None (sequence)
-    features: tuple = ()
-
-    def __post_init__(self):
-        if self.pooling not in ("sum", "mean", None):
-            raise ValueError(f"table {self.name}: pooling must be 'sum', 'mean' or None, got {self.pooling!r}")
-        if not self.features:
-            object.__setattr__(self, "features", (self.name,))
-        object.__setattr__(self, "features", tuple(self.features))
-
-
-def as_table(t: Any) -> Table:
-    """Accepts a Table, a jaxscale.TableConfig-like object, a dict or a (name, rows, dim, pooling, features)."""
-    if isinstance(t, Table):
+def as_table(t: Any) -> TableConfig:
+    """A jaxscale.TableConfig from a TableConfig, a dict of its fields or (name, rows, dim, pooling, features)."""
+    if isinstance(t, TableConfig):
         return t
     if isinstance(t, Mapping):
-        return Table(t["name"], int(t["rows"]), int(t["dim"]), t.get("pooling", "sum"), tuple(t.get("features", ())))
+        return TableConfig(
+            t["name"], int(t["rows"]), int(t["dim"]), t.get("pooling", "sum"), tuple(t.get("features", ()))
+        )
     if isinstance(t, (tuple, list)):
-        return Table(*t)
-    rows = getattr(t, "rows", None) or t.num_embeddings
-    dim = getattr(t, "dim", None) or t.embedding_dim
-    return Table(t.name, int(rows), int(dim), getattr(t, "pooling", "sum"), tuple(getattr(t, "features", ()) or ()))
+        return TableConfig(*t)
+    raise TypeError(f"expected a jaxscale.TableConfig, a dict or a tuple, got {type(t).__name__}: {t!r}")
+
+
+def table_fields(t: TableConfig) -> dict:
+    """The fields the runner uses, as plain data (what travels in a pickled job)."""
+    if t.reshape is not None:
+        raise ValueError(f"table {t.name!r}: reshape={t.reshape!r} has no TorchRec equivalent")
+    return {"name": t.name, "rows": t.rows, "dim": t.dim, "pooling": t.pooling, "features": list(t.features)}
 
 
 def _norm_grads(grads, n_steps):
@@ -105,61 +102,20 @@ def _norm_grads(grads, n_steps):
 
 # ------------------------------------------------------------------------------------ NumPy reference
 def numpy_reference(tables, weights, batches, grads=None, optimizer="sgd", lr=0.1, eps=1e-8, col_blocks=1):
-    """FBGEMM semantics in NumPy (float64 accumulation, float32 storage).
-
-    col_blocks: TorchRec column_wise sharding gives each column shard its own row-wise AdaGrad accumulator
-    (mean of g^2 over the shard's columns only); col_blocks=k models k equal column shards (1 = unsharded).
-    Returns {"outputs": [ {feature: array} per step ], "tables": {name: array}}; outputs are taken before
-    that step's update (lookup, then backward with the fused optimizer)."""
+    """`jaxscale.reference.train` with the runner's optimizer names; col_blocks=k models TorchRec's
+    column_wise row-wise AdaGrad (one accumulator per column shard of k equal shards)."""
     tables = [as_table(t) for t in tables]
-    opt = OPTIMIZERS[optimizer.lower()]
-    W = {t.name: np.array(weights[t.name], dtype=np.float32, copy=True) for t in tables}
-    acc = {t.name: np.zeros((t.rows, col_blocks), np.float64) for t in tables}
-    grads = _norm_grads(grads, len(batches))
-    outs = []
-    for ids_by_f, G in zip(batches, grads):
-        out = {}
-        for t in tables:
-            w = W[t.name]
-            for f in t.features:
-                ids = np.asarray(ids_by_f[f])
-                mask = ids >= 0
-                rows = w[np.where(mask, ids, 0)] * mask[..., None]  # [B, L, D]
-                if t.pooling is None:
-                    out[f] = rows.astype(np.float32)
-                else:
-                    s = rows.astype(np.float64).sum(1)
-                    if t.pooling == "mean":
-                        s = s / np.maximum(mask.sum(1), 1)[:, None]
-                    out[f] = s.astype(np.float32)
-        outs.append(out)
-        if G is None:
-            continue
-        for t in tables:
-            g = np.zeros((t.rows, t.dim), np.float64)
-            touched = np.zeros(t.rows, bool)
-            for f in t.features:
-                ids = np.asarray(ids_by_f[f])
-                mask = ids >= 0
-                gf = np.asarray(G[f], np.float64)
-                if t.pooling is None:
-                    per_pos = gf
-                else:
-                    per_pos = np.broadcast_to(gf[:, None, :], ids.shape + (t.dim,))
-                    if t.pooling == "mean":
-                        per_pos = per_pos / np.maximum(mask.sum(1), 1)[:, None, None]
-                np.add.at(g, ids[mask], per_pos[mask])
-                touched[ids[mask]] = True
-            w = W[t.name]
-            r = np.nonzero(touched)[0]
-            if opt == "EXACT_SGD":
-                w[r] = (w[r] - lr * g[r]).astype(np.float32)
-            else:
-                gb = g[r].reshape(len(r), col_blocks, t.dim // col_blocks)
-                acc[t.name][r] += (gb**2).mean(2)
-                denom = np.repeat(np.sqrt(acc[t.name][r]) + eps, t.dim // col_blocks, axis=1)
-                w[r] = (w[r] - lr * g[r] / denom).astype(np.float32)
-    return {"outputs": outs, "tables": W}
+    opt = "sgd" if OPTIMIZERS[optimizer.lower()] == "EXACT_SGD" else "rowwise_adagrad"
+    return reference.train(
+        {t.name: weights[t.name] for t in tables},
+        tables,
+        batches,
+        grads,
+        optimizer=opt,
+        lr=lr,
+        eps=eps,
+        col_parts={t.name: col_blocks for t in tables} if col_blocks > 1 else None,
+    )
 
 
 # ------------------------------------------------------------------------------- collective accounting
@@ -286,26 +242,20 @@ def _a2a_offrank(x, args, kwargs, nbytes):
 
 
 # ------------------------------------------------------------------------------------------ the worker
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _comm_type(p: str):
     from torchrec.distributed.fbgemm_qcomm_codec import CommType
 
     return {"fp32": CommType.FP32, "fp16": CommType.FP16, "bf16": CommType.BF16, "fp8": CommType.FP8}[p]
 
 
-def _build_model(tables: list[Table]):
+def _build_model(tables: list[TableConfig]):
     import torch
     from torch import nn
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     pooled = [t for t in tables if t.pooling is not None]
-    seq_by_dim: dict[int, list[Table]] = defaultdict(list)
+    seq_by_dim: dict[int, list[TableConfig]] = defaultdict(list)
     for t in tables:
         if t.pooling is None:
             seq_by_dim[t.dim].append(t)
@@ -445,10 +395,10 @@ def _local_shards(v):
     return [(0, 0, v)]
 
 
-def _worker(rank: int, world: int, port: int, job: dict, out_dir: str):
+def _worker(rank: int, world: int, job: dict, out_dir: str):
     result = {"rank": rank}
     try:
-        result.update(_run_rank(rank, world, port, job))
+        result.update(_run_rank(rank, world, os.path.join(out_dir, "rendezvous"), job))
     except Exception as e:  # report to the parent instead of hanging it
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
@@ -458,7 +408,8 @@ def _worker(rank: int, world: int, port: int, job: dict, out_dir: str):
         os._exit(1)  # peers blocked in a collective: do not wait for a clean gloo shutdown
 
 
-def _run_rank(rank: int, world: int, port: int, job: dict) -> dict:
+def _run_rank(rank: int, world: int, rendezvous: str, job: dict) -> dict:
+    """One rank: join the gloo group (a FileStore rendezvous: no port to pick, none to race for), train."""
     import logging
     import warnings
 
@@ -473,8 +424,6 @@ def _run_rank(rank: int, world: int, port: int, job: dict) -> dict:
     torch.set_num_threads(int(job.get("threads", 1)))
     local_size = int(job.get("local_size") or world)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank % local_size),
@@ -485,7 +434,7 @@ def _run_rank(rank: int, world: int, port: int, job: dict) -> dict:
             "gloo",
             rank=rank,
             world_size=world,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{rendezvous}",
             timeout=__import__("datetime").timedelta(seconds=int(job.get("timeout_s", 300))),
         )
     try:
@@ -639,22 +588,28 @@ def run_torchrec(
     timeout_s=300,
     start_method=None,
     return_plan=False,
+    expected_tables=None,
+    keep_arrays=True,
 ) -> dict:
     """Run TorchRec DMP on ``world_size`` gloo ranks (in-process when 1) and gather results to dense numpy.
 
-    tables: Table / jaxscale.TableConfig-like / dict; weights: {table: float32 [rows, dim]};
+    tables: jaxscale.TableConfig (or a dict of its fields); weights: {table: float32 [rows, dim]};
     batches: [{feature: int [B, L], -1 padded}] (global batch, split evenly over ranks);
     grads: None (lookup only), one {feature: dL/d output} used every step, or one per batch.
+    weights, batches and grads may each be given as the path of a pickle file holding them (large data
+    written once for many jobs). expected_tables: the path of an .npz {table: array} to compare the final
+    tables with (adds "max_abs_diff": {table: float}); keep_arrays=False leaves outputs and tables out.
     Returns {"outputs": [{feature: array}], "tables": {name: array}, "step_times": [[s] per rank],
              "comm": [[{op[dtype]: {calls, bytes, offrank_bytes}} per step] per rank], "config": {...}}.
     Raises RuntimeError carrying TorchRec's error (e.g. FP8 QComms on CPU)."""
     tables = [as_table(t) for t in tables]
+    weights, batches, grads = (_unpickle(x) for x in (weights, batches, grads))
     if qcomms not in PRECISIONS or (qcomms_bwd or qcomms) not in PRECISIONS:
         raise ValueError(f"qcomms precision must be one of {PRECISIONS}")
     if sharding not in SHARDING_TYPES:
         raise ValueError(f"sharding must be one of {SHARDING_TYPES}")
     job = dict(
-        tables=[dataclasses.asdict(t) for t in tables],
+        tables=[table_fields(t) for t in tables],
         weights={k: np.asarray(v, np.float32) for k, v in weights.items()},
         batches=[{f: np.asarray(x) for f, x in b.items()} for b in batches],
         grads=grads,
@@ -671,22 +626,18 @@ def run_torchrec(
         return_plan=return_plan,
     )
     with tempfile.TemporaryDirectory(prefix="torchrec_runner_") as out_dir:
-        port = _free_port()
         if world_size == 1:
-            _worker(0, 1, port, job, out_dir)
+            _worker(0, 1, job, out_dir)
         else:
             import torch.multiprocessing as mp
 
-            if start_method is None:  # fork is fast, but never fork a process that runs JAX
+            # fork is fast, but never fork a process that runs JAX. Spawned children import this module by
+            # name with the parent's sys.path (or re-run it when it is the main script).
+            if start_method is None:
                 start_method = "spawn" if "jax" in sys.modules else "fork"
-            if start_method != "fork":  # spawned children import this file by module name
-                here = os.path.dirname(os.path.abspath(__file__))
-                if here not in sys.path:
-                    sys.path.insert(0, here)
             ctx = mp.get_context(start_method)
             procs = [
-                ctx.Process(target=_worker, args=(r, world_size, port, job, out_dir), daemon=True)
-                for r in range(world_size)
+                ctx.Process(target=_worker, args=(r, world_size, job, out_dir), daemon=True) for r in range(world_size)
             ]
             for p in procs:
                 p.start()
@@ -736,7 +687,7 @@ def run_torchrec(
         notes.append("sequence tables ran row_wise: TorchRec EmbeddingCollection has no table_row_wise")
     if world_size == 1:
         notes.append("world size 1: no collectives, QComms not applied")
-    return {
+    result = {
         "outputs": outputs,
         "tables": dense,
         "step_times": [res["step_times"] for res in results],
@@ -745,8 +696,22 @@ def run_torchrec(
         "config": {
             k: job[k] for k in ("sharding", "optimizer", "lr", "eps", "qcomms", "qcomms_bwd", "gradient_division")
         }
-        | {"world_size": world_size, "notes": notes},
+        | {"world_size": world_size, "notes": notes, "threads": threads},
     }
+    if expected_tables is not None:
+        with np.load(expected_tables) as want:
+            result["max_abs_diff"] = {name: float(np.abs(dense[name] - want[name]).max()) for name in dense}
+    if not keep_arrays:
+        del result["outputs"], result["tables"]
+    return result
+
+
+def _unpickle(x):
+    """x, or the object pickled in the file x names."""
+    if isinstance(x, (str, os.PathLike)):
+        with open(x, "rb") as fh:
+            return pickle.load(fh)
+    return x
 
 
 def run_torchrec_subprocess(*args, jobs: list[dict] | None = None, timeout_s: int = 900, **kwargs):
@@ -788,11 +753,13 @@ def run_torchrec_subprocess(*args, jobs: list[dict] | None = None, timeout_s: in
 
 def _plain_job(job: dict) -> dict:
     job = dict(job)
-    job["tables"] = [dataclasses.asdict(as_table(t)) for t in job["tables"]]
-    job["weights"] = {k: np.asarray(v, np.float32) for k, v in job["weights"].items()}
-    job["batches"] = [{f: np.asarray(x) for f, x in b.items()} for b in job["batches"]]
+    job["tables"] = [table_fields(as_table(t)) for t in job["tables"]]
+    if not isinstance(job["weights"], (str, os.PathLike)):
+        job["weights"] = {k: np.asarray(v, np.float32) for k, v in job["weights"].items()}
+    if not isinstance(job["batches"], (str, os.PathLike)):
+        job["batches"] = [{f: np.asarray(x) for f, x in b.items()} for b in job["batches"]]
     g = job.get("grads")
-    if g is not None:
+    if g is not None and not isinstance(g, (str, os.PathLike)):
         job["grads"] = (
             {f: np.asarray(x, np.float32) for f, x in g.items()}
             if isinstance(g, Mapping)
@@ -807,7 +774,7 @@ def synthetic(
 ):
     """Tables cycling through ``poolings``, random weights, -1 padded ids (ragged), random output grads."""
     rng = np.random.default_rng(seed)
-    tables = [Table(f"t{i}", rows, dim, poolings[i % len(poolings)], (f"f{i}",)) for i in range(num_tables)]
+    tables = [TableConfig(f"t{i}", rows, dim, poolings[i % len(poolings)], (f"f{i}",)) for i in range(num_tables)]
     weights = {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in tables}
     batches, grads = [], []
     for _ in range(steps):

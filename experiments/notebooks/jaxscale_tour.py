@@ -22,8 +22,8 @@
 
 # %%
 import io
+import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -38,11 +38,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Image, display
 
-REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "jaxscale").is_dir())
-sys.path.insert(0, str(REPO))
 import jaxscale
 from jaxscale import comm_inspect, planner
 
+REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "experiments" / "configs").is_dir())
 print(jax.device_count(), "devices")
 assert jax.device_count() == 8
 
@@ -146,12 +145,13 @@ assert len(history["losses"]) == 8 and np.isfinite(history["losses"]).all()
 # ## What each technique saves
 #
 # Bytes per example of the foundation config's embedding step on the 2x4 mesh, stage by stage
-# (cumulative), read from the compiled HLO (the same function `python -m jaxscale.bench` uses).
+# (cumulative), read from the compiled HLO of each stage by `python -m jaxscale.bench` and recorded in
+# `experiments/results/bench_suite.json` (run `python -m jaxscale.bench --parts stages` to redo them).
 
 # %%
-from jaxscale.bench import STAGES, foundation_stages
-
-stages = foundation_stages([name for name, _ in STAGES])
+recorded = json.loads((REPO / "experiments/results/bench_suite.json").read_text())
+stages = recorded["parts"]["stages"]["stages"]
+print("recorded by:", recorded["command"])
 for s in stages:
     print(
         f"{s['stage']:<12} intra {s['intra_node_bytes_per_example']:>9,.0f}  "

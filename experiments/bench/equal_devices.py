@@ -1,0 +1,509 @@
+"""Equal devices: jaxscale's distributed lookup + row-wise AdaGrad step against TorchRec's, same work.
+
+Same tables (pooled, sum), same weights, same global batch of Zipf ids (fresh every step), same output
+gradients, same optimizer, same number of devices W:
+  jaxscale_sim  one process, W simulated CPU devices (mesh 1 x W, topology 1d)
+  jaxscale_mp   W processes of one CPU device each (mesh W x 1, 'node' = process), gloo over 127.0.0.1,
+                started by `jaxscale.distributed.initialize` as the trainer starts them
+  torchrec      TorchRec `DistributedModelParallel` on W gloo ranks (experiments/baselines/torchrec_runner.py),
+                fused FBGEMM TBE kernels, max(1, cores // W) torch threads per rank
+per sharding type (table_wise, row_wise, column_wise) and payload precision. W = 1 (one device, no
+communication) is the reference row.
+
+A session is one engine at one W, all its configurations, in its own processes; sessions alternate
+(`common.alternate`), so no other engine process is alive while one is timed. Step time: median over the
+timed steps of all sessions (for several processes or ranks: the slowest of them in each step). Bytes:
+what leaves a device per step, summed over the W devices: jaxscale's from the compiled HLO
+(`jaxscale.comm_inspect.list_collectives`, for the executable each step ran), TorchRec's from the
+torch.distributed collectives it calls, both under one byte model (all-to-all: the part sent to others;
+all-reduce 2(W-1)/W, all-gather (W-1)/W of the result, reduce-scatter (W-1)/W of the input).
+After the last step the fp32 tables are checked against `jaxscale.reference` (column-wise tables with one
+AdaGrad accumulator per column shard are checked against the reference with those accumulators).
+
+`python equal_devices.py jaxscale SPEC RESULT` is the jaxscale worker (one process of a session).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from common import REPO, child_env, free_port, run_session, spread, worker_main, zipf_ids
+
+from jaxscale import reference
+from jaxscale.tables import TableConfig
+
+HERE = Path(__file__).resolve().parent
+RUNNER = REPO / "experiments" / "baselines" / "torchrec_runner.py"
+LR, EPS = 0.01, 1e-8
+SHARDINGS = ("table_wise", "row_wise", "column_wise")
+# jaxscale payload precision -> (forward, backward). fp8 is the technique ladder's: fp8 forward, bf16 backward.
+JAXSCALE_PRECISIONS = {
+    "fp32": ("fp32", "fp32"),
+    "fp16": ("fp16", "fp16"),
+    "bf16": ("bf16", "bf16"),
+    "fp8": ("fp8", "bf16"),
+}
+# The TorchRec run each jaxscale precision is compared with, and why.
+TORCHREC_MATCH = {
+    "fp32": ("fp32", "same precision"),
+    "fp16": ("fp16", "same precision"),
+    "bf16": ("fp16", "TorchRec's BF16 QComms run as FP16 on CPU/gloo"),
+    "fp8": (
+        "fp16",
+        "TorchRec's FP8 QComms fail on CPU for its all-to-alls and run as FP16 for row-wise reduce-scatters; "
+        "FP16 is its narrowest precision that runs",
+    ),
+}
+# Byte model for TorchRec's counted collectives (what leaves a rank), given the input bytes b and world w.
+_OFFRANK = {
+    "all_to_all_single": lambda b, w: b * (w - 1) / w,
+    "all_to_all": lambda b, w: b * (w - 1) / w,
+    "reduce_scatter_tensor": lambda b, w: b * (w - 1) / w,
+    "reduce_scatter": lambda b, w: b * (w - 1) / w,
+    "all_gather_into_tensor": lambda b, w: b * (w - 1),
+    "all_gather": lambda b, w: b * (w - 1),
+    "all_gather_tensor": lambda b, w: b * (w - 1),
+    "all_reduce": lambda b, w: 2 * b * (w - 1) / w,
+    "all_reduce_coalesced": lambda b, w: 2 * b * (w - 1) / w,
+    "allreduce_coalesced": lambda b, w: 2 * b * (w - 1) / w,
+    "broadcast": lambda b, w: b * (w - 1),
+}
+
+
+def tables(n: int, rows: int, dim: int) -> list[TableConfig]:
+    return [TableConfig(f"t{i}", rows=rows, dim=dim, pooling="sum", features=(f"f{i}",)) for i in range(n)]
+
+
+def config_name(sharding: str, precision: str) -> str:
+    return f"{sharding}/{precision}"
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def make_data(d: str, cfg: dict, worlds, seed: int = 2) -> None:
+    """data.pkl (weights, batches, grads), and expected_cp{k}.npz: the reference's tables after every step
+    with k AdaGrad accumulators per row (k = 1, and k = W for TorchRec-style column-wise shards)."""
+    rng = np.random.default_rng(seed)
+    ts = tables(cfg["tables"], cfg["rows"], cfg["dim"])
+    steps = cfg["warmup"] + cfg["steps"]
+    weights = {t.name: rng.normal(scale=0.01, size=(t.rows, t.dim)).astype(np.float32) for t in ts}
+    batches = [
+        {f"f{i}": zipf_ids(rng, cfg["rows"], (cfg["batch"], cfg["hotness"]), cfg["zipf"]) for i in range(len(ts))}
+        for _ in range(steps)
+    ]
+    grads = [
+        {f"f{i}": rng.normal(size=(cfg["batch"], cfg["dim"])).astype(np.float32) for i in range(len(ts))}
+        for _ in range(steps)
+    ]
+    for name, obj in (("weights", weights), ("batches", batches), ("grads", grads)):
+        with open(os.path.join(d, f"{name}.pkl"), "wb") as fh:
+            pickle.dump(obj, fh)
+    for k in sorted({1, *worlds}):
+        if cfg["dim"] % k:
+            continue
+        col_parts = {t.name: k for t in ts} if k > 1 else None
+        res = reference.train(
+            weights, ts, batches, grads, optimizer="rowwise_adagrad", lr=LR, eps=EPS, col_parts=col_parts
+        )
+        np.savez(os.path.join(d, f"expected_cp{k}.npz"), **res["tables"])
+
+
+def _load(d: str, name: str):
+    with open(os.path.join(d, f"{name}.pkl"), "rb") as fh:
+        return pickle.load(fh)
+
+
+# ------------------------------------------------------------------------------- jaxscale worker
+
+
+def _jaxscale(spec: dict) -> dict:
+    """All configurations of one jaxscale session (this process's part of it)."""
+    import jax
+
+    nproc, pid, local = spec["num_processes"], spec["process_id"], spec["local_devices"]
+    if nproc > 1:
+        from jaxscale import distributed
+
+        distributed.initialize(spec["coordinator"], nproc, pid, local_devices=local)
+    else:
+        jax.config.update("jax_num_cpu_devices", local)
+    import jaxscale
+
+    d = spec["dir"]
+    weights, batches, grads = _load(d, "weights"), _load(d, "batches"), _load(d, "grads")
+    ts = tables(len(weights), *next(iter(weights.values())).shape)
+    mesh = jaxscale.make_mesh(nproc, local)
+    devices = nproc * local
+    out = {"devices": devices, "mesh": [nproc, local], "process_id": pid, "jax": jax.__version__, "configs": {}}
+    for sharding, precision in spec["configs"]:
+        name = config_name(sharding, precision)
+        try:
+            out["configs"][name] = _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision)
+        except Exception as e:  # noqa: BLE001 - recorded; the other configurations still run
+            out["configs"][name] = {"sharding": sharding, "precision": precision, "error": f"{type(e).__name__}: {e}"}
+        print(f"[jaxscale {devices} dev, process {pid}] {name} done", file=sys.stderr, flush=True)
+    return out
+
+
+def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -> dict:
+    """Warm-up and timed steps of one configuration; bytes per step from each executable's HLO; the check."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import jaxscale
+    from jaxscale import comm_inspect
+
+    nproc, pid = spec["num_processes"], spec["process_id"]
+    devices = mesh.devices.size
+    B = next(iter(batches[0].values())).shape[0]
+    mine = slice(pid * B // nproc, (pid + 1) * B // nproc)
+    d = spec["dir"]
+    fwd, bwd = JAXSCALE_PRECISIONS[precision]
+    ec = jaxscale.EmbeddingCollection(
+        ts,
+        mesh,
+        topology="1d",
+        sharding=sharding,
+        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+        comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
+        capacity_factor=spec.get("capacity_factor"),
+    )
+    state = ec.from_dense(weights)
+
+    def step(state, ids, g, ec=ec):
+        emb, stats = ec.lookup(state, ids, return_stats=True)
+        return ec.update(state, ids, g), (emb, stats["overflow"])
+
+    step = jax.jit(step, donate_argnums=0)
+    times, overflow, bytes_by_exe, step_bytes = [], 0, {}, []
+    for s, (ids, g) in enumerate(zip(batches, grads)):
+        g_dev = {f: jax.make_array_from_process_local_data(ec.batch_sharding, v[mine], v.shape) for f, v in g.items()}
+        jax.block_until_ready(g_dev)
+        if nproc > 1:
+            multihost_utils.sync_global_devices(f"step {s}")
+        t = time.perf_counter()
+        ids_dev = ec.shard_batch({f: v[mine] for f, v in ids.items()})
+        state, (emb, ovf) = step(state, ids_dev, g_dev)
+        jax.block_until_ready((state, emb, ovf))
+        times.append(time.perf_counter() - t)
+        overflow += int(np.asarray(ovf.addressable_data(0)).sum())
+        key = str(jax.tree.structure(ids_dev))  # the batch's static metadata selects the executable
+        if key not in bytes_by_exe:
+            bytes_by_exe[key] = _collective_bytes(comm_inspect.list_collectives(step, state, ids_dev, g_dev, mesh=mesh))
+        step_bytes.append(bytes_by_exe[key])
+    dense = ec.to_dense(state)
+    acc = ec.slots_to_dense(state)["accumulator"]
+    cp = {a.shape[1] if a.ndim == 2 else 1 for a in acc.values()}
+    check = None
+    path = os.path.join(d, f"expected_cp{max(cp)}.npz")
+    if len(cp) == 1 and os.path.exists(path):
+        with np.load(path) as want:
+            check = {
+                "col_parts": max(cp),
+                "max_abs_diff": max(float(np.abs(dense[n] - want[n]).max()) for n in dense),
+            }
+    timed = slice(spec["warmup"], None)
+    per_kind: dict = {}
+    for b in step_bytes[timed]:
+        for k, v in b["per_kind"].items():
+            per_kind[k] = per_kind.get(k, 0.0) + v / len(step_bytes[timed])
+    return {
+        "sharding": sharding,
+        "precision": precision,
+        "comm": [fwd, bwd],
+        "times_s": times[timed],
+        "warmup_s": times[: spec["warmup"]],
+        "overflow_rows": overflow,
+        "bytes_per_device": float(np.mean([b["per_device"] for b in step_bytes[timed]])),
+        "bytes_cluster_per_kind": {k: v * devices for k, v in per_kind.items()},
+        "executables": len(bytes_by_exe),
+        "check": check,
+    }
+
+
+def _collective_bytes(collectives) -> dict:
+    per_kind: dict = {}
+    for c in collectives:
+        key = f"{c.kind}[{'/'.join(sorted(set(c.dtypes)))}]"
+        per_kind[key] = per_kind.get(key, 0.0) + c.bytes_per_device
+    return {"per_device": sum(per_kind.values()), "per_kind": per_kind}
+
+
+# --------------------------------------------------------------------------------------- sessions
+
+
+def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiprocess: bool, timeout_s: float) -> dict:
+    """One jaxscale session at W devices: one process of W devices, or W processes of one."""
+    nproc, local = (world, 1) if multiprocess else (1, world)
+    base = {
+        "dir": d,
+        "configs": configs,
+        "warmup": cfg["warmup"],
+        "num_processes": nproc,
+        "local_devices": local,
+        "capacity_factor": cfg.get("capacity_factor"),
+        "coordinator": f"127.0.0.1:{free_port()}",
+    }
+    results = run_session(
+        HERE / "equal_devices.py",
+        "jaxscale",
+        [base | {"process_id": i} for i in range(nproc)],
+        tmp=tmp,
+        timeout_s=timeout_s,
+    )
+    first = results[0]
+    for name, c in first["configs"].items():  # the slowest process in each step
+        errors = [r["configs"][name]["error"] for r in results if "error" in r["configs"][name]]
+        if errors:
+            first["configs"][name] = {"sharding": c["sharding"], "precision": c["precision"], "error": errors[0]}
+            continue
+        c["times_s"] = np.max([r["configs"][name]["times_s"] for r in results], axis=0).tolist()
+    return first
+
+
+def torchrec_jobs(d: str, cfg: dict, world: int, shardings, precisions) -> list[dict]:
+    cores = os.cpu_count() or 1
+    ts = tables(cfg["tables"], cfg["rows"], cfg["dim"])
+    jobs = []
+    for sharding in shardings:
+        for precision in precisions:
+            cp = world if sharding == "column_wise" else 1
+            jobs.append(
+                dict(
+                    tables=[
+                        {
+                            "name": t.name,
+                            "rows": t.rows,
+                            "dim": t.dim,
+                            "pooling": t.pooling,
+                            "features": list(t.features),
+                        }
+                        for t in ts
+                    ],
+                    weights=os.path.join(d, "weights.pkl"),
+                    batches=os.path.join(d, "batches.pkl"),
+                    grads=os.path.join(d, "grads.pkl"),
+                    sharding=sharding,
+                    world_size=world,
+                    optimizer="rowwise_adagrad",
+                    lr=LR,
+                    eps=EPS,
+                    qcomms=precision,
+                    threads=max(1, cores // world),
+                    expected_tables=os.path.join(d, f"expected_cp{cp}.npz"),
+                    keep_arrays=False,
+                    timeout_s=600,
+                )
+            )
+    return jobs
+
+
+def run_torchrec_jobs(jobs: list[dict], tmp: str, timeout_s: float) -> list[dict]:
+    """The TorchRec runner script on a list of jobs, in its own process group (killed whole on timeout)."""
+    fd, inp = __import__("tempfile").mkstemp(dir=tmp, prefix="torchrec_jobs_", suffix=".pkl")
+    out = inp.replace(".pkl", ".out.pkl")
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(jobs, fh)
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--input", inp, "--output", out],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        raise RuntimeError(f"TorchRec runner still running after {timeout_s:.0f} s, killed") from None
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"TorchRec runner failed (exit {proc.returncode}):\n{text[-4000:]}")
+    with open(out, "rb") as fh:
+        return pickle.load(fh)
+
+
+def torchrec_bytes(res: dict, world: int, timed: slice) -> dict:
+    """{op[dtype]: bytes leaving the ranks per step, summed over ranks}, averaged over the timed steps."""
+    out: dict = {}
+    for rank_steps in res["comm"]:
+        steps = rank_steps[timed]
+        for step in steps:
+            for key, v in step.items():
+                op = key.split("[")[0]
+                if op in ("all_to_all_single", "all_to_all") and v.get("offrank_bytes"):
+                    b = float(v["offrank_bytes"])
+                else:
+                    b = _OFFRANK.get(op, lambda x, w: x)(float(v["bytes"]), world)
+                out[key] = out.get(key, 0.0) + b / len(steps)
+    return out
+
+
+def torchrec_session(d: str, tmp: str, world: int, cfg: dict, shardings, precisions, timeout_s: float) -> dict:
+    jobs = torchrec_jobs(d, cfg, world, shardings, precisions)
+    results = run_torchrec_jobs(jobs, tmp, timeout_s)
+    timed = slice(cfg["warmup"], None)
+    out = {"devices": world, "configs": {}}
+    for job, res in zip(jobs, results):
+        name = config_name(job["sharding"], job["qcomms"])
+        if "error" in res:
+            error = res["error"][:400]
+            out["configs"][name] = {"sharding": job["sharding"], "precision": job["qcomms"], "error": error}
+            continue
+        per_kind = torchrec_bytes(res, world, timed)
+        out["configs"][name] = {
+            "sharding": job["sharding"],
+            "precision": job["qcomms"],
+            "times_s": np.array(res["step_times"]).max(0)[timed].tolist(),  # the slowest rank in each step
+            "bytes_cluster_per_kind": per_kind,
+            "bytes_per_device": sum(per_kind.values()) / world,
+            "threads": job["threads"],
+            "notes": res["config"]["notes"],
+            "check": {
+                "col_parts": world if job["sharding"] == "column_wise" else 1,
+                "max_abs_diff": max(res["max_abs_diff"].values()),
+            },
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def plan(cfg: dict) -> dict:
+    """{world: {"jaxscale": [(sharding, precision)], "torchrec": (shardings, precisions)}}."""
+    out = {"1": {"jaxscale": [("table_wise", "fp32")], "torchrec": (("table_wise",), ("fp32",))}}
+    tr_precisions = sorted({TORCHREC_MATCH[p][0] for p in cfg["precisions"]}, key=list(TORCHREC_MATCH).index)
+    for w in cfg["worlds"]:
+        out[str(w)] = {
+            "jaxscale": [(s, p) for s in cfg["shardings"] for p in cfg["precisions"]],
+            "torchrec": (tuple(cfg["shardings"]), tuple(tr_precisions)),
+        }
+    return out
+
+
+def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
+    d = os.path.join(tmp, "distributed")
+    os.makedirs(d, exist_ok=True)
+    make_data(d, cfg, cfg["worlds"])
+    todo = plan(cfg)
+    sessions = {}
+    for key, p in todo.items():
+        w = int(key)
+        sessions[f"jaxscale_sim@{w}"] = lambda w=w, p=p: jaxscale_session(
+            d, tmp, w, p["jaxscale"], cfg, False, timeout_s
+        )
+        if w > 1:
+            sessions[f"jaxscale_mp@{w}"] = lambda w=w, p=p: jaxscale_session(
+                d, tmp, w, p["jaxscale"], cfg, True, timeout_s
+            )
+        if cfg.get("torchrec", True):
+            sessions[f"torchrec@{w}"] = lambda w=w, p=p: torchrec_session(d, tmp, w, cfg, *p["torchrec"], timeout_s)
+    runs = alternate(sessions)
+    engines = {}
+    for name, results in runs["results"].items():
+        engine, world = name.split("@")
+        merged = merge_sessions(results)
+        engines.setdefault(engine, {})[world] = {"configs": merged, "background_busy": runs["busy"][name]}
+        if engine.startswith("jaxscale"):
+            engines[engine][world]["mesh"] = results[0]["mesh"]
+    if cfg.get("torchrec_fp8_probe") and cfg.get("torchrec", True):
+        engines["torchrec_fp8_probe"] = _fp8_probe(d, tmp, cfg, timeout_s)
+    return {
+        "shape": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "hotness", "zipf", "warmup", "steps")}
+        | {"lr": LR, "eps": EPS},
+        "worlds": sorted(todo, key=int),
+        "engines": engines,
+        "comparisons": comparisons(engines, sorted(todo, key=int)),
+        "order": runs["order"],
+    }
+
+
+def merge_sessions(results: list[dict]) -> dict:
+    """{config: description + timing spread over every session's timed steps + per-session medians}. A
+    configuration that failed in any session keeps only its error: its sessions did not do the same work."""
+    merged = {}
+    for res in results:
+        for cname, c in res["configs"].items():
+            m = merged.setdefault(
+                cname,
+                {"sharding": c["sharding"], "precision": c["precision"], "times_s": [], "session_medians_ms": []},
+            )
+            if "error" in c:
+                m["error"] = c["error"]
+                continue
+            m.update({k: v for k, v in c.items() if k not in ("times_s", "warmup_s")})
+            m["times_s"] += c["times_s"]
+            m["session_medians_ms"].append(spread(c["times_s"])["median_ms"])
+    for m in merged.values():
+        times = m.pop("times_s")
+        if "error" in m:
+            for k in [k for k in m if k not in ("error", "sharding", "precision")]:
+                del m[k]
+        else:
+            m.update(spread(times))
+    return merged
+
+
+def _fp8_probe(d, tmp, cfg, timeout_s) -> dict:
+    """Asks TorchRec for FP8 QComms on 2 ranks, per sharding type, to record what happens on CPU (not timed):
+    {sharding: {"ran": bool, "error": str, "collectives": [op[dtype] it called]}}."""
+    jobs = torchrec_jobs(d, cfg, 2, cfg["shardings"], ("fp8",))
+    out = {}
+    for job, res in zip(jobs, run_torchrec_jobs(jobs, tmp, timeout_s)):
+        kinds = sorted({k for rank in res.get("comm", []) for step in rank for k in step})
+        out[job["sharding"]] = {"ran": "error" not in res, "error": res.get("error", "")[:600], "collectives": kinds}
+    return out
+
+
+def comparisons(engines: dict, worlds) -> list[dict]:
+    """One row per (W, sharding, jaxscale precision): jaxscale sim / mp vs the matching TorchRec run."""
+    rows = []
+    sim, mp, tr = engines.get("jaxscale_sim", {}), engines.get("jaxscale_mp", {}), engines.get("torchrec", {})
+    for key in worlds:
+        w = int(key)
+        for cname, j in sim.get(key, {}).get("configs", {}).items():
+            tr_precision, why = TORCHREC_MATCH[j["precision"]]
+            t = tr.get(key, {}).get("configs", {}).get(config_name(j["sharding"], tr_precision), {})
+            m = mp.get(key, {}).get("configs", {}).get(cname, {})
+            ok_t = "median_ms" in t
+            row = {
+                "devices": w,
+                "sharding": j["sharding"] if w > 1 else "-",
+                "precision": j["precision"],
+                "torchrec_precision": tr_precision,
+                "match": why,
+                "jaxscale_sim_ms": j.get("median_ms"),
+                "jaxscale_mp_ms": m.get("median_ms"),
+                "torchrec_ms": t.get("median_ms"),
+                "jaxscale_bytes": j["bytes_per_device"] * w if "bytes_per_device" in j else None,
+                "torchrec_bytes": t.get("bytes_per_device", float("nan")) * w if ok_t else None,
+                "torchrec_error": t.get("error"),
+                "jaxscale_error": j.get("error") or m.get("error"),
+            }
+            row["time_ratio_sim"] = (
+                row["jaxscale_sim_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_sim_ms"] else None
+            )
+            row["time_ratio_mp"] = (
+                row["jaxscale_mp_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_mp_ms"] else None
+            )
+            row["bytes_ratio"] = (
+                row["jaxscale_bytes"] / row["torchrec_bytes"]
+                if ok_t and row["torchrec_bytes"] and row["jaxscale_bytes"] is not None
+                else None
+            )
+            row["bytes_target"] = 0.5 if j["precision"] == "fp8" else 1.0
+            rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main({"jaxscale": _jaxscale}))

@@ -1,0 +1,144 @@
+"""Bytes per technique stage: the foundation smoke config's embedding step, compiled per stage on a 2x4 mesh.
+
+The ladder is defined once, in `technique_stages`, with the semantics of the project's technique ladder
+(each stage adds one technique to the previous one):
+
+  baseline   1d, fp32 forward / fp32 backward payloads, the config's sharding
+  +fp8       fp8 forward (e4m3, per-row scale), bf16 backward
+  +balanced  the planner's plan (measured on the batch) instead of one sharding type for every table
+  +half_dim  bandwidth-aware item tables: (2 x rows) x (dim / 2)
+  2d_ar      2D, all-reduce flavour: tables sharded across nodes, replicas inside a node
+  2d_a2a     2D, all-to-all flavour: all-to-alls inside a node, replicas across nodes (exact sync)
+
+`python stages.py bytes SPEC RESULT` is the worker (8 simulated CPU devices) that `suite.py` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from common import REPO, worker_main
+
+FOUNDATION_CONFIG = REPO / "experiments" / "configs" / "foundation_smoke.yaml"
+MESH = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    topology: str
+    comm_forward: str
+    comm_backward: str
+    balanced: bool
+    half_dim: bool
+
+
+def technique_stages() -> list[Stage]:
+    """The technique ladder, cumulative. THE one place the suite defines it."""
+    return [
+        Stage("baseline", "1d", "fp32", "fp32", balanced=False, half_dim=False),
+        Stage("+fp8", "1d", "fp8", "bf16", balanced=False, half_dim=False),
+        Stage("+balanced", "1d", "fp8", "bf16", balanced=True, half_dim=False),
+        Stage("+half_dim", "1d", "fp8", "bf16", balanced=True, half_dim=True),
+        Stage("2d_ar", "2d_ar", "fp8", "bf16", balanced=True, half_dim=True),
+        Stage("2d_a2a", "2d_a2a", "fp8", "bf16", balanced=True, half_dim=True),
+    ]
+
+
+def _foundation_workload(half_dim: bool):
+    """(config, tables, host ids of the first synthetic batch) of the foundation smoke config."""
+    from jaxscale.config import load_config
+    from jaxscale.data import make_data
+    from jaxscale.trainer import make_task
+
+    overrides = [f"mesh.nodes={MESH[0]}", f"mesh.local={MESH[1]}"]
+    if half_dim:
+        overrides.append("model.foundation.item_reshape=half_dim")
+    cfg = load_config(str(FOUNDATION_CONFIG), overrides)
+    task = make_task(cfg)
+    host_ids = {f: v for f, v in task.ids(make_data(cfg, split="train").batch(0)).items()}
+    return cfg, task.tables, host_ids
+
+
+def _sharding(stage: Stage, cfg, tables, host_ids):
+    """The config's sharding, or the planner's plan for the batch (balanced stages)."""
+    if not stage.balanced:
+        return cfg.embedding.sharding
+    from jaxscale import planner
+
+    batch = next(iter(host_ids.values())).shape[0]
+    devices = MESH[0] * MESH[1]
+    stats = planner.measure_feature_stats(host_ids, tables)
+    topo = planner.Topology(nodes=MESH[0], devices_per_node=MESH[1], device_memory_bytes=1e9, name=stage.topology)
+    return planner.plan_sharding(tables, stats, topo, batch_size_per_device=batch // devices)
+
+
+def stage_bytes(stage: Stage) -> dict:
+    """Bytes per example of the embedding step (lookup, then update with d(loss)/d(emb) = emb), from the
+    compiled HLO, split intra-/inter-node. The dense model's all-reduce is the same in every stage and not
+    included (`python -m jaxscale.comm_report` shows the whole train step)."""
+    import jax
+
+    import jaxscale
+    from jaxscale import comm_inspect, comm_report
+
+    cfg, tables, host_ids = _foundation_workload(stage.half_dim)
+    mesh = jaxscale.make_mesh(*MESH, devices=jax.devices()[: MESH[0] * MESH[1]])
+    e = cfg.embedding
+    ec = jaxscale.EmbeddingCollection(
+        tables,
+        mesh,
+        topology=stage.topology,
+        sharding=_sharding(stage, cfg, tables, host_ids),
+        optimizer=jaxscale.RowWiseAdagrad(e.learning_rate, eps=e.eps),
+        comm=jaxscale.CommConfig(forward=stage.comm_forward, backward=stage.comm_backward),
+        capacity_factor=e.capacity_factor,
+    )
+    state = ec.init(jax.random.key(0))
+    ids = ec.shard_batch(host_ids)
+
+    def step(state, ids):
+        return ec.update(state, ids, ec.lookup(state, ids))
+
+    t0 = time.perf_counter()
+    collectives = comm_inspect.list_collectives(jax.jit(step, donate_argnums=0), state, ids, mesh=mesh)
+    intra = inter = 0.0
+    for c in collectives:
+        a, b = comm_report.split_bytes(c, MESH)
+        intra, inter = intra + a, inter + b
+    batch = next(iter(host_ids.values())).shape[0]
+    devices = MESH[0] * MESH[1]
+    return {
+        "stage": stage.name,
+        "settings": dataclasses.asdict(stage),
+        "global_batch": batch,
+        "collectives": len(collectives),
+        "intra_node_bytes_per_example": intra * devices / batch,
+        "inter_node_bytes_per_example": inter * devices / batch,
+        "total_bytes_per_example": (intra + inter) * devices / batch,
+        "compile_s": time.perf_counter() - t0,
+    }
+
+
+def _bytes_worker(spec: dict) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", MESH[0] * MESH[1])
+    wanted = spec.get("stages")
+    out = []
+    for stage in technique_stages():
+        if wanted is None or stage.name in wanted:
+            out.append(stage_bytes(stage))
+            print(f"[stages] {stage.name}: {out[-1]['total_bytes_per_example']:,.0f} B/example", file=sys.stderr)
+    return {
+        "stages": out,
+        "mesh": list(MESH),
+        "config": str(FOUNDATION_CONFIG.relative_to(REPO)),
+        "jax": jax.__version__,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main({"bytes": _bytes_worker}))
