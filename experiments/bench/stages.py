@@ -49,17 +49,17 @@ def technique_stages() -> list[Stage]:
 
 def _foundation_workload(half_dim: bool):
     """(config, tables, host ids of the first synthetic batch) of the foundation smoke config."""
+    from jaxscale import registry
     from jaxscale.config import load_config
     from jaxscale.data import make_data
-    from jaxscale.trainer import make_task
 
     overrides = [f"mesh.nodes={MESH[0]}", f"mesh.local={MESH[1]}"]
     if half_dim:
         overrides.append("model.foundation.item_reshape=half_dim")
     cfg = load_config(str(FOUNDATION_CONFIG), overrides)
-    task = make_task(cfg)
-    host_ids = {f: v for f, v in task.ids(make_data(cfg, split="train").batch(0)).items()}
-    return cfg, task.tables, host_ids
+    spec = registry.get(cfg.model.kind)
+    host_ids = dict(spec.ids(cfg.model.params, make_data(cfg, split="train").batch(0)))
+    return cfg, tuple(spec.tables(cfg.model.params)), host_ids
 
 
 def _sharding(stage: Stage, cfg, tables, host_ids):
@@ -92,7 +92,7 @@ def stage_bytes(stage: Stage) -> dict:
         mesh,
         topology=stage.topology,
         sharding=_sharding(stage, cfg, tables, host_ids),
-        optimizer=jaxscale.RowWiseAdagrad(e.learning_rate, eps=e.eps),
+        optimizer=e.optimizer.build(),
         comm=jaxscale.CommConfig(forward=stage.comm_forward, backward=stage.comm_backward),
         capacity_factor=e.capacity_factor,
     )
