@@ -1,7 +1,6 @@
 """Moving an embedding state between layouts on device, from row-chunked saved blocks (no table gathered)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -92,8 +91,8 @@ def test_diverged_replicas_are_averaged_agreeing_ones_kept_exactly():
     agree = {n: np.all([rep[n] == reps[0][n] for rep in reps], axis=0) for n in dense}
     out = reshard.reshard(src.layout, _chunks(state, dst.mesh), dst.state_spec, step=0)
     got = dst.to_dense(out)
+    assert any((~agree[n]).any() for n in dense)
     for n in dense:
-        assert (~agree[n]).any()
         np.testing.assert_allclose(got[n], expect[n], rtol=1e-6)
         np.testing.assert_array_equal(got[n][agree[n]], dense[n][agree[n]])
-    assert not jnp.allclose(got["a"], dense["a"])
+    assert any(not np.allclose(got[n], dense[n]) for n in dense)
