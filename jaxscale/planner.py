@@ -216,7 +216,8 @@ def measure_feature_stats(
     """Measures ids per example and the id frequency distribution of each sampled feature.
 
     Args:
-      samples: {feature: int array [N, L]}, -1 is padding.
+      samples: {feature: int array [N, L]}, -1 is padding; ids index the table's stored rows (a
+        half_dim table's ids are in [0, 2 x rows)), as the engine receives them.
       tables: the tables; each sampled feature must be read by one of them.
       top_k: hot ids kept individually (their row part is then known exactly).
       min_fit_count: ranks seen fewer times than this are too noisy for the Zipf fit.
@@ -234,16 +235,16 @@ def measure_feature_stats(
         if ids.shape[0] == 0:
             raise ValueError(f"sample of feature {feature!r} has no examples")
         valid = ids[ids >= 0]
-        if valid.size and valid.max() >= table.rows:
+        if valid.size and valid.max() >= table.stored_rows:  # half_dim tables: ids index the stored rows
             raise ValueError(
-                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.rows}"
+                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.stored_rows}"
             )
-        uniq, counts = np.unique(valid, return_counts=True)
+        uniq, counts = _counts_by_value(valid)
         order = np.lexsort((uniq, -counts))  # most frequent first, ties by id: deterministic
         uniq, counts = uniq[order], counts[order]
         total = max(int(counts.sum()), 1)
         stats[feature] = FeatureStats(
-            num_rows=table.rows,
+            num_rows=table.stored_rows,
             mean_ids_per_example=valid.size / ids.shape[0],
             hot_ids=tuple(uniq[:top_k].tolist()),
             hot_freqs=tuple((counts[:top_k] / total).tolist()),
@@ -251,6 +252,16 @@ def measure_feature_stats(
             num_examples=int(ids.shape[0]),
         )
     return stats
+
+
+def _counts_by_value(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, occurrences), like np.unique(return_counts=True) but by sorting (numpy 2.4's
+    hash-based unique is far slower on millions of ids)."""
+    values = np.sort(values)
+    if values.size == 0:
+        return values, np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    return values[starts], np.diff(np.append(starts, values.size))
 
 
 def _fit_zipf_exponent(sorted_counts: np.ndarray, min_count: int) -> float:
@@ -1039,7 +1050,7 @@ def measure_step_counts(
             dev, row = np.nonzero(x >= 0)[0], x[x >= 0]
             part, _ = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
             for c in range(ts.col_parts):
-                np.add.at(a["pairs"], (dev, shard_of_piece[part, c]), 1)
+                _tally(a["pairs"], dev, shard_of_piece[part, c])
                 for s in set(shard_of_piece[:, c].tolist()):
                     a["bags"][s] += x.shape[1]
         if not rows_steps:
@@ -1048,20 +1059,20 @@ def measure_step_counts(
         dev, row = _unique_pairs(np.repeat(np.arange(D), now.shape[1]), now.reshape(-1), t.stored_rows)
         part, local = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
         for c in range(ts.col_parts):
-            np.add.at(a["requested"], (dev, shard_of_piece[part, c]), 1)
+            _tally(a["requested"], dev, shard_of_piece[part, c])
         rr, row_r = _unique_pairs(replica_of[dev], row, t.stored_rows)
         part_r, local_r = _row_part(row_r, t.stored_rows, ts.row_parts, row_assignment)
-        union = np.unique(row_r)
+        union = _sorted_unique(row_r)
         history = [x[i].reshape(D, -1) for x in rows_steps for i in range(1, len(steps))]
-        since = np.unique(np.concatenate([union] + [h[h >= 0] for h in history]))
+        since = _sorted_unique(np.concatenate([union] + [h[h >= 0] for h in history]))
         part_u, local_u = _row_part(union, t.stored_rows, ts.row_parts, row_assignment)
         part_s, _ = _row_part(since, t.stored_rows, ts.row_parts, row_assignment)
         for c in range(ts.col_parts):
             shard_r = shard_of_piece[part_r, c]
-            np.add.at(a["touched"], (rr, shard_r), 1)
-            np.add.at(a["owner_sent"], (rr, shard_r, local_r % rep), 1)
-            np.add.at(a["owned"], (shard_of_piece[part_u, c], local_u % rep), 1)
-            np.add.at(a["since_sync"], shard_of_piece[part_s, c], 1)
+            _tally(a["touched"], rr, shard_r)
+            _tally(a["owner_sent"], rr, shard_r, local_r % rep)
+            _tally(a["owned"], shard_of_piece[part_u, c], local_u % rep)
+            _tally(a["since_sync"], shard_of_piece[part_s, c])
 
     def cap(x) -> int:
         n = int(np.max(x)) if np.size(x) else 0
@@ -1096,6 +1107,12 @@ def _empty_counts(devices: int, shards: int, replicas: int) -> dict[str, np.ndar
     }
 
 
+def _tally(counts: np.ndarray, *index: np.ndarray) -> None:
+    """counts[index] += 1 for every (repeated) index tuple; a bincount (np.add.at is slow on large inputs)."""
+    flat = np.ravel_multi_index(tuple(np.asarray(i, np.int64) for i in index), counts.shape)
+    counts += np.bincount(flat, minlength=counts.size).reshape(counts.shape)
+
+
 def _device_ids(step: Mapping[str, np.ndarray], feature: str, table: TableConfig, devices: int) -> np.ndarray:
     """The feature's ids as [devices, bags, ids per bag], checked against the table's stored rows."""
     if feature not in step:
@@ -1118,8 +1135,14 @@ def _device_ids(step: Mapping[str, np.ndarray], feature: str, table: TableConfig
 def _unique_pairs(group: np.ndarray, row: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Unique (group, row) pairs of the valid (row >= 0) entries, as two arrays."""
     keep = row >= 0
-    keys = np.unique(group[keep].astype(np.int64) * rows + row[keep])
+    keys = _sorted_unique(group[keep].astype(np.int64) * rows + row[keep])
     return keys // rows, keys % rows
+
+
+def _sorted_unique(keys: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy 2.4's default hash-based unique is far slower on large int64 arrays)."""
+    keys = np.sort(keys)
+    return keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if keys.size else keys
 
 
 def _row_part(row: np.ndarray, rows: int, parts: int, row_assignment: str) -> tuple[np.ndarray, np.ndarray]:
