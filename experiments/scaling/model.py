@@ -5,7 +5,8 @@ one per embedding stack) and of the dense model (parameters, in-batch negatives)
   - the embedding exchanges and the replica sync: `jaxscale.comm_model.embedding_comms` (formulas in its
     docstring; wire sizes from `jaxscale.quantization.wire_bytes`);
   - the model's own collectives (`model_comms`): the data-parallel gradient all-reduce of the P dense
-    parameters (XLA combines into it the backward of the negative pool, K x E more floats), and the
+    parameters (XLA combines into it the backward of the negative pool, K x E more floats; under half_dim
+    the item_up gradient of each item table's use is all-reduced separately), and the
     strided pool of K = max_negatives in-batch negatives, a masked all-reduce of K x E + 1 floats in the
     forward pass (with K = 0, GSPMD all-gathers every next item instead: M (4 + 1 + 4E), M = G B (L-1)).
 Counts come from one of two engines:
@@ -112,6 +113,13 @@ class Workload:
     item_out_dim: int
     max_negatives: int
     capacity_factor: float | None = None
+    projection_params: int = 0  # half_dim's item_up, applied once per item table
+
+    def dense_allreduce_params(self, half_dim: bool) -> int:
+        """Floats of the gradient all-reduce: P, plus one more copy of item_up per extra item table (XLA
+        all-reduces the gradient of each use of the shared projection before adding them)."""
+        extra = (len(self.tables_half) - 1) * self.projection_params if half_dim else 0
+        return self.dense_params(half_dim) + extra
 
     def tables(self, half_dim: bool) -> tuple[TableConfig, ...]:
         return self.tables_half if half_dim else self.tables_full
@@ -137,6 +145,7 @@ def foundation_workload(cfg, batch_per_device: int, name: str, capacity_factor: 
         item_out_dim=cfg.item_out_dim,
         max_negatives=cfg.max_negatives,
         capacity_factor=capacity_factor,
+        projection_params=(cfg.item_dim // 2) * cfg.item_dim + cfg.item_dim,
     )
 
 
@@ -201,11 +210,11 @@ def model_comms(w: Workload, cluster: ClusterSpec, half_dim: bool, dense_precisi
     K, E = w.max_negatives, w.item_out_dim
     if K > 0:
         pool = cm.Comm("model_gather", "negative pool", "forward", cm.all_reduce(group, 4 * (K * E + 1)))
-        dense = cm.dense_allreduce(w.dense_params(half_dim) + K * E, cluster, dense_precision)
+        dense = cm.dense_allreduce(w.dense_allreduce_params(half_dim) + K * E, cluster, dense_precision)
     else:
         M = cluster.devices * w.batch_per_device * (w.seq_len - 1)
         pool = cm.Comm("model_gather", "next items", "forward", cm.all_gather(group, M * (4 + 1 + 4 * E)))
-        dense = cm.dense_allreduce(w.dense_params(half_dim), cluster, dense_precision)
+        dense = cm.dense_allreduce(w.dense_allreduce_params(half_dim), cluster, dense_precision)
     return [pool, dense]
 
 
