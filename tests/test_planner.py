@@ -545,3 +545,19 @@ def test_recommendation_validates_inputs():
         planner.recommend_topology(tables, stats, ClusterSpec(1, 2, GB), 8, comm=("fp8", "bf16"))
     with pytest.raises(ValueError, match="periodic_every"):
         planner.recommend_topology(tables, stats, ClusterSpec(1, 2, GB), 8, periodic_every=(0,))
+
+
+def test_half_dim_stats_index_stored_rows_and_match_a_brute_force_count():
+    # half_dim tables take ids in [0, 2 x rows): the engine's stored rows
+    table = TableConfig("items", 50, 8, pooling=None, reshape="half_dim")
+    rng = np.random.default_rng(5)
+    sample = rng.integers(-1, 100, (200, 7))
+    stats = measure_feature_stats({"items": sample}, [table], top_k=10)["items"]
+    valid = sample[sample >= 0]
+    assert stats.num_rows == 100 and stats.mean_ids_per_example == pytest.approx(valid.size / 200)
+    uniq, counts = np.unique(valid, return_counts=True)
+    order = np.lexsort((uniq, -counts))
+    assert stats.hot_ids == tuple(uniq[order][:10].tolist())
+    assert stats.hot_freqs == pytest.approx(tuple(counts[order][:10] / valid.size))
+    with pytest.raises(ValueError, match="100"):
+        measure_feature_stats({"items": np.array([[100]])}, [table])

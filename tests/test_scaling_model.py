@@ -257,3 +257,66 @@ def test_weak_scaling_of_a_stage_is_bounded_by_the_node_count():
         assert all(0 < s <= n + 1e-9 for s, n in zip(sp, (2, 4, 8)))
     spec = dataclasses.replace(M.FABRICS["400 Gbps/node"], inter_node_bandwidth=1e15, inter_node_latency=0)
     assert M.speedup(w, stage("baseline"), fn, spec, 4, 0.01, cm.ReplicaSync()) == pytest.approx(4, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ emulation
+
+
+def test_emulation_prediction_and_link_helpers():
+    import bench_step as B
+
+    assert B.rate_bytes("8mbit") == 1e6 and B.rate_bytes("1gbit") == 125e6 and B.rate_bytes("800kbit") == 1e5
+    with pytest.raises(ValueError, match="mbit"):
+        B.rate_bytes("8MB")
+    assert B.tbf_burst("4mbit") == 3000 and B.tbf_burst("1gbit") == 500_000
+    collectives = [
+        {"kind": "all-to-all", "group": "all", "inter": 1000.0, "intra": 5.0, "per_step": 1.0},
+        {"kind": "all-reduce", "group": "node", "inter": 500.0, "intra": 0.0, "per_step": 0.25},
+        {"kind": "all-to-all", "group": "local", "inter": 0.0, "intra": 900.0, "per_step": 1.0},
+    ]
+    # (1000 + 500 / 4) B per device x 2 devices per node, sent + received, at 1e6 B/s
+    assert B.predicted_delta(collectives, 2, "8mbit") == pytest.approx((1000 + 125) * 2 * 2 / 1e6)
+    assert B.bytes_by_category(
+        [dict(c, category=cat) for c, cat in zip(collectives, ("emb_rows", "replica_sync", "emb_rows"))]
+    ) == {"emb_rows": (905.0, 1000.0), "replica_sync": (0.0, 125.0)}
+    periodic = B.parse_stage("2d_a2a@periodic:sparse:8")
+    assert (
+        periodic.replica_sync == "periodic" and periodic.sync_every == 8 and periodic.name == "2d_a2a@periodic:sparse:8"
+    )
+    with pytest.raises(ValueError, match="unknown stage"):
+        B.parse_stage("3d")
+
+
+def test_emulation_report_computes_its_tables(tmp_path):
+    import emulation_report as E
+
+    stage = dict(
+        nodes=4, local=2, rate="4mbit", steps=32, batch_per_device=8, sharding={"a": "row_wise"},
+        inter_bytes_per_node=100_000.0, wire_sent_per_step=150_000.0, unlimited_median_s=0.1, limited_median_s=0.5,
+    )  # fmt: skip
+    rows = [
+        {"run": "machine", "platform": "test", "cpus": 2, "loadavg_at_start": [0.5, 0, 0]},
+        dict(stage, stage="+fp8", unlimited_mean_s=0.1, limited_mean_s=0.5, predicted_delta_s=0.42),
+        dict(stage, stage="2d_a2a", unlimited_mean_s=0.2, limited_mean_s=0.3, predicted_delta_s=0.2),
+        {"run": "2d_ar_4", "nodes": 4, "error": "a process exited 1"},
+        {"nodes": 4, "local": 2, "rate": "4mbit", "bytes_per_device": 500000, "repeats": 3}
+        | {k: {"factor": f, "wire_ratio": 1.0} for k, f in (("one_way@node", 1.02), ("exchange@node", 2.04))},
+        {"run": "end", "loadavg_at_end": [0.7, 0, 0], "seconds": 600},
+    ]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = E.render(E.load(str(path)), str(path))
+    assert (
+        "| +fp8 | row_wise | 100,000 | 1.50 | 100 ms (100 ms) | 500 ms (500 ms) | 400 ms | 420 ms | 0.95 | yes | yes |"
+        in text
+    )
+    assert (
+        "| 2d_a2a | row_wise | 100,000 | 1.50 | 200 ms (100 ms) | 300 ms (500 ms) | 100 ms | 200 ms | 0.50 | **no** |"
+        in text
+    )
+    assert "1 of 2 stages within 20%" in text and "failed: a process exited 1" in text
+    assert "an exchange of the same bytes 2.04-2.04 x" in text and "10 min in all" in text
+    assert json.dumps(rows[1]) in text  # the headline run's raw lines are quoted
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match="run.jsonl:1"):
+        E.load(str(path))

@@ -2,7 +2,7 @@
 
 Run by emulate.sh inside a network namespace, one process per namespace:
     python experiments/scaling/bench_step.py --stage 2d_a2a --nodes 4 --local 2 --process-id I \
-        --coordinator 10.200.0.1:23456 --dev vethI --rate 20mbit --steps 32
+        --coordinator 10.200.0.1:23456 --dev vethI --rate 4mbit --steps 32
 
 `--stage` is a stage of `jaxscale.techniques` or a periodic-sync variant '<stage>@periodic:<strategy>:<k>'
 (e.g. '2d_a2a@periodic:dense:4'). Balanced stages get the planner's plan for the emulated tables, made from
@@ -10,9 +10,9 @@ the same synthetic global batch on every process. Phase A removes any qdisc from
 (unlimited); phase B installs `tc tbf` at --rate on it (each node limits its own egress, so every
 cross-node byte is limited once). Both phases time the same compiled step: 2 warm-up steps, then
 --steps timed steps. Process 0 prints one JSON line: the stage, the compiled bytes per collective
-category, the measured means and medians, and the predicted communication delta of the limited phase
-with every exchange costing (sent + received) / rate; emulation_report.py recomputes it with the
-transport factors gloo_duplex.py measured in the same run.
+category, the measured means and medians, the bytes node 0's veth really carried (kernel counters), and the
+predicted communication delta of the limited phase: the compiled step's cross-node bytes, sent plus
+received (gloo does not overlap the two directions of an exchange), over the rate.
 """
 
 from __future__ import annotations
@@ -163,30 +163,25 @@ def bytes_by_category(collectives: list[dict]) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def predicted_delta(collectives: list[dict], local: int, rate: str, factors: dict | None = None) -> float:
-    """Seconds a link limited to `rate` per node adds to a step.
+def predicted_delta(collectives: list[dict], local: int, rate: str) -> float:
+    """Seconds a link limited to `rate` per node adds to a step, from the compiled bytes.
 
     The alpha-beta model of `jaxscale.comm_model` on the emulated cluster: a node's NIC is its veth at
-    `rate`, shared by its `local` devices; latency is already in the unlimited step. Each collective's
-    cross-node bytes count times the transport's factor for its kind and device group, as gloo_duplex.py
-    measures it (e.g. 'all_to_all@all': 2.0 = gloo sends, then receives). Without measured factors every
-    collective counts sent + received (factor 2).
+    `rate`, shared by its `local` devices; latency is already in the unlimited step; gloo does not overlap
+    the two directions of an exchange (gloo_duplex.py), so each collective's cross-node bytes count sent
+    plus received: the rate an exchange sees is halved.
     """
     from jaxscale import comm_model as cm
     from jaxscale.cluster import ClusterSpec
 
-    names = {"all-to-all": "all_to_all", "all-reduce": "all_reduce", "all-gather": "all_gather"}
-    total = 0.0
-    for c in collectives:
-        if c["inter"] == 0:
-            continue
-        key = f"{names.get(c['kind'], 'exchange')}@{'node' if c['group'] == 'node' else 'all'}"
-        factor = (factors or {}).get(key) or GLOO_DIRECTIONS
-        cluster = ClusterSpec(
-            2, local, inter_node_bandwidth=rate_bytes(rate) / factor, intra_node_latency=0.0, inter_node_latency=0.0
-        )
-        total += c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster)
-    return total
+    cluster = ClusterSpec(
+        2,
+        local,
+        inter_node_bandwidth=rate_bytes(rate) / GLOO_DIRECTIONS,
+        intra_node_latency=0.0,
+        inter_node_latency=0.0,
+    )
+    return sum(c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster) for c in collectives)
 
 
 def main(argv=None) -> int:
@@ -198,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--coordinator", required=True)
     p.add_argument("--dev", required=True)
-    p.add_argument("--rate", default="20mbit")
+    p.add_argument("--rate", default="4mbit")
     p.add_argument("--steps", type=int, default=32)
     a = p.parse_args(argv)
     st = parse_stage(a.stage)
@@ -264,7 +259,7 @@ def main(argv=None) -> int:
             "limited_mean_s": statistics.fmean(out["limited"]),
             "limited_median_s": statistics.median(out["limited"]),
             "collectives": collectives,
-            "predicted_delta_factor2_s": predicted_delta(collectives, a.local, a.rate),
+            "predicted_delta_s": predicted_delta(collectives, a.local, a.rate),
             "unlimited_s": out["unlimited"],
             "limited_s": out["limited"],
         }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Emulated cluster: N network namespaces ("nodes") joined by rate-limited links, one JAX process each.
 #
-#   bash experiments/scaling/emulate.sh [NODES=2] [RATE=20mbit] [STEPS=32] [STAGES=all] [OUT=-]   # as root
+#   bash experiments/scaling/emulate.sh [NODES=2] [RATE=4mbit] [STEPS=32] [STAGES=all] [OUT=-]   # as root
 #   MODE=duplex bash experiments/scaling/emulate.sh [NODES] [RATE]        # gloo_duplex.py instead of stages
 #
 # STAGES: space-separated names of jaxscale.techniques stages or '<stage>@periodic:<strategy>:<k>'
@@ -15,7 +15,7 @@
 # its own node's egress with tc tbf (bench_step.py / gloo_duplex.py); no added latency (netem is not
 # available on these kernels). Everything is torn down on exit, also on error or Ctrl-C.
 set -euo pipefail
-NODES=${1:-2}; RATE=${2:-20mbit}; STEPS=${3:-32}; STAGES=${4:-all}; OUT=${5:--}
+NODES=${1:-2}; RATE=${2:-4mbit}; STEPS=${3:-32}; STAGES=${4:-all}; OUT=${5:--}
 MODE=${MODE:-stages}
 LOCAL=${LOCAL:-2}
 HERE="$(cd "$(dirname "$0")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"

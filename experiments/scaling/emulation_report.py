@@ -36,7 +36,7 @@ def fmt_ms(s: float) -> str:
 def render(rows: list[dict], path: str) -> str:
     machine = next((r for r in rows if r.get("run") == "machine"), {})
     end = next((r for r in rows if r.get("run") == "end"), {})
-    duplex = [r for r in rows if "one_way" in r]
+    duplex = [r for r in rows if "one_way@node" in r]
     stages = [r for r in rows if "stage" in r or "error" in r]
     L = ["# Emulated cluster: network namespaces, rate-limited links, the real train step", ""]
     L += [
@@ -54,8 +54,11 @@ def render(rows: list[dict], path: str) -> str:
         "bridge in a namespace of its own (`emulate.sh`). Each namespace's hosts file maps the host name to "
         "its own address, because gloo advertises the address the host name resolves to. Each process "
         "times the compiled train step (`bench_step.py`) with its veth unlimited, then with `tc tbf` "
-        "limiting its node's egress (burst 32 kB, a 16 MB queue so no packet is dropped): every cross-node "
-        "byte crosses one limited egress. Latency cannot be added (no netem on these kernels).",
+        "limiting its node's egress (the smallest bucket that reaches the rate, a 16 MB queue so no packet is "
+        "dropped): every cross-node "
+        "byte crosses one limited egress. Latency cannot be added (no netem on these kernels). The stages are "
+        "`jaxscale.techniques.STAGES` plus 2d_a2a with periodic dense averaging every 4 steps; 2d_a2a runs the "
+        "engine's exact sync as it stands when the run is made.",
         "",
     ]
     L += _duplex(duplex)
@@ -76,8 +79,8 @@ def render(rows: list[dict], path: str) -> str:
         "",
         "```",
         "bash experiments/scaling/run_emulation.sh        # as root; RATE, STEPS, LOCAL, STAGES, PY override",
-        "MODE=duplex bash experiments/scaling/emulate.sh 4 50mbit   # the transport measurement alone",
-        "bash experiments/scaling/emulate.sh 4 10mbit 32 '2d_a2a'   # one stage",
+        "MODE=duplex bash experiments/scaling/emulate.sh 4 4mbit   # the transport measurement alone",
+        "bash experiments/scaling/emulate.sh 4 4mbit 32 '2d_a2a'   # one stage",
         "```",
         "",
     ]
@@ -93,30 +96,34 @@ def _load(x) -> str:
 
 
 def _duplex(duplex: list[dict]) -> list[str]:
-    L = ["## The transport does not overlap the two directions of an exchange", ""]
+    L = ["## The transport: gloo does not overlap the two directions of an exchange", ""]
     if not duplex:
         return L + ["(no gloo_duplex.py output in this run)", ""]
     L += [
-        "`gloo_duplex.py` times collectives over the node axis (one device per node, "
-        f"{duplex[0]['bytes_per_device'] / 1e6:.1f} MB per device) unlimited and with each node's egress limited; "
-        "the table gives the added time over (bytes a node sends / rate). A full-duplex transport would add "
-        "1.0 for every collective (the egress limit caps only what a node sends); gloo adds about 2 for an "
-        "exchange: it sends, then receives.",
+        "`gloo_duplex.py` times single collectives on "
+        f"{duplex[0]['bytes_per_device'] / 1e6:.1f} MB per device, unlimited and with every node's egress limited "
+        "(median of its repeats). 'factor' = added time / (cross-node bytes a node sends, as the compiled HLO "
+        "counts them, / rate); 'wire' = bytes the node's veth carried / those bytes (kernel counters). The egress "
+        "limit caps only what a node sends, so a transport that overlaps the two directions adds 1.0 on an "
+        "exchange; one that sends, then receives, adds 2.0. '@node': one device per node (a 2d_a2a replica "
+        "sync, a 2d_ar all-to-all); '@all': every device (a 1d all-to-all, the dense all-reduce).",
         "",
-        "| nodes | rate | one-way | exchange | all-to-all | all-reduce | all-gather |",
-        "|---|---|---|---|---|---|---|",
     ]
-    kinds = ("one_way", "exchange", "all_to_all", "all_reduce", "all_gather")
+    kinds = [k for k in duplex[0] if "@" in k]
+    L += ["| nodes x devices | rate | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
     for r in duplex:
-        cells = [f"{r[k]['delta_over_sent_by_rate']:.2f}" if k in r else "-" for k in kinds]
-        L.append(f"| {r['nodes']} | {r['rate']} | " + " | ".join(cells) + " |")
-    ex = [r["exchange"]["delta_over_sent_by_rate"] / r["one_way"]["delta_over_sent_by_rate"] for r in duplex]
+        cells = [f"{r[k]['factor']:.2f} (wire {r[k]['wire_ratio']:.2f})" for k in kinds]
+        L.append(f"| {r['nodes']} x {r['local']} | {r['rate']} | " + " | ".join(cells) + " |")
+    one = [r["one_way@node"]["factor"] for r in duplex]
+    ex = [r["exchange@node"]["factor"] for r in duplex]
     L += [
         "",
-        f"An exchange of the same bytes takes {min(ex):.2f}-{max(ex):.2f}x a one-way transfer, so on this "
-        "transport a collective's time on a limited link is about (bytes sent + bytes received) / rate: "
-        "`bench_step.predicted_delta` uses exactly that (the alpha-beta model of `jaxscale.comm_model` with "
-        "the node's egress rate halved).",
+        f"A one-way transfer adds {min(one):.2f}-{max(one):.2f} x bytes / rate and an exchange of the same bytes "
+        f"{min(ex):.2f}-{max(ex):.2f} x: gloo sends, then receives. Collectives that keep several transfers in "
+        "flight (several devices per node, a ring) overlap part of it, and XLA:CPU's all-reduce and all-gather "
+        "over every device send more bytes than the hierarchical count (wire > 1). The step prediction below "
+        "uses the compiled bytes with the exchange rule, time = (sent + received) / rate "
+        "(`bench_step.predicted_delta`).",
         "",
     ]
     return L
@@ -130,30 +137,32 @@ def _stages(rows: list[dict], nodes: int) -> list[str]:
         L += [
             f"Rate {r0['rate']} per node, {r0['steps']} timed steps per phase after 2 warm-up steps, "
             f"{r0['batch_per_device']} sequences per device (bench_step.EMU_MODEL). Delta = limited - unlimited "
-            "mean step time; predicted = the compiled step's cross-node bytes per node, sent + received, over "
-            "the rate (periodic syncs averaged over their k steps).",
+            "mean step time; predicted = the compiled step's cross-node bytes per node, sent + received, over the "
+            "rate (a periodic sync averaged over its k steps). 'wire' = bytes node 0's veth sent per step / the "
+            "compiled cross-node bytes per node.",
             "",
         ]
     L += [
-        "| stage | sharding | cross-node B/node/step | unlimited mean (median) | limited mean (median) | "
-        "delta measured | delta predicted | measured / predicted | within 20% | delta >= unlimited |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | sharding | compiled cross-node B/node/step | wire | unlimited mean (median) | limited mean (median) "
+        "| delta measured | delta predicted | measured / predicted | within 20% | delta >= unlimited |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     within = 0
     for r in rows:
         if "error" in r:
-            L.append(f"| {r.get('run', '?')} | failed: {r['error']} | | | | | | | | |")
+            L.append(f"| {r.get('run', '?')} | failed: {r['error']} | | | | | | | | | |")
             continue
         delta = r["limited_mean_s"] - r["unlimited_mean_s"]
         ratio = delta / r["predicted_delta_s"] if r["predicted_delta_s"] > 0 else float("nan")
         good = abs(ratio - 1) <= TARGET
         within += good
         sharding = ", ".join(sorted(set(r["sharding"].values())))
+        wire = r["wire_sent_per_step"] / r["inter_bytes_per_node"] if r["inter_bytes_per_node"] else float("nan")
         L.append(
-            f"| {r['stage']} | {sharding} | {r['inter_bytes_per_node']:,.0f} | {fmt_ms(r['unlimited_mean_s'])} "
-            f"({fmt_ms(r['unlimited_median_s'])}) | {fmt_ms(r['limited_mean_s'])} ({fmt_ms(r['limited_median_s'])}) "
-            f"| {fmt_ms(delta)} | {fmt_ms(r['predicted_delta_s'])} | {ratio:.2f} | {'yes' if good else '**no**'} | "
-            f"{'yes' if delta >= r['unlimited_mean_s'] else 'no'} |"
+            f"| {r['stage']} | {sharding} | {r['inter_bytes_per_node']:,.0f} | {wire:.2f} | "
+            f"{fmt_ms(r['unlimited_mean_s'])} ({fmt_ms(r['unlimited_median_s'])}) | {fmt_ms(r['limited_mean_s'])} "
+            f"({fmt_ms(r['limited_median_s'])}) | {fmt_ms(delta)} | {fmt_ms(r['predicted_delta_s'])} | {ratio:.2f} | "
+            f"{'yes' if good else '**no**'} | {'yes' if delta >= r['unlimited_mean_s'] else '**no**'} |"
         )
     if ok:
         ratios = [
