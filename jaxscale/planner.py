@@ -957,12 +957,14 @@ def step_counts(
                 k: distinct_ids_per_part(s, per_source * m, ts.row_parts, t.stored_rows) for k, m in draws.items()
             }
             partial = t.pooling is not None and s.mean_ids_per_example > 1 and S > 1
-            for p in range(ts.row_parts):
-                for c in range(ts.col_parts):
-                    shard = ts.shard_of(p, c)
-                    if partial:  # per-bag partial sums: (row, bag) requests, one sum per bag back
-                        a["pairs"][shard] += per_source / ts.row_parts
+            for c in range(ts.col_parts):
+                if partial:  # one partial sum per bag on each shard holding a piece of this column block
+                    for shard in {ts.shard_of(p, c) for p in range(ts.row_parts)}:
                         a["bags"][shard] += batch_size_per_device
+                for p in range(ts.row_parts):
+                    shard = ts.shard_of(p, c)
+                    if partial:  # (row, bag) requests: every id of a bag, not de-duplicated across bags
+                        a["pairs"][shard] += per_source / ts.row_parts
                         continue
                     for k in draws:
                         a[k][shard] += distinct[k][p]

@@ -561,3 +561,21 @@ def test_half_dim_stats_index_stored_rows_and_match_a_brute_force_count():
     assert stats.hot_freqs == pytest.approx(tuple(counts[order][:10] / valid.size))
     with pytest.raises(ValueError, match="100"):
         measure_feature_stats({"items": np.array([[100]])}, [table])
+
+
+def test_pooled_features_count_pairs_and_bags():
+    """Pooled features with several ids per bag return per-bag partial sums: (row, bag) pairs per owner
+    (not de-duplicated across bags) go out, one sum per bag comes back."""
+    rng = np.random.default_rng(6)
+    cluster = ClusterSpec(1, 4, GB)
+    table = TableConfig("p", 40, 8, pooling="sum")
+    plan = ShardingPlan("1d", 4, {"p": TableShards("row_wise", 2, 1, (1, 3))})
+    ids = rng.integers(-1, 40, (4, 6, 3))  # [devices, bags, ids per bag]
+    got = planner.measure_step_counts({"p": ids}, [table], plan, cluster, round_capacities=False)[0]
+    pairs = [[int(np.sum((ids[d] >= 0) & (ids[d] % 2 == part))) for part in (0, 1)] for d in range(4)]
+    assert got.pair_slots == max(max(p) for p in pairs) and got.bags == 6 and got.requested == 0
+    stats = measure_feature_stats({"p": ids.reshape(-1, 3)}, [table])
+    expected = planner.step_counts([table], stats, cluster, plan, 6)[0]
+    assert expected.bags == 6 and expected.pair_slots == comm_model.round_up_capacity(
+        int(np.ceil(6 * stats["p"].mean_ids_per_example / 2 - 1e-9))
+    )

@@ -59,12 +59,11 @@ DENSE_CATS = ("dense_grad", "model_gather")
 # ----------------------------------------------------------------------------------- 1. cross-check
 
 
-def tiny_workload(half_dim: bool, devices: int) -> M.Workload:
+def tiny_workload(devices: int) -> M.Workload:
+    """The compiled tiny model's workload on `devices` devices (both half_dim variants inside)."""
     from models.foundation import FoundationConfig
 
-    cfg = FoundationConfig(**TINY)
-    w = M.foundation_workload(cfg, TINY_BATCH // devices, "tiny", CAPACITY_FACTOR)
-    return w
+    return M.foundation_workload(FoundationConfig(**TINY), TINY_BATCH // devices, "tiny", CAPACITY_FACTOR)
 
 
 def cross_check(compiled: dict) -> list[dict]:
@@ -76,7 +75,7 @@ def cross_check(compiled: dict) -> list[dict]:
             if key not in compiled:
                 continue
             cluster = ClusterSpec(nodes, local)
-            w = tiny_workload(st.half_dim, nodes * local)
+            w = tiny_workload(nodes * local)
             counts = M.padded_counts(w, cluster.topology(st.topology), st.half_dim)
             pred = merge_dense(M.category_bytes(M.step_comms(w, st, counts, cluster, M.PADDED_SYNC)))
             got = merge_dense(
