@@ -136,6 +136,21 @@ def test_live_compile_equals_formula_2x4_half_dim_2d_a2a():
     assert pred["replica_sync"][1] > 0 and pred["emb_rows"][1] == 0
 
 
+def test_exact_batch_counts_of_a_compiled_config_fit_under_the_padded_worst_case():
+    from jaxscale.config import load_config
+
+    for name, (nodes, local) in (("2d_a2a", (2, 4)), ("+fp8", (4, 2))):
+        st = stage(name)
+        cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(st, nodes, local))
+        exact = M.batch_counts(cfg)[0]
+        padded = M.padded_counts(
+            tiny(devices=nodes * local), ClusterSpec(nodes, local).topology(st.topology), st.half_dim
+        )
+        n_ids = 2 * tiny(devices=nodes * local).batch_per_device * S.TINY["max_seq_len"]  # 2 tables
+        assert 0 < exact.requested <= cm.round_up_capacity(n_ids) and exact.width == padded[0].width
+        assert exact.touched <= padded[0].touched and exact.owned <= exact.touched_since_sync
+
+
 def test_large_preset_bytes_follow_the_techniques():
     w = M.Workload(
         "t",

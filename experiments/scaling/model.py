@@ -201,6 +201,26 @@ def padded_counts(w: Workload, topology: Topology, half_dim: bool) -> list[cm.St
 PADDED_SYNC = cm.ReplicaSync("exact", "gather")  # today's exact sync: all-gather of received slots
 
 
+def batch_counts(cfg, step: int = 0) -> list[cm.StackCounts]:
+    """The exact counts of the engine being landed for the batch the trainer of `cfg` compiles its step on
+    (`make_data(cfg).batch(step)`, hashed into the model's features, split over the devices in mesh order;
+    the collection's plan). Switching the compiled-bytes check to the new engine means using these
+    instead of `padded_counts` (run_ablation.COMPILED_ENGINE)."""
+    from jaxscale import planner
+    from jaxscale.data import make_data
+    from jaxscale.plan import resolve_plan
+    from models.foundation import foundation_ids, foundation_tables
+
+    nodes, local = cfg.mesh.nodes, cfg.mesh.local
+    fcfg = cfg.model.foundation
+    ids = foundation_ids(fcfg, make_data(cfg).batch(step))
+    per_device = {f: np.asarray(a).reshape(nodes * local, -1, a.shape[1]) for f, a in ids.items()}
+    tables = foundation_tables(fcfg)
+    e = cfg.embedding
+    plan = resolve_plan(tables, e.topology, nodes, local, e.plan_file or e.sharding)
+    return planner.measure_step_counts(per_device, tables, plan, ClusterSpec(nodes, local))
+
+
 # ------------------------------------------------------------------------------------------ step
 
 

@@ -66,8 +66,25 @@ def tiny_workload(devices: int) -> M.Workload:
     return M.foundation_workload(FoundationConfig(**TINY), TINY_BATCH // devices, "tiny", CAPACITY_FACTOR)
 
 
+# Which engine compiled compiled_bytes.json: 'padded' (static worst-case capacities, all-gather sync) or
+# 'exact' (capacities from the batch, the owner sync): flip when the new engine lands, then recollect.
+COMPILED_ENGINE = "padded"
+
+
+def compiled_counts(compiled_entry: dict, w: M.Workload, st, cluster: ClusterSpec):
+    """(counts, sync) the formulas use for one compiled entry, per COMPILED_ENGINE."""
+    if COMPILED_ENGINE == "padded":
+        return M.padded_counts(w, cluster.topology(st.topology), st.half_dim), M.PADDED_SYNC
+    from stages import CONFIG
+
+    from jaxscale.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, CONFIG), compiled_entry["overrides"])
+    return M.batch_counts(cfg), cm.ReplicaSync("exact", "owner")
+
+
 def cross_check(compiled: dict) -> list[dict]:
-    """Formula (today's padded engine) vs compiled bytes, per mesh, stage and category."""
+    """Formula vs compiled bytes, per mesh, stage and category (engine: COMPILED_ENGINE)."""
     rows = []
     for st in distinct_compiled_stages():
         for nodes, local in collect.MESHES:
@@ -76,8 +93,8 @@ def cross_check(compiled: dict) -> list[dict]:
                 continue
             cluster = ClusterSpec(nodes, local)
             w = tiny_workload(nodes * local)
-            counts = M.padded_counts(w, cluster.topology(st.topology), st.half_dim)
-            pred = merge_dense(M.category_bytes(M.step_comms(w, st, counts, cluster, M.PADDED_SYNC)))
+            counts, sync = compiled_counts(compiled[key], w, st, cluster)
+            pred = merge_dense(M.category_bytes(M.step_comms(w, st, counts, cluster, sync)))
             got = merge_dense(
                 {
                     k: (v["intra_node"], v["inter_node"])
