@@ -24,7 +24,17 @@ from jaxscale.quantization import PRECISIONS
 
 SYNC_MODES = ("exact", "periodic")
 SYNC_STRATEGIES = ("owner", "gather", "dense", "sparse")
-HALF_DIM_KEY = "model.foundation.item_reshape"  # the foundation model's bandwidth-aware reshape
+# The training-config keys a stage sets (one place to change when the config's layout changes).
+CONFIG_KEYS = {
+    "topology": "embedding.topology",
+    "comm_forward": "embedding.comm_forward",
+    "comm_backward": "embedding.comm_backward",
+    "half_dim": "model.foundation.item_reshape",  # the foundation model's bandwidth-aware reshape
+    "sharding": "embedding.sharding",
+    "plan_file": "embedding.plan_file",
+    "replica_sync": "embedding.replica_sync",
+    "sync_every": "embedding.sync_every",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,20 +93,21 @@ class Stage:
         and cluster (`ShardingPlan.to_json`); unbalanced stages use plain `row_wise`. The engine's exact
         sync strategy is emitted only when the config names its key (`sync_strategy_key`).
         """
+        k = CONFIG_KEYS
         out = [
-            f"embedding.topology={self.topology}",
-            f"embedding.comm_forward={self.comm_forward}",
-            f"embedding.comm_backward={self.comm_backward}",
-            f"{HALF_DIM_KEY}={'half_dim' if self.half_dim else 'null'}",
+            f"{k['topology']}={self.topology}",
+            f"{k['comm_forward']}={self.comm_forward}",
+            f"{k['comm_backward']}={self.comm_backward}",
+            f"{k['half_dim']}={'half_dim' if self.half_dim else 'null'}",
         ]
         if self.balanced:
             if plan_file is None:
                 raise ValueError(f"stage {self.name!r} is balanced: pass plan_file, the planner's plan as JSON")
-            out.append(f"embedding.plan_file={plan_file}")
+            out.append(f"{k['plan_file']}={plan_file}")
         else:
-            out += ["embedding.sharding=row_wise", "embedding.plan_file=null"]
+            out += [f"{k['sharding']}=row_wise", f"{k['plan_file']}=null"]
         if self.replica_sync is not None:
-            out += [f"embedding.replica_sync={self.replica_sync}", f"embedding.sync_every={self.sync_every}"]
+            out += [f"{k['replica_sync']}={self.replica_sync}", f"{k['sync_every']}={self.sync_every}"]
             if sync_strategy_key is not None:
                 out.append(f"{sync_strategy_key}={self.sync_strategy}")
         return out

@@ -335,3 +335,24 @@ def test_emulation_report_computes_its_tables(tmp_path):
     path.write_text("not json\n")
     with pytest.raises(ValueError, match="run.jsonl:1"):
         E.load(str(path))
+
+
+def test_k_study_results_are_read_and_rendered(tmp_path):
+    import run_ablation as R
+    import write_results as W
+
+    runs = [
+        {"name": "exact", "k": 1, "steps": 300, "eval_loss": 2.0, "eval_recall": 0.5, "sync_bytes_inter": 4096.0},
+        {"name": "periodic k=4", "k": 4, "steps": 300, "eval_loss": 2.02, "eval_recall": 0.49, "sync_bytes_inter": 1e6},
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"machine": "test box", "runs": runs}))
+    study = R.load_k_study(str(path))
+    preds = {"400 Gbps/node": {"variants": {"2d_a2a periodic dense k=4": {8: 1.5, 64: 3.0}}}}
+    text = "\n".join(W._k_study(study, preds))
+    assert "| periodic k=4 | 4 | 300 | 2.0200 | +1.00% | 0.4900 | 1.00 MB |" in text and "test box" in text
+    assert "periodic dense k=4 1.50x / 3.00x" in text
+    assert "Pending" in "\n".join(W._k_study(None, preds))
+    path.write_text(json.dumps({"machine": "x", "runs": [{"name": "exact"}]}))
+    with pytest.raises(ValueError, match="runs\\[0\\] lacks"):
+        R.load_k_study(str(path))

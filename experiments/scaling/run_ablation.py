@@ -44,7 +44,7 @@ from jaxscale.techniques import STAGES, stage  # noqa: E402
 
 COUNTS_CACHE = os.path.join(HERE, "mc_counts.json")
 SENSITIVITY_KEY = "1d|contiguous-hashed|full"
-K_STUDY = os.path.join(HERE, "k_study.json")
+K_STUDY = os.path.join(ROOT, "experiments", "sync", "results.json")  # written by experiments/sync/k_study.py
 BATCH_PER_DEVICE = 32  # foundation_large.yaml: global batch 2048 on 8 x 8 GPUs
 SEED = 0
 EXACT_SYNCS = (cm.ReplicaSync("exact", "owner"), cm.ReplicaSync("exact", "gather"))
@@ -403,18 +403,19 @@ def fmt_bytes(x: float) -> str:
 
 
 def load_k_study(path: str | None) -> dict | None:
+    """The periodic-sync quality study (experiments/sync/k_study.py's results.json), if it was run."""
     path = path or (K_STUDY if os.path.exists(K_STUDY) else None)
     if path is None:
         return None
     with open(path) as f:
         data = json.load(f)
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise ValueError(f"{path}: expected {{'rows': [...], ...}} (see RESULTS.md, 'Periodic sync: quality vs k')")
-    for i, r in enumerate(data["rows"]):
-        missing = {"sync", "k", "steps", "held_out_loss", "recall"} - set(r)
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{path}: expected {{'machine': ..., 'runs': [...]}} as experiments/sync/k_study.py writes")
+    for i, r in enumerate(data["runs"]):
+        missing = {"name", "k", "steps", "eval_loss", "eval_recall", "sync_bytes_inter"} - set(r)
         if missing:
-            raise ValueError(f"{path}: rows[{i}] lacks {sorted(missing)}")
-    return data
+            raise ValueError(f"{path}: runs[{i}] lacks {sorted(missing)}")
+    return dict(data, path=os.path.relpath(path, ROOT))
 
 
 def main(argv=None) -> int:
@@ -422,7 +423,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write calibration, checks and tables as JSON here")
     p.add_argument("--recount", action="store_true", help="recompute the Monte Carlo counts (mc_counts.json)")
     p.add_argument("--recompile", action="store_true", help="recompile the small configs (collect.py --force)")
-    p.add_argument("--k-study", default=None, help="periodic-sync quality results (default: k_study.json if present)")
+    p.add_argument(
+        "--k-study", default=None, help="periodic-sync quality results (default: experiments/sync/results.json)"
+    )
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     mach = machine()

@@ -372,28 +372,26 @@ def _k_study(k_study, preds) -> list[str]:
     L = ["## Periodic sync: quality vs k", ""]
     if k_study is None:
         L += [
-            "*Pending*: the training study (foundation model on 2x4, >= 300 steps, exact sync and "
-            "`replica_sync=periodic` with k in {4, 16, 64}; held-out loss and recall@K beside bytes per step) is "
-            "run by the lead once the new sync lands. Drop its results into `experiments/scaling/k_study.json` (or "
-            'pass `--k-study FILE`) as `{"command": ..., "rows": [{"sync": "exact" | "periodic dense" | '
-            '"periodic sparse", "k": 1, "steps": 300, "held_out_loss": ..., "recall": ..., '
-            '"replica_sync_bytes_per_step": ...}, ...]}` and this section renders it.',
+            "*Pending*: `python experiments/sync/k_study.py` (foundation model on 2x4, 2d_a2a, >= 300 steps, exact "
+            "sync and periodic averaging every k in {4, 16, 64}; held-out loss and recall beside bytes per step) "
+            "writes experiments/sync/results.json; this section renders it when present (or `--k-study FILE`).",
             "",
         ]
     else:
-        L += [f"From `{k_study.get('command', 'k_study.json')}`:", ""]
+        runs = k_study["runs"]
+        exact = next((r for r in runs if r["k"] == 1), runs[0])
         L += [
-            "| sync | k | steps | held-out loss | recall | replica-sync bytes/step |",
-            "|---|---|---|---|---|---|",
+            f"From `{k_study['path']}` ({k_study.get('machine', '')}):",
+            "",
+            "| sync | k | steps | held-out loss | vs exact | recall@10 | sync bytes/step/device across nodes |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for r in k_study["rows"]:
-            b = r.get("replica_sync_bytes_per_step")
+        for r in runs:
             L.append(
-                f"| {r['sync']} | {r['k']} | {r['steps']} | {r['held_out_loss']:.4f} | {r['recall']:.4f} | "
-                f"{fmt_bytes(b) if b is not None else '-'} |"
+                f"| {r['name']} | {r['k']} | {r['steps']} | {r['eval_loss']:.4f} | "
+                f"{r['eval_loss'] / exact['eval_loss'] - 1:+.2%} | {r['eval_recall']:.4f} | "
+                f"{fmt_bytes(r['sync_bytes_inter'])} |"
             )
-        if k_study.get("recommendation"):
-            L += ["", f"Recommended k: {k_study['recommendation']}"]
         L.append("")
     res = preds["400 Gbps/node"]["variants"]
     periodic = [k for k in res if "periodic" in k]
