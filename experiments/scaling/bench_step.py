@@ -10,9 +10,10 @@ the same synthetic global batch on every process. Phase A removes any qdisc from
 (unlimited); phase B installs `tc tbf` at --rate on it (each node limits its own egress, so every
 cross-node byte is limited once). Both phases time the same compiled step: 2 warm-up steps, then
 --steps timed steps. Process 0 prints one JSON line: the stage, the compiled bytes per collective
-category, the measured means and medians, the bytes node 0's veth really carried (kernel counters), and the
-predicted communication delta of the limited phase: the compiled step's cross-node bytes, sent plus
-received (gloo does not overlap the two directions of an exchange), over the rate.
+category, the measured means and medians, the bytes node 0's veth really carried (kernel counters), every
+collective with its cross-node bytes, and the predicted delta of the limited phase by the exchange rule
+(sent + received over the rate); emulation_report.py also predicts it with the transport factors
+gloo_duplex.py measured in the same run.
 """
 
 from __future__ import annotations
@@ -163,25 +164,37 @@ def bytes_by_category(collectives: list[dict]) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def predicted_delta(collectives: list[dict], local: int, rate: str) -> float:
+KIND_NAMES = {"all-to-all": "all_to_all", "all-reduce": "all_reduce", "all-gather": "all_gather"}
+
+
+def transport_key(collective: dict) -> str:
+    """The gloo_duplex.py measurement that matches a step collective: kind @ device group."""
+    kind = KIND_NAMES.get(collective["kind"], "exchange")
+    return f"{kind}@{'node' if collective['group'] == 'node' else 'all'}"
+
+
+def predicted_delta(collectives: list[dict], local: int, rate: str, factors: dict | None = None) -> float:
     """Seconds a link limited to `rate` per node adds to a step, from the compiled bytes.
 
     The alpha-beta model of `jaxscale.comm_model` on the emulated cluster: a node's NIC is its veth at
-    `rate`, shared by its `local` devices; latency is already in the unlimited step; gloo does not overlap
-    the two directions of an exchange (gloo_duplex.py), so each collective's cross-node bytes count sent
-    plus received: the rate an exchange sees is halved.
+    `rate`, shared by its `local` devices; latency is already in the unlimited step. Each collective's
+    cross-node bytes take `factor` x bytes / rate, the factor of its kind and device group as
+    gloo_duplex.py measured it on this transport (`factors`, e.g. {'all_to_all@all': 1.6}); without a
+    measurement, the exchange rule: gloo sends, then receives, factor 2 (sent + received over the rate).
     """
     from jaxscale import comm_model as cm
     from jaxscale.cluster import ClusterSpec
 
-    cluster = ClusterSpec(
-        2,
-        local,
-        inter_node_bandwidth=rate_bytes(rate) / GLOO_DIRECTIONS,
-        intra_node_latency=0.0,
-        inter_node_latency=0.0,
-    )
-    return sum(c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster) for c in collectives)
+    total = 0.0
+    for c in collectives:
+        if c["inter"] == 0:
+            continue
+        factor = (factors or {}).get(transport_key(c)) or GLOO_DIRECTIONS
+        cluster = ClusterSpec(
+            2, local, inter_node_bandwidth=rate_bytes(rate) / factor, intra_node_latency=0.0, inter_node_latency=0.0
+        )
+        total += c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster)
+    return total
 
 
 def main(argv=None) -> int:
