@@ -444,6 +444,9 @@ def main(argv=None) -> int:
     fn = counts_fn(mc)
     cal = M.fit(point_predictor(large, fn))
     sensitivity = M.fit(point_predictor(large, counts_fn(mc, SENSITIVITY_KEY)))
+    # diagnostic only (not used for any prediction): the EFA points alone, to see which point conflicts
+    efa_only = M.fit(point_predictor(large, fn), points=("before_2_nodes", "before_4_nodes"))
+    efa_only_no_efa = point_predictor(large, fn)("no_efa_2_nodes", efa_only.compute_s, efa_only.efficiency)
     checks, detail = run_checks(large, fn, mc, cal)
     preds = predictions(large, fn, mc, cal)
     btab = bytes_table(large, fn, cal)
@@ -472,7 +475,20 @@ def main(argv=None) -> int:
     import write_results
 
     text = write_results.render(
-        mach, checks_hlo, bad, large, mc, cal, sensitivity, checks, detail, preds, btab, k_study, flops_s, fl
+        mach,
+        checks_hlo,
+        bad,
+        large,
+        mc,
+        cal,
+        (sensitivity, efa_only, efa_only_no_efa),
+        checks,
+        detail,
+        preds,
+        btab,
+        k_study,
+        flops_s,
+        fl,
     )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
