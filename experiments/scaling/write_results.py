@@ -243,8 +243,8 @@ def _calibration(cal, diagnostics, checks, detail, flops_s) -> list[str]:
             + ", ".join(f"{k} {v:.2f}" for k, v in efa_only.fitted_values.items())
             + " (two points of one fabric fix little more than the ratio of compute to link time, so the fit slides "
             f"along that ridge to a bound), and then no_efa_2_nodes {efa_only_no_efa:.2f} (published 0.20): the "
-            "no-EFA point, not the EFA points' shape, is what one efficiency cannot meet. What settles it: the per-rank "
-            "all-to-all times and bytes of the published baseline at 2 and 4 nodes."
+            "no-EFA point, not the EFA points' shape, is what one efficiency cannot meet. What settles it: the "
+            "per-rank all-to-all times and bytes of the published baseline at 2 and 4 nodes."
         )
     if not by["a2a_latency_ratio"]["within_15_percent"]:
         L.append(
