@@ -15,7 +15,12 @@ Stages (each a small function, so each can be tested alone):
                               moves/swaps that lower the slowest device; returns a `ShardingPlan`.
   5. `report`                 per-device load of any plan (also of naive baselines).
 
-Nothing here imports JAX: plans are made and tested on fake topologies.
+Topology recommendation (`recommend_topology`): the same id statistics give per-step counts (rows
+requested per destination, rows touched per replica, their union across replicas), which
+`jaxscale.comm_model` turns into the predicted communication time of 1d, 2d_ar and 2d_a2a on a
+`ClusterSpec`, with exact and periodic replica sync.
+
+Nothing here imports JAX: plans are made and tested on fake clusters.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxscale.mesh import TOPOLOGIES
-from jaxscale.plan import SHARDING_TYPES, ShardingPlan, TableShards, num_shards
+from jaxscale import comm_model
+from jaxscale.cluster import ClusterSpec
+from jaxscale.mesh import TOPOLOGIES, Topology
+from jaxscale.plan import SHARDING_TYPES, ShardingPlan, TableShards
+from jaxscale.quantization import CommConfig, check_precision, wire_bytes
 from jaxscale.tables import TableConfig, check_tables
 
 ROW_ASSIGNMENTS = ("modulo", "contiguous")
@@ -50,45 +58,13 @@ def _positive(owner: str, field: str, value, integer: bool = False, allow_zero: 
 # Inputs: topology, cost constants, feature statistics.
 
 
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """The cluster the plan is for; defaults are TorchRec's planner constants.
-
-    Attributes:
-      nodes: hosts.
-      devices_per_node: accelerators per host.
-      device_memory_bytes: memory one device may spend on embedding weights + optimizer state.
-      intra_node_bandwidth: bytes/s one device sends over the intra-node link (TorchRec: 600 GB/s).
-      inter_node_bandwidth: bytes/s one device sends across nodes (TorchRec: 12.5 GB/s per GPU).
-      name: jaxscale topology: '1d' shards over every device, '2d_ar' over nodes (replicas inside a
-        node), '2d_a2a' over one node's devices (replicas across nodes).
-    """
-
-    nodes: int
-    devices_per_node: int
-    device_memory_bytes: float
-    intra_node_bandwidth: float = 600e9
-    inter_node_bandwidth: float = 12.5e9
-    name: str = "1d"
-
-    def __post_init__(self):
-        _positive("Topology", "nodes", self.nodes, integer=True)
-        _positive("Topology", "devices_per_node", self.devices_per_node, integer=True)
-        for field in ("device_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth"):
-            _positive("Topology", field, getattr(self, field))
-        if self.name not in TOPOLOGIES:
-            raise ValueError(f"Topology.name must be one of {TOPOLOGIES}, got {self.name!r}")
-
-    @property
-    def num_shards(self) -> int:
-        """Size of the shard group (the all-to-all group); each shard lives on one device per replica."""
-        return num_shards(self.name, self.nodes, self.devices_per_node)
-
-    @property
-    def remote_sources(self) -> tuple[int, int]:
-        """(intra-node, inter-node) peers of one shard in its all-to-all group; the shard itself is free."""
-        local, nodes = self.devices_per_node, self.nodes
-        return {"1d": (local - 1, nodes * local - local), "2d_ar": (0, nodes - 1), "2d_a2a": (local - 1, 0)}[self.name]
+def _layout(cluster: ClusterSpec, topology: str) -> Topology:
+    """What `topology` means on the cluster's mesh (shard count, peers): `jaxscale.mesh.Topology`."""
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"expected a jaxscale.cluster.ClusterSpec, got {type(cluster).__name__}")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+    return cluster.topology(topology)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +73,8 @@ class CostParams:
 
     Attributes:
       hbm_bandwidth: bytes/s of embedding-row reads (TorchRec HBM_MEM_BW, 897 GiB/s).
-      comm_bytes_per_element: bytes per embedding element on the wire: 4 fp32, 2 bf16, 1 fp8.
+      comm_forward / comm_backward: wire precisions of the looked-up rows and of their gradients; bytes
+        per row come from `jaxscale.quantization.wire_bytes` (fp8 includes its per-row scale).
       weight_bytes_per_element: bytes per stored weight (fp32).
       optimizer_bytes_per_row: row-wise AdaGrad state, one fp32 per row.
       index_bytes_per_lookup: bytes of id/offset read per lookup whatever the dim (TorchRec counts the
@@ -110,7 +87,8 @@ class CostParams:
     """
 
     hbm_bandwidth: float = 897 * 1024**3
-    comm_bytes_per_element: float = 4.0
+    comm_forward: str = "fp32"
+    comm_backward: str = "fp32"
     weight_bytes_per_element: float = 4.0
     optimizer_bytes_per_row: float = 4.0
     index_bytes_per_lookup: float = 8.0
@@ -119,8 +97,10 @@ class CostParams:
     small_dim_penalties: tuple[tuple[int, float], ...] = ((128, 1.0), (64, 1.15), (32, 1.75), (0, 1.75))
 
     def __post_init__(self):
-        for field in ("hbm_bandwidth", "comm_bytes_per_element", "weight_bytes_per_element"):
+        for field in ("hbm_bandwidth", "weight_bytes_per_element"):
             _positive("CostParams", field, getattr(self, field))
+        for field in ("comm_forward", "comm_backward"):
+            check_precision(getattr(self, field), f"CostParams.{field}")
         for field in (
             "optimizer_bytes_per_row",
             "index_bytes_per_lookup",
@@ -138,6 +118,10 @@ class CostParams:
 
     def dim_penalty(self, dim: int) -> float:
         return next(f for d, f in self.small_dim_penalties if dim >= d)
+
+    def comm_bytes_per_row(self, dim: int) -> int:
+        """Wire bytes of one row of width `dim` over both passes (forward row + backward gradient)."""
+        return wire_bytes(1, dim, self.comm_forward) + wire_bytes(1, dim, self.comm_backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +216,8 @@ def measure_feature_stats(
     """Measures ids per example and the id frequency distribution of each sampled feature.
 
     Args:
-      samples: {feature: int array [N, L]}, -1 is padding.
+      samples: {feature: int array [N, L]}, -1 is padding; ids index the table's stored rows (a
+        half_dim table's ids are in [0, 2 x rows)), as the engine receives them.
       tables: the tables; each sampled feature must be read by one of them.
       top_k: hot ids kept individually (their row part is then known exactly).
       min_fit_count: ranks seen fewer times than this are too noisy for the Zipf fit.
@@ -250,16 +235,16 @@ def measure_feature_stats(
         if ids.shape[0] == 0:
             raise ValueError(f"sample of feature {feature!r} has no examples")
         valid = ids[ids >= 0]
-        if valid.size and valid.max() >= table.rows:
+        if valid.size and valid.max() >= table.stored_rows:  # half_dim tables: ids index the stored rows
             raise ValueError(
-                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.rows}"
+                f"sample of feature {feature!r} has id {valid.max()} >= table {table.name!r} rows {table.stored_rows}"
             )
-        uniq, counts = np.unique(valid, return_counts=True)
+        uniq, counts = _counts_by_value(valid)
         order = np.lexsort((uniq, -counts))  # most frequent first, ties by id: deterministic
         uniq, counts = uniq[order], counts[order]
         total = max(int(counts.sum()), 1)
         stats[feature] = FeatureStats(
-            num_rows=table.rows,
+            num_rows=table.stored_rows,
             mean_ids_per_example=valid.size / ids.shape[0],
             hot_ids=tuple(uniq[:top_k].tolist()),
             hot_freqs=tuple((counts[:top_k] / total).tolist()),
@@ -267,6 +252,16 @@ def measure_feature_stats(
             num_examples=int(ids.shape[0]),
         )
     return stats
+
+
+def _counts_by_value(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, occurrences), like np.unique(return_counts=True) but by sorting (numpy 2.4's
+    hash-based unique is far slower on millions of ids)."""
+    values = np.sort(values)
+    if values.size == 0:
+        return values, np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    return values[starts], np.diff(np.append(starts, values.size))
 
 
 def _fit_zipf_exponent(sorted_counts: np.ndarray, min_count: int) -> float:
@@ -360,9 +355,10 @@ class PieceCosts:
 
 def enumerate_options(
     tables: Sequence[TableConfig],
-    topology: Topology,
+    cluster: ClusterSpec,
     overrides: Mapping[str, str] | None = None,
     min_column_dim: int = 128,
+    topology: str = "1d",
 ) -> dict[str, tuple[ShardingOption, ...]]:
     """The options each table may take, in preference order (fewest pieces first).
 
@@ -375,7 +371,8 @@ def enumerate_options(
     unknown = set(overrides) - {t.name for t in tables}
     if unknown:
         raise ValueError(f"overrides name unknown tables {sorted(unknown)}")
-    shards, local = topology.num_shards, topology.devices_per_node
+    layout = _layout(cluster, topology)
+    shards, local = layout.num_shards, cluster.devices_per_node
     options = {}
     for t in tables:
         rows, dim = t.stored_rows, t.stored_dim
@@ -383,7 +380,7 @@ def enumerate_options(
         if wanted is not None and wanted not in SHARDING_TYPES:
             raise ValueError(f"override for table {t.name!r}: sharding must be one of {SHARDING_TYPES}, got {wanted!r}")
         opts = [ShardingOption(t.name, "table_wise", 1, 1)]
-        if topology.name == "1d" and (topology.nodes > 1 or wanted == "table_row_wise") and rows >= local > 1:
+        if topology == "1d" and (cluster.nodes > 1 or wanted == "table_row_wise") and rows >= local > 1:
             opts.append(ShardingOption(t.name, "table_row_wise", local, 1))
         if shards > 1 and rows >= shards:
             opts.append(ShardingOption(t.name, "row_wise", shards, 1))
@@ -395,7 +392,7 @@ def enumerate_options(
             if not opts:
                 raise ValueError(
                     f"override for table {t.name!r}: {wanted} cannot serve {rows} rows x {dim} dims on "
-                    f"{shards} shards of topology {topology.name!r}"
+                    f"{shards} shards of topology {topology!r}"
                 )
         options[t.name] = tuple(sorted(opts, key=lambda o: (_PREFERENCE.index(o.sharding), o.num_pieces)))
     return options
@@ -412,19 +409,22 @@ def estimate_option(
     table: TableConfig,
     option: ShardingOption,
     stats: Mapping[str, FeatureStats],
-    topology: Topology,
+    cluster: ClusterSpec,
     batch_size_per_device: int,
     cost: CostParams = CostParams(),
     row_assignment: str = "modulo",
+    topology: str = "1d",
 ) -> PieceCosts:
     """Per-piece lookups, bytes sent (intra/inter), memory and seconds of one option.
 
     A piece serves every source of its group: lookups = sources x distinct ids per source on its row
-    part; it returns distinct ids x piece dim x comm bytes to each remote source. The backward
-    all-to-all mirrors these bytes, so balancing the forward balances it too.
+    part; it returns each remote source its distinct rows (forward) and receives their gradients
+    (backward): distinct ids x wire bytes of a piece row in both precisions. The group's peers on and
+    off the node come from `jaxscale.mesh.Topology.shard_peers`.
     """
-    sources = topology.num_shards
-    intra_peers, inter_peers = topology.remote_sources
+    layout = _layout(cluster, topology)
+    sources = layout.num_shards
+    intra_peers, inter_peers = layout.shard_peers
     distinct = sum(
         distinct_ids_per_part(
             s, batch_size_per_device * s.mean_ids_per_example, option.row_parts, table.stored_rows, row_assignment
@@ -440,7 +440,7 @@ def estimate_option(
         part_rows = np.clip(table.stored_rows - np.arange(option.row_parts) * block, 0, block)
     piece_rows = np.repeat(part_rows, option.col_parts).astype(np.float64)
     lookups = per_piece * sources
-    sent_per_source = per_piece * piece_dim * cost.comm_bytes_per_element
+    sent_per_source = per_piece * cost.comm_bytes_per_row(piece_dim)
     read_bytes = lookups * (
         piece_dim * cost.weight_bytes_per_element * cost.dim_penalty(piece_dim) + cost.index_bytes_per_lookup
     )
@@ -453,7 +453,7 @@ def estimate_option(
         bytes_inter=bytes_inter,
         memory_bytes=piece_rows * (piece_dim * cost.weight_bytes_per_element + cost.optimizer_bytes_per_row),
         compute_s=compute,
-        comm_s=bytes_intra / topology.intra_node_bandwidth + bytes_inter / topology.inter_node_bandwidth,
+        comm_s=bytes_intra / cluster.intra_bandwidth_per_device + bytes_inter / cluster.inter_bandwidth_per_device,
     )
 
 
@@ -509,12 +509,12 @@ class _Placement:
             free[j] = False
         return shards
 
-    def best_shards(self, pc: PieceCosts, topology: Topology) -> list[int] | None:
+    def best_shards(self, pc: PieceCosts, cluster: ClusterSpec) -> list[int] | None:
         """Where this option's pieces go now, or None if they do not fit in memory."""
         if pc.option.sharding != "table_row_wise":
             return self.assign_distinct(pc, range(len(self.cost)))
-        local, best, best_key = topology.devices_per_node, None, None
-        for node in range(topology.nodes):
+        local, best, best_key = cluster.devices_per_node, None, None
+        for node in range(cluster.nodes):
             shards = self.assign_distinct(pc, range(node * local, (node + 1) * local))
             if shards is None:
                 continue
@@ -562,6 +562,9 @@ def _local_search(placement: _Placement, max_steps: int) -> None:
         best = None  # (new max load of the two shards, kind, piece a, target shard or piece b)
         for a in np.flatnonzero(shard == d):
             ta, ca, la, ma = table_idx[a], cost[a], lookups[a], memory[a]
+            # Move a to shard e (vectorised over every e): a table never has two pieces on one shard
+            # (~holds[ta]), e must have memory for a, and e != d. `after` is the larger of the two
+            # changed loads (d without a, e with a), which must end below d's current load.
             if movable[a]:
                 after = np.maximum(norm(load_c[d] - ca, load_l[d] - la), norm(load_c + ca, load_l + la))
                 ok = ~holds[ta] & (mem + ma <= budget)
@@ -571,7 +574,18 @@ def _local_search(placement: _Placement, max_steps: int) -> None:
                     e = int(np.argmin(after))
                     if after[e] < top - tol and (best is None or after[e] < best[0]):
                         best = (after[e], "move", a, e)
-            dc, dl = ca - cost, la - lookups  # swap a with b: d loses (dc, dl), shard[b] gains it
+            # Swap a with b, vectorised over every piece b (arrays indexed by b). After the swap d holds b
+            # instead of a and shard[b] holds a instead of b, so d's load drops by (dc, dl) and shard[b]'s
+            # rises by the same amount. Masks, in order:
+            #   shard != d          b lives elsewhere (a swap within d changes nothing);
+            #   same                b is another piece of a's own table: each shard still holds one piece
+            #                       of it, and this is the only swap open to row-split pieces (so row_wise
+            #                       stays on every shard and table_row_wise on its node);
+            #   otherwise           both pieces are whole/column pieces (movable), a's table has no piece
+            #                       on b's shard yet (~holds[ta][shard]) and b's table none on d
+            #                       (~holds[table_idx, d]): still one piece per table per shard;
+            #   memory              each shard fits after trading its piece for the other.
+            dc, dl = ca - cost, la - lookups
             ok = shard != d
             same = table_idx == ta
             ok &= same | (movable[a] & movable & ~holds[ta][shard] & ~holds[table_idx, d])
@@ -611,15 +625,16 @@ def _local_search(placement: _Placement, max_steps: int) -> None:
 def _place_all(
     chosen: Mapping[str, list[PieceCosts]],
     pinned: Mapping[str, tuple[PieceCosts, tuple[int, ...]]],
-    topology: Topology,
+    cluster: ClusterSpec,
     local_search_steps: int,
+    topology: str = "1d",
 ) -> _Placement:
     """Greedy largest-first placement (more split options when memory runs short), then local search."""
     first = [pcs[0] for pcs in chosen.values()] + [pc for pc, _ in pinned.values()]
-    n = topology.num_shards
+    n = _layout(cluster, topology).num_shards
     cost_scale = max(sum(pc.cost_s.sum() for pc in first) / n, 1e-30)
     lookup_scale = max(sum(pc.lookups.sum() for pc in first) / n, 1e-30)
-    placement = _Placement(n, topology.device_memory_bytes, cost_scale, lookup_scale)
+    placement = _Placement(n, cluster.device_memory_bytes, cost_scale, lookup_scale)
     for name, (pc, shards) in pinned.items():
         placement.add(pc, shards)
         over = np.flatnonzero(placement.memory > placement.budget)
@@ -632,7 +647,7 @@ def _place_all(
 
     for name in sorted(chosen, key=lambda n: (-size(n), n)):
         for pc in chosen[name]:
-            shards = placement.best_shards(pc, topology)
+            shards = placement.best_shards(pc, cluster)
             if shards is not None:
                 placement.add(pc, shards)
                 break
@@ -640,7 +655,7 @@ def _place_all(
             need = min(pc.memory_bytes.max() for pc in chosen[name])
             raise ValueError(
                 f"table {name!r} does not fit: its smallest piece needs {need / 1e9:.3f} GB but no shard has "
-                f"that much of its {topology.device_memory_bytes / 1e9:.3f} GB left"
+                f"that much of its {cluster.device_memory_bytes / 1e9:.3f} GB left"
             )
     _local_search(placement, local_search_steps)
     return placement
@@ -658,12 +673,13 @@ def _better(key, than, rel_tol: float = 1e-6) -> bool:
 def plan_sharding(
     tables: Sequence[TableConfig],
     stats: Mapping[str, FeatureStats],
-    topology: Topology,
+    cluster: ClusterSpec,
     batch_size_per_device: int,
     overrides: Mapping[str, str | TableShards] | None = None,
     cost: CostParams = CostParams(),
     balance_target: float = 1.05,
     local_search_steps: int = 5000,
+    topology: str = "1d",
 ) -> ShardingPlan:
     """A plan that minimises the slowest shard's estimated step time within device memory.
 
@@ -676,33 +692,43 @@ def plan_sharding(
     Args:
       tables: the tables to place.
       stats: {feature: FeatureStats} for every feature of every table.
-      topology: cluster and jaxscale topology name.
+      cluster: nodes, devices, device memory and link figures.
       batch_size_per_device: examples per device per step.
       overrides: {table: sharding type} to restrict a table's type, or {table: TableShards} to pin it.
       cost: constants of the cost model.
       balance_target: max/mean distinct-id lookups per shard a plan should stay within.
       local_search_steps: cap on moves/swaps after the greedy placement.
+      topology: the jaxscale topology ('1d', '2d_ar', '2d_a2a'): the plan is for its shard group.
     """
     tables = check_tables(tables)
+    layout = _layout(cluster, topology)
     _positive("plan_sharding", "batch_size_per_device", batch_size_per_device, integer=True)
     if not balance_target >= 1:
         raise ValueError(f"plan_sharding.balance_target must be >= 1, got {balance_target!r}")
     overrides = dict(overrides or {})
     pinned_specs = {n: ts for n, ts in overrides.items() if isinstance(ts, TableShards)}
     by_name = {t.name: t for t in tables}
-    options = enumerate_options(tables, topology, {n: v for n, v in overrides.items() if n not in pinned_specs})
+    options = enumerate_options(
+        tables, cluster, {n: v for n, v in overrides.items() if n not in pinned_specs}, topology=topology
+    )
     pinned = {}
     for name, ts in pinned_specs.items():
-        if any(s >= topology.num_shards for s in ts.shards):
-            raise ValueError(f"override for table {name!r}: shards {ts.shards} outside [0, {topology.num_shards})")
+        if any(s >= layout.num_shards for s in ts.shards):
+            raise ValueError(f"override for table {name!r}: shards {ts.shards} outside [0, {layout.num_shards})")
         option = ShardingOption(name, ts.sharding, ts.row_parts, ts.col_parts)
-        pinned[name] = (estimate_option(by_name[name], option, stats, topology, batch_size_per_device, cost), ts.shards)
+        pinned[name] = (
+            estimate_option(by_name[name], option, stats, cluster, batch_size_per_device, cost, topology=topology),
+            ts.shards,
+        )
     costs = {
-        t.name: [estimate_option(t, o, stats, topology, batch_size_per_device, cost) for o in options[t.name]]
+        t.name: [
+            estimate_option(t, o, stats, cluster, batch_size_per_device, cost, topology=topology)
+            for o in options[t.name]
+        ]
         for t in tables
         if t.name not in pinned
     }
-    budget = topology.device_memory_bytes
+    budget = cluster.device_memory_bytes
     fitting = {n: [pc for pc in pcs if pc.memory_bytes.max() <= budget] for n, pcs in costs.items()}
     for n, pcs in fitting.items():
         if not pcs:
@@ -712,7 +738,7 @@ def plan_sharding(
                 f"{budget / 1e9:.3f} GB device memory"
             )
     total = sum(pcs[0].cost_s.sum() for pcs in fitting.values()) + sum(pc.cost_s.sum() for pc, _ in pinned.values())
-    ideal = total / topology.num_shards
+    ideal = total / layout.num_shards
     best, best_key, seen, error = None, None, set(), None
     for threshold in (math.inf, 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64, 0.0):
         chosen = {}
@@ -726,7 +752,7 @@ def plan_sharding(
             continue
         seen.add(signature)
         try:
-            placement = _place_all(chosen, pinned, topology, local_search_steps)
+            placement = _place_all(chosen, pinned, cluster, local_search_steps, topology)
         except ValueError as e:
             error = error or e
             continue
@@ -740,7 +766,7 @@ def plan_sharding(
     for t in tables:
         o = best.costs[t.name].option
         specs[t.name] = TableShards(o.sharding, o.row_parts, o.col_parts, tuple(best.shards[t.name]))
-    return ShardingPlan(topology.name, topology.num_shards, specs)
+    return ShardingPlan(topology, layout.num_shards, specs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -845,24 +871,25 @@ def report(
     plan: ShardingPlan,
     tables: Sequence[TableConfig],
     stats: Mapping[str, FeatureStats],
-    topology: Topology,
+    cluster: ClusterSpec,
     batch_size_per_device: int,
     cost: CostParams = CostParams(),
     row_assignment: str = "modulo",
 ) -> PlanReport:
     """Per-shard lookups, bytes sent, memory and time of any plan under the planner's cost model.
 
-    row_assignment='contiguous' scores the same pieces as TorchRec's contiguous row blocks would
-    hold them, for baselines; the engine itself is 'modulo'.
+    The plan carries its topology. row_assignment='contiguous' scores the same pieces as TorchRec's
+    contiguous row blocks would hold them, for baselines; the engine itself is 'modulo'.
     """
     tables = check_tables(tables)
-    if plan.topology != topology.name or plan.num_shards != topology.num_shards:
+    layout = _layout(cluster, plan.topology)
+    if plan.num_shards != layout.num_shards:
         raise ValueError(
-            f"plan is for {plan.num_shards} shards of {plan.topology!r}, topology has {topology.num_shards} of "
-            f"{topology.name!r}"
+            f"plan is for {plan.num_shards} shards of {plan.topology!r}, but {plan.topology!r} on a "
+            f"{cluster.nodes}x{cluster.devices_per_node} cluster has {layout.num_shards}"
         )
-    plan.check(tables, topology.nodes, topology.devices_per_node)
-    n = topology.num_shards
+    plan.check(tables, cluster.nodes, cluster.devices_per_node)
+    n = layout.num_shards
     acc = {k: np.zeros(n) for k in ("lookups", "bytes_intra", "bytes_inter", "memory_bytes", "compute_s", "comm_s")}
     counts: dict[str, int] = {}
     for t in tables:
@@ -872,20 +899,445 @@ def report(
             t,
             ShardingOption(t.name, ts.sharding, ts.row_parts, ts.col_parts),
             stats,
-            topology,
+            cluster,
             batch_size_per_device,
             cost,
             row_assignment,
+            topology=plan.topology,
         )
         shards = np.array(ts.shards)
         for k, arr in acc.items():
             np.add.at(arr, shards, getattr(pc, k))
     return PlanReport(
-        topology=topology.name,
+        topology=plan.topology,
         num_shards=n,
         batch_size_per_device=batch_size_per_device,
         row_assignment=row_assignment,
-        memory_budget_bytes=float(topology.device_memory_bytes),
+        memory_budget_bytes=float(cluster.device_memory_bytes),
         sharding_counts=dict(sorted(counts.items())),
         **{k: tuple(float(x) for x in v) for k, v in acc.items()},
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Topology recommendation: per-step counts from the id statistics -> comm_model times.
+
+
+def step_counts(
+    tables: Sequence[TableConfig],
+    stats: Mapping[str, FeatureStats],
+    cluster: ClusterSpec,
+    plan: ShardingPlan,
+    batch_size_per_device: int,
+    sync_every: int = 1,
+) -> list[comm_model.StackCounts]:
+    """Expected per-step counts of each embedding stack of `plan` (see `comm_model.StackCounts`).
+
+    From the same distinct-id estimate as the cost model (`distinct_ids_per_part`), for draws of one
+    device (rows it requests from each shard), of one replica's shard group (rows a replica's shard
+    touches), of every device (their union across replicas) and of every device over `sync_every`
+    steps (rows touched since the last periodic sync). Owner-replica counts split a shard's rows evenly
+    over the replicas. Capacities are rounded up on the engine's ladder. Expected values: the maximum
+    over devices of a random count is a little larger (the Monte Carlo of experiments/scaling measures
+    it). Pooled features with several ids per bag are counted as (row, bag) pairs and per-bag sums.
+    """
+    tables = check_tables(tables)
+    layout = _layout(cluster, plan.topology)
+    S, rep = layout.num_shards, layout.num_replicas
+    plan.check(tables, cluster.nodes, cluster.devices_per_node)
+    draws = {"requested": 1, "touched": S, "union": cluster.devices, "since_sync": cluster.devices * sync_every}
+    acc: dict[int, dict[str, np.ndarray]] = {}
+    for t in tables:
+        ts = plan.tables[t.name]
+        width = t.stored_dim // ts.col_parts
+        a = acc.setdefault(width, {k: np.zeros(S) for k in (*draws, "rows", "pairs", "bags")})
+        for s in _features_stats(t, stats):
+            per_source = batch_size_per_device * s.mean_ids_per_example
+            distinct = {
+                k: distinct_ids_per_part(s, per_source * m, ts.row_parts, t.stored_rows) for k, m in draws.items()
+            }
+            partial = t.pooling is not None and s.mean_ids_per_example > 1 and S > 1
+            for c in range(ts.col_parts):
+                if partial:  # one partial sum per bag on each shard holding a piece of this column block
+                    for shard in {ts.shard_of(p, c) for p in range(ts.row_parts)}:
+                        a["bags"][shard] += batch_size_per_device
+                for p in range(ts.row_parts):
+                    shard = ts.shard_of(p, c)
+                    if partial:  # (row, bag) requests: every id of a bag, not de-duplicated across bags
+                        a["pairs"][shard] += per_source / ts.row_parts
+                        continue
+                    for k in draws:
+                        a[k][shard] += distinct[k][p]
+        for p in range(ts.row_parts):
+            for c in range(ts.col_parts):
+                a["rows"][ts.shard_of(p, c)] += ts.piece_rows(t.stored_rows, p)
+
+    def cap(x) -> int:
+        return comm_model.round_up_capacity(math.ceil(float(np.max(x)) - 1e-9))
+
+    return [
+        comm_model.StackCounts(
+            width=width,
+            rows_per_shard=int(a["rows"].max()),
+            requested=cap(a["requested"]),
+            touched=cap(a["touched"]),
+            owner_sent=cap(a["touched"] / rep),
+            owned=cap(a["union"] / rep),
+            touched_since_sync=cap(a["since_sync"]),
+            pair_slots=cap(a["pairs"]),
+            bags=cap(a["bags"]),
+        )
+        for width, a in sorted(acc.items())
+    ]
+
+
+def measure_step_counts(
+    ids: Mapping[str, np.ndarray],
+    tables: Sequence[TableConfig],
+    plan: ShardingPlan,
+    cluster: ClusterSpec,
+    *,
+    previous: Sequence[Mapping[str, np.ndarray]] = (),
+    row_assignment: str = "modulo",
+    round_capacities: bool = True,
+) -> list[comm_model.StackCounts]:
+    """Exact per-step counts of each embedding stack for one batch (see `comm_model.StackCounts`).
+
+    Args:
+      ids: {feature: int array [devices, B, L] or [devices, n]}: each device's stored-row ids (after any
+        hashing / half_dim mapping), devices in flat mesh order, -1 = padding.
+      tables, plan, cluster: the layout (the plan carries the topology).
+      previous: the ids of the steps since the last periodic sync (for `touched_since_sync`).
+      row_assignment: 'modulo' (the engine) or 'contiguous' (TorchRec's row blocks, for baselines).
+      round_capacities: round capacities up on the engine's ladder (`comm_model.round_up_capacity`).
+
+    Counts: requested = max over (device, owner shard) of the device's unique rows on that shard;
+    touched = max over (replica, shard) of unique rows requested from that shard by the replica's
+    devices; owner_sent = the same split by owner replica (a row's owner is its local index on the
+    shard mod the replica count); owned = max over (shard, owner) of the union over replicas;
+    touched_since_sync = max over shards of that union over this and the previous steps. Pooled
+    features with several ids per bag return per-bag partial sums (`pooled_comm='auto'`): their
+    (bag, row) pairs per destination and the bags each owner sums are counted instead.
+    """
+    tables = check_tables(tables)
+    if row_assignment not in ROW_ASSIGNMENTS:
+        raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
+    layout = _layout(cluster, plan.topology)
+    plan.check(tables, cluster.nodes, cluster.devices_per_node)
+    S, rep, D = layout.num_shards, layout.num_replicas, cluster.devices
+    replica_of = np.empty(D, np.int64)
+    for r, group in enumerate(layout.shard_groups()):
+        replica_of[list(group)] = r
+    steps = [ids, *previous]
+    acc: dict[int, dict[str, np.ndarray]] = {}
+    for t in tables:
+        ts = plan.tables[t.name]
+        width = t.stored_dim // ts.col_parts
+        a = acc.setdefault(width, _empty_counts(D, S, rep))
+        for p in range(ts.row_parts):
+            for c in range(ts.col_parts):
+                a["rows"][ts.shard_of(p, c)] += ts.piece_rows(t.stored_rows, p)
+        feats = [f for f in t.features if f in ids]
+        if not feats:
+            continue
+        shard_of_piece = np.asarray(ts.shards, np.int64).reshape(ts.row_parts, ts.col_parts)
+        rows_steps, partial = [], []
+        for f in feats:
+            x = [_device_ids(step, f, t, D) for step in steps]
+            if t.pooling is not None and S > 1 and x[0].shape[2] > 1:
+                partial.append(x[0])
+            else:
+                rows_steps.append(x)
+        for x in partial:  # (bag, row) pairs, not de-duplicated across bags; one partial sum per bag
+            dev, row = np.nonzero(x >= 0)[0], x[x >= 0]
+            part, _ = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
+            for c in range(ts.col_parts):
+                _tally(a["pairs"], dev, shard_of_piece[part, c])
+                for s in set(shard_of_piece[:, c].tolist()):
+                    a["bags"][s] += x.shape[1]
+        if not rows_steps:
+            continue
+        now = np.concatenate([x[0].reshape(D, -1) for x in rows_steps], axis=1)
+        dev, row = _unique_pairs(np.repeat(np.arange(D), now.shape[1]), now.reshape(-1), t.stored_rows)
+        part, local = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
+        for c in range(ts.col_parts):
+            _tally(a["requested"], dev, shard_of_piece[part, c])
+        rr, row_r = _unique_pairs(replica_of[dev], row, t.stored_rows)
+        part_r, local_r = _row_part(row_r, t.stored_rows, ts.row_parts, row_assignment)
+        union = _sorted_unique(row_r)
+        history = [x[i].reshape(D, -1) for x in rows_steps for i in range(1, len(steps))]
+        since = _sorted_unique(np.concatenate([union] + [h[h >= 0] for h in history]))
+        part_u, local_u = _row_part(union, t.stored_rows, ts.row_parts, row_assignment)
+        part_s, _ = _row_part(since, t.stored_rows, ts.row_parts, row_assignment)
+        for c in range(ts.col_parts):
+            shard_r = shard_of_piece[part_r, c]
+            _tally(a["touched"], rr, shard_r)
+            _tally(a["owner_sent"], rr, shard_r, local_r % rep)
+            _tally(a["owned"], shard_of_piece[part_u, c], local_u % rep)
+            _tally(a["since_sync"], shard_of_piece[part_s, c])
+
+    def cap(x) -> int:
+        n = int(np.max(x)) if np.size(x) else 0
+        return comm_model.round_up_capacity(n) if round_capacities else n
+
+    return [
+        comm_model.StackCounts(
+            width=width,
+            rows_per_shard=int(a["rows"].max()),
+            requested=cap(a["requested"]) if S > 1 else 0,
+            touched=cap(a["touched"]),
+            owner_sent=cap(a["owner_sent"]),
+            owned=cap(a["owned"]),
+            touched_since_sync=cap(a["since_sync"]),
+            pair_slots=cap(a["pairs"]),
+            bags=cap(a["bags"]),
+        )
+        for width, a in sorted(acc.items())
+    ]
+
+
+def _empty_counts(devices: int, shards: int, replicas: int) -> dict[str, np.ndarray]:
+    return {
+        "rows": np.zeros(shards, np.int64),
+        "requested": np.zeros((devices, shards), np.int64),
+        "touched": np.zeros((replicas, shards), np.int64),
+        "owner_sent": np.zeros((replicas, shards, replicas), np.int64),
+        "owned": np.zeros((shards, replicas), np.int64),
+        "since_sync": np.zeros(shards, np.int64),
+        "pairs": np.zeros((devices, shards), np.int64),
+        "bags": np.zeros(shards, np.int64),
+    }
+
+
+def _tally(counts: np.ndarray, *index: np.ndarray) -> None:
+    """counts[index] += 1 for every (repeated) index tuple; a bincount (np.add.at is slow on large inputs)."""
+    flat = np.ravel_multi_index(tuple(np.asarray(i, np.int64) for i in index), counts.shape)
+    counts += np.bincount(flat, minlength=counts.size).reshape(counts.shape)
+
+
+def _device_ids(step: Mapping[str, np.ndarray], feature: str, table: TableConfig, devices: int) -> np.ndarray:
+    """The feature's ids as [devices, bags, ids per bag], checked against the table's stored rows."""
+    if feature not in step:
+        raise ValueError(f"ids of feature {feature!r} missing from a step")
+    x = np.asarray(step[feature])
+    if not np.issubdtype(x.dtype, np.integer) or x.ndim not in (2, 3) or x.shape[0] != devices:
+        raise ValueError(
+            f"ids of feature {feature!r} must be an int array [devices={devices}, B, L] or [devices, n], "
+            f"got {x.dtype} {x.shape}"
+        )
+    bad = (x < -1) | (x >= table.stored_rows)
+    if bad.any():
+        raise ValueError(
+            f"ids of feature {feature!r} hold {int(x[bad][0])}, outside [-1, {table.stored_rows}) of table "
+            f"{table.name!r}"
+        )
+    return x if x.ndim == 3 else x[:, :, None]
+
+
+def _unique_pairs(group: np.ndarray, row: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unique (group, row) pairs of the valid (row >= 0) entries, as two arrays."""
+    keep = row >= 0
+    keys = _sorted_unique(group[keep].astype(np.int64) * rows + row[keep])
+    return keys // rows, keys % rows
+
+
+def _sorted_unique(keys: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy 2.4's default hash-based unique is far slower on large int64 arrays)."""
+    keys = np.sort(keys)
+    return keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if keys.size else keys
+
+
+def _row_part(row: np.ndarray, rows: int, parts: int, row_assignment: str) -> tuple[np.ndarray, np.ndarray]:
+    """(row part, local index within the part) of stored rows under the row assignment."""
+    if row_assignment == "modulo":
+        return row % parts, row // parts
+    block = -(-rows // parts)
+    return row // block, row % block
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyCandidate:
+    """One (topology, replica sync) option with its predicted communication per step.
+
+    embedding_s: the embedding collectives alone, one after the other; comm_s: communication on the
+    critical path of a step with `compute_s` of compute and the dense all-reduce (0 params: none)
+    sharing the links; step_s: compute + comm; intra_bytes / inter_bytes: embedding bytes one device
+    sends per step; feasible / note: whether the tables fit the topology's shards, and why not.
+    """
+
+    topology: str
+    sync: comm_model.ReplicaSync | None
+    embedding_s: float
+    comm_s: float
+    step_s: float
+    intra_bytes: float
+    inter_bytes: float
+    exact: bool
+    feasible: bool = True
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.topology if self.sync is None else f"{self.topology} ({self.sync.label})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyChoice:
+    """What `recommend_topology` chose and why: every candidate with its predicted times."""
+
+    topology: str
+    sync: comm_model.ReplicaSync | None
+    reason: str
+    candidates: tuple[TopologyCandidate, ...]
+    cluster: ClusterSpec
+
+    @property
+    def chosen(self) -> TopologyCandidate:
+        return next(c for c in self.candidates if c.topology == self.topology and c.sync == self.sync)
+
+    def report(self) -> str:
+        c = self.cluster
+        lines = [
+            f"cluster {c.nodes}x{c.devices_per_node}: intra {c.intra_node_bandwidth / 1e9:.0f} GB/s/device, inter "
+            f"{c.inter_node_bandwidth * 8 / 1e9:.0f} Gbit/s/node, latency {c.intra_node_latency * 1e6:.0f}/"
+            f"{c.inter_node_latency * 1e6:.0f} us, efficiency {c.efficiency:.2f}",
+            f"{'candidate':<34} {'embedding ms':>12} {'comm ms':>9} {'step ms':>9} {'intra MB':>9} {'inter MB':>9}",
+        ]
+        for x in self.candidates:
+            mark = "*" if x.topology == self.topology and x.sync == self.sync else " "
+            if not x.feasible:
+                lines.append(f"{mark}{x.label:<33} infeasible: {x.note}")
+                continue
+            lines.append(
+                f"{mark}{x.label:<33} {x.embedding_s * 1e3:>12.3f} {x.comm_s * 1e3:>9.3f} {x.step_s * 1e3:>9.3f} "
+                f"{x.intra_bytes / 1e6:>9.3f} {x.inter_bytes / 1e6:>9.3f}" + (f"  ({x.note})" if x.note else "")
+            )
+        lines.append(f"recommended: {self.chosen.label}: {self.reason}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def to_dict(self) -> dict:
+        def sync(s):
+            return None if s is None else dataclasses.asdict(s)
+
+        return {
+            "topology": self.topology,
+            "sync": sync(self.sync),
+            "reason": self.reason,
+            "cluster": self.cluster.to_dict(),
+            "candidates": [dataclasses.asdict(x) | {"sync": sync(x.sync), "label": x.label} for x in self.candidates],
+        }
+
+
+def recommend_topology(
+    tables: Sequence[TableConfig],
+    stats: Mapping[str, FeatureStats],
+    cluster: ClusterSpec,
+    batch_size_per_device: int,
+    comm: CommConfig | None = None,
+    *,
+    periodic_every: Sequence[int] = (),
+    allow_periodic: bool = False,
+    dense_params: int = 0,
+    dense_precision: str = "fp32",
+    compute_s: float = 0.0,
+    cost: CostParams = CostParams(),
+) -> TopologyChoice:
+    """Predicts the communication per step of 1d, 2d_ar and 2d_a2a and recommends the fastest.
+
+    Each topology gets its own plan (`plan_sharding` for its shard group); its per-step counts
+    (`step_counts`) go through `jaxscale.comm_model`. 2D topologies are scored with both exact sync
+    strategies ('owner' and 'gather': which is cheaper depends on how much the replicas' ids overlap)
+    and, for each k in `periodic_every`, with periodic averaging (dense and sparse). Periodic sync
+    changes training (replicas drift between syncs), so it is recommended only with
+    `allow_periodic=True`; otherwise it is reported for comparison. The criterion is the
+    communication on the critical path (`comm_s`): with `dense_params` > 0 and `compute_s` > 0 the
+    dense gradient all-reduce overlaps the backward pass and shares the links, as in a real step.
+
+    The trainer's `embedding.topology=auto` calls this with the mesh's ClusterSpec, statistics of a
+    data sample (`measure_feature_stats`) and the run's per-device batch and comm precisions, then
+    builds the collection with `choice.topology` and `choice.sync`.
+    """
+    tables = check_tables(tables)
+    _positive("recommend_topology", "batch_size_per_device", batch_size_per_device, integer=True)
+    comm = CommConfig() if comm is None else comm
+    if not isinstance(comm, CommConfig):
+        raise TypeError(f"recommend_topology: comm must be a jaxscale.quantization.CommConfig, got {type(comm)}")
+    for k in periodic_every:
+        _positive("recommend_topology", "periodic_every", k, integer=True)
+    check_precision(dense_precision, "recommend_topology.dense_precision")
+    _positive("recommend_topology", "compute_s", compute_s, allow_zero=True)
+    dense = [comm_model.dense_allreduce(dense_params, cluster, dense_precision)] if dense_params else []
+    plan_cost = dataclasses.replace(cost, comm_forward=comm.forward, comm_backward=comm.backward)
+    candidates = []
+    for topology in TOPOLOGIES:
+        layout = cluster.topology(topology)
+        try:
+            plan = plan_sharding(tables, stats, cluster, batch_size_per_device, cost=plan_cost, topology=topology)
+        except ValueError as e:
+            candidates.append(
+                TopologyCandidate(topology, None, math.inf, math.inf, math.inf, 0, 0, True, False, str(e))
+            )
+            continue
+        syncs: list[comm_model.ReplicaSync | None] = [None]
+        if layout.num_replicas > 1:
+            syncs = [comm_model.ReplicaSync("exact", s) for s in ("owner", "gather")]
+            syncs += [comm_model.ReplicaSync("periodic", s, k) for k in periodic_every for s in ("dense", "sparse")]
+        for sync in syncs:
+            every = sync.every if sync is not None else 1
+            counts = step_counts(tables, stats, cluster, plan, batch_size_per_device, every)
+            comms = comm_model.embedding_comms(
+                counts, layout, comm.forward, comm.backward, sync or comm_model.ReplicaSync()
+            )
+            alone = sum(comm_model.seconds(c.traffic, cluster) for c in comms)
+            step = comm_model.step_time(comms + dense, cluster, compute_s)
+            nbytes = comm_model.category_bytes(comms)
+            candidates.append(
+                TopologyCandidate(
+                    topology,
+                    sync,
+                    alone,
+                    step.comm,
+                    step.total,
+                    sum(v[0] for v in nbytes.values()),
+                    sum(v[1] for v in nbytes.values()),
+                    exact=sync is None or sync.mode == "exact",
+                )
+            )
+    eligible = [c for c in candidates if c.feasible and (c.exact or allow_periodic)]
+    if not eligible:
+        notes = "; ".join(f"{c.topology}: {c.note}" for c in candidates if not c.feasible)
+        raise ValueError(f"recommend_topology: no topology can hold the tables ({notes})")
+    best = min(eligible, key=lambda c: (c.comm_s, c.embedding_s, TOPOLOGIES.index(c.topology)))
+    return TopologyChoice(
+        best.topology, best.sync, _reason(best, candidates, allow_periodic), tuple(candidates), cluster
+    )
+
+
+def _reason(best: TopologyCandidate, candidates: Sequence[TopologyCandidate], allow_periodic: bool) -> str:
+    """Why `best` won: the runner-up of each other topology and the margin, in words."""
+    others = {}
+    for c in candidates:
+        if c.feasible and c.topology != best.topology and (c.exact or allow_periodic):
+            if c.topology not in others or c.comm_s < others[c.topology].comm_s:
+                others[c.topology] = c
+    parts = [
+        f"{best.comm_s * 1e3:.3f} ms of communication per step on the critical path "
+        f"({best.inter_bytes / 1e6:.3f} MB/device across nodes, {best.intra_bytes / 1e6:.3f} MB inside a node)"
+    ]
+    for c in sorted(others.values(), key=lambda c: c.comm_s):
+        ratio = c.comm_s / best.comm_s if best.comm_s > 0 else math.inf
+        parts.append(f"{c.label} {c.comm_s * 1e3:.3f} ms ({ratio:.2f}x)")
+    infeasible = [c.topology for c in candidates if not c.feasible]
+    if infeasible:
+        parts.append(f"{', '.join(infeasible)} cannot hold the tables")
+    periodic = [c for c in candidates if c.feasible and not c.exact]
+    if periodic and not allow_periodic:
+        fastest = min(periodic, key=lambda c: c.comm_s)
+        parts.append(
+            f"periodic sync not considered (it changes training; fastest: {fastest.label} "
+            f"{fastest.comm_s * 1e3:.3f} ms): pass allow_periodic=True to allow it"
+        )
+    return "; ".join(parts)

@@ -14,23 +14,30 @@ row arrives as NaN; other rows are unaffected. bf16/fp16 keep NaN/inf per elemen
 cast (as TorchRec's FP16): values above 65504 become inf. Use bf16 or fp8 for unbounded values.
 Rows whose max |x| is an fp32 subnormal (< 1.2e-38) are sent with the smallest normal scale and lose
 relative precision (CPU may flush such inputs to zero anyway).
+
+`wire_bytes(rows, dim, precision)` is the one definition of what a payload costs on the wire; the planner,
+the communication model and the scaling model use it without JAX, so JAX is imported inside the functions
+that trace arrays, never at module import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only; see the module docstring
+    import jax
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_FORMATS = ("e4m3", "e5m2")
 SCALE_BYTES = 4  # one fp32 scale per row, packed as 4 u8 behind the fp8 payload
 
-_FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-_CAST_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # jax.numpy attribute names
+_CAST_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -81,20 +88,33 @@ def check_fp8_format(fp8_format: str, what: str = "fp8_format") -> str:
 
 def bytes_per_element(precision: str) -> int:
     """Bytes one element occupies on the wire (fp8's per-row scale not included)."""
-    return {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[check_precision(precision)]
+    return _BYTES_PER_ELEMENT[check_precision(precision)]
 
 
-def payload_bytes(rows: int, dim: int, precision: str) -> int:
-    """Bytes that `rows` rows of width `dim` occupy on the wire, fp8 row scales included."""
-    per_row = dim * bytes_per_element(precision) + (SCALE_BYTES if precision == "fp8" else 0)
+def wire_bytes(rows: int, dim: int, precision: str) -> int:
+    """Bytes that `rows` rows of width `dim` occupy on the wire at `precision`, as `encode` lays them out.
+
+    fp32 4 bytes per element, bf16/fp16 2, fp8 1 plus the row's fp32 scale (4 bytes per row). The one
+    definition of a payload's size: the engine's buffers, the planner, `jaxscale.comm_model` and the
+    scaling model all count bytes with it. Pure Python (no JAX).
+    """
+    for name, value in (("rows", rows), ("dim", dim)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"wire_bytes: {name} must be a non-negative integer, got {value!r}")
+    per_row = int(dim) * bytes_per_element(precision) + (SCALE_BYTES if precision == "fp8" else 0)
     return int(rows) * per_row
+
+
+payload_bytes = wire_bytes  # the earlier name of the same function
 
 
 def wire_dtype(precision: str, fp8_format: str = "e4m3"):
     """The dtype a value has *before* it is bitcast for the wire (f32, bf16, f16, or an fp8 type)."""
+    import jax.numpy as jnp
+
     if check_precision(precision) == "fp8":
-        return _FP8_DTYPES[check_fp8_format(fp8_format)]
-    return _CAST_DTYPES[precision]
+        return getattr(jnp, _FP8_DTYPES[check_fp8_format(fp8_format)])
+    return getattr(jnp, _CAST_DTYPES[precision])
 
 
 def quantize(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> tuple[jax.Array, jax.Array | None]:
@@ -104,6 +124,8 @@ def quantize(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> tuple[ja
     for the other precisions it is None (plain cast). The scale is amax / finfo.max computed in fp32, so
     |x| up to the fp32 limit maps into range without overflow; all-zero rows get scale 1 (zeros, no NaN).
     """
+    import jax.numpy as jnp
+
     qdt = wire_dtype(precision, fp8_format)
     x32 = jnp.asarray(x).astype(jnp.float32)
     if precision != "fp8":
@@ -117,9 +139,9 @@ def quantize(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> tuple[ja
     return values, scale
 
 
-def dequantize(values: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
+def dequantize(values: jax.Array, scale: jax.Array | None, dtype=np.float32) -> jax.Array:
     """Inverse of `quantize`: values * scale (scale None -> plain cast), returned as `dtype`."""
-    out = values.astype(jnp.float32)
+    out = values.astype(np.float32)
     if scale is not None:
         out = out * scale
     return out.astype(dtype)
@@ -127,11 +149,15 @@ def dequantize(values: jax.Array, scale: jax.Array | None, dtype=jnp.float32) ->
 
 def bitcast_to_uint(x: jax.Array) -> jax.Array:
     """Reinterpret `x` as the unsigned int of the same width, so collectives move exactly its bytes."""
-    return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[jnp.dtype(x.dtype).itemsize])
+    import jax
+
+    return jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[np.dtype(x.dtype).itemsize])
 
 
 def bitcast_from_uint(u: jax.Array, dtype) -> jax.Array:
     """Inverse of `bitcast_to_uint`."""
+    import jax
+
     return jax.lax.bitcast_convert_type(u, dtype)
 
 
@@ -141,6 +167,9 @@ def encode(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> jax.Array:
     fp32 -> f32 unchanged; bf16/fp16 -> u16 of the same shape; fp8 -> u8 of shape [..., d + 4], the row's
     fp32 scale packed as its last 4 bytes so payload and scale travel in one collective.
     """
+    import jax
+    import jax.numpy as jnp
+
     values, scale = quantize(x, precision, fp8_format)
     if precision == "fp32":
         return values
@@ -151,8 +180,11 @@ def encode(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> jax.Array:
     return jnp.concatenate([wire, scale_bytes], axis=-1)
 
 
-def decode(wire: jax.Array, precision: str, fp8_format: str = "e4m3", dtype=jnp.float32) -> jax.Array:
+def decode(wire: jax.Array, precision: str, fp8_format: str = "e4m3", dtype=np.float32) -> jax.Array:
     """Inverse of `encode`: the dequantized array as `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
     qdt = wire_dtype(precision, fp8_format)
     if precision == "fp32":
         return wire.astype(dtype)

@@ -1,95 +1,362 @@
-"""experiments/scaling/model.py: the alpha-beta arithmetic and the byte extrapolation."""
+"""experiments/scaling: the technique ladder, the byte formulas (== compiled HLO), the Monte Carlo counts
+(== jaxscale.planner.measure_step_counts) and the calibration fit."""
 
+import dataclasses
+import json
 import os
 import sys
 
+import numpy as np
 import pytest
+
+from jaxscale import comm_model as cm
+from jaxscale.cluster import ClusterSpec
+from jaxscale.mesh import Topology
+from jaxscale.plan import ShardingPlan, TableShards
+from jaxscale.tables import TableConfig
+from jaxscale.techniques import STAGE_NAMES, STAGES, Stage, stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments", "scaling"))
 
+import collect  # noqa: E402
+import counts as C  # noqa: E402
 import model as M  # noqa: E402
+import stages as S  # noqa: E402
 
-LINKS = M.FABRICS["100 Gbps/node"]
-SHAPE = M.Shape(
-    batch=32,
-    seq_len=2048,
-    tables=2,
-    dim=64,
-    rows=100_000_000,
-    capacity_factor=1.25,
-    dense_params=150_000_000,
-    item_out_dim=128,
-    max_negatives=8192,
-)
+# ------------------------------------------------------------------------------------------ ladder
 
 
-def test_no_cross_node_bytes_scales_perfectly():
-    b = {"emb_rows": (1e6, 0.0), "dense_grad": (1e7, 0.0)}
-    times = {n: M.step_time(b, 0.1, LINKS, n, 8)["total"] for n in (1, 2, 4, 8)}
-    assert M.speedup(times) == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
-
-
-def test_cross_node_bytes_cost_time_and_bandwidth_helps():
-    b = {"emb_rows": (1e6, 5e7)}
-    slow = M.step_time(b, 0.1, LINKS, 2, 8)["total"]
-    fast = M.step_time(b, 0.1, M.FABRICS["3200 Gbps/node"], 2, 8)["total"]
-    assert slow > fast > 0.1
-    # 5e7 B over a 100 Gbps NIC shared by 8 GPUs: 5e7 / (12.5e9 / 8) = 32 ms (+ latency and NVLink)
-    assert slow - 0.1 == pytest.approx(5e7 / (12.5e9 / 8) + 1e6 / 450e9 + 15e-6)
-
-
-def test_speedup_is_monotone_in_bytes_and_bounded_by_nodes():
-    for topo, fwd, bwd, half in (
-        ("1d", "fp32", "fp32", False),
-        ("1d", "fp8", "bf16", False),
-        ("1d", "fp8", "bf16", True),
-        ("2d_a2a", "fp8", "bf16", True),
-    ):
-        times = {
-            n: M.step_time(M.step_bytes(SHAPE, n, 8, topo, fwd, bwd, half), 0.2, LINKS, n, 8)["total"]
-            for n in (1, 2, 4, 8, 16)
-        }
-        sp = M.speedup(times)
-        assert all(sp[n] <= n + 1e-9 for n in sp)
-        assert all(sp[a] < sp[b] for a, b in ((1, 2), (2, 4), (4, 8)))
-    # each cumulative 1d technique lowers the cross-node embedding bytes at 8 nodes
-    inter = [
-        sum(M.step_bytes(SHAPE, 8, 8, "1d", f, b, h)[c][1] for c in M.EMBEDDING_CATEGORIES)
-        for f, b, h in (("fp32", "fp32", False), ("fp8", "bf16", False), ("fp8", "bf16", True))
+def test_ladder_adds_one_technique_per_stage():
+    assert STAGE_NAMES == ("baseline", "+fp8", "+balanced", "+half_dim", "2d_ar", "2d_a2a")
+    fields = ("topology", "comm_forward", "comm_backward", "balanced", "half_dim")
+    changed = [
+        {f for f in fields if getattr(a, f) != getattr(b, f)} - ({"comm_backward"} if b.name == "+fp8" else set())
+        for a, b in zip(STAGES, STAGES[1:])
     ]
-    assert inter[0] > inter[1] > inter[2] > 0
-    assert M.step_bytes(SHAPE, 8, 8, "2d_a2a", "fp8", "bf16", True)["emb_rows"][1] == 0
+    assert changed == [{"comm_forward"}, {"balanced"}, {"half_dim"}, {"topology"}, {"topology"}]
+    assert stage("+fp8").comm_forward == "fp8" and stage("+fp8").comm_backward == "bf16"
+    assert stage("baseline").replica_sync is None and stage("2d_a2a").replica_sync == "exact"
+    with pytest.raises(ValueError, match="unknown stage"):
+        stage("+fp4")
 
 
-def test_wire_and_capacity_arithmetic():
-    assert M.WIRE_BYTES["fp8"](64) == 68 and M.WIRE_BYTES["bf16"](64) == 128 and M.WIRE_BYTES["fp32"](64) == 256
-    n = 32 * 2048
-    assert M.capacity(SHAPE, 64, False) == 2 * -(-5 * n // (4 * 64))
-    assert M.capacity(SHAPE, 64, True) == M.capacity(SHAPE, 64, False)  # rows double, the id count does not
-    b32 = M.step_bytes(SHAPE, 4, 8, "1d", "fp32", "fp32", False)["emb_rows"]
-    b32h = M.step_bytes(SHAPE, 4, 8, "1d", "fp32", "fp32", True)["emb_rows"]
-    assert b32h == pytest.approx((b32[0] / 2, b32[1] / 2))
-    # 1d on 4x8: 24 of the 31 peers are on other nodes
-    assert b32[1] / (b32[0] + b32[1]) == pytest.approx(24 / 31)
+def test_stage_config_overrides_load():
+    from jaxscale.config import load_config
+
+    unbalanced = stage("+fp8").config_overrides()
+    assert "embedding.comm_forward=fp8" in unbalanced and "embedding.sharding=row_wise" in unbalanced
+    with pytest.raises(ValueError, match="plan_file"):
+        stage("+balanced").config_overrides()
+    a2a = stage("2d_a2a").config_overrides(plan_file="plan.json", sync_strategy_key="embedding.sync_strategy")
+    assert "embedding.plan_file=plan.json" in a2a and "embedding.sync_strategy=owner" in a2a
+    assert "model.foundation.item_reshape=half_dim" in a2a
+    cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(stage("2d_a2a"), 2, 4))
+    assert cfg.embedding.topology == "2d_a2a" and cfg.model.foundation.item_reshape == "half_dim"
+    assert cfg.embedding.comm_forward == "fp8" and cfg.mesh.nodes == 2
 
 
-def test_extrapolation_matches_compiled_2x4_bytes():
-    """The closed-form bytes equal the compiled HLO's for a tiny foundation step on the 2x4 mesh."""
-    from run_ablation import agrees, shape_of
-    from stages import STAGES, TINY, TINY_BATCH, overrides
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(topology="3d"), "topology"),
+        (dict(comm_forward="int8"), "comm_forward"),
+        (dict(replica_sync="exact"), "replica_sync"),
+        (dict(topology="2d_a2a", replica_sync="exact", sync_strategy="owner", sync_every=4), "sync_every"),
+        (dict(topology="2d_a2a", replica_sync="periodic", sync_strategy="round_robin"), "sync_strategy"),
+    ],
+)
+def test_stage_validation(kwargs, match):
+    base = dict(name="x", topology="1d", comm_forward="fp32", comm_backward="fp32", balanced=False, half_dim=False)
+    with pytest.raises(ValueError, match=match):
+        Stage(**(base | kwargs))
+
+
+def test_with_sync():
+    periodic = stage("2d_a2a").with_sync("periodic", "sparse", 16)
+    assert periodic.sync_every == 16 and "embedding.sync_every=16" in periodic.config_overrides(plan_file="p")
+
+
+# ------------------------------------------------------------------------------------------ byte formulas
+
+
+def tiny(half_dim=False, devices=8):
+    from models.foundation import FoundationConfig
+
+    return M.foundation_workload(FoundationConfig(**S.TINY), S.TINY_BATCH // devices, "tiny", S.CAPACITY_FACTOR)
+
+
+def test_padded_counts_hand_computed():
+    w = tiny()
+    n = w.batch_per_device * w.seq_len  # 2 x 4 = 8 ids per table per device
+    got = M.padded_counts(w, Topology("2d_a2a", 2, 4), half_dim=False)[0]
+    per_table = min(-(-5 * n // (4 * 4)), -(-256 // 4), n)  # ceil(1.25 n / S), ceil(rows / S), n
+    assert got.requested == 2 * per_table and got.touched == 4 * 2 * per_table
+    assert got.width == 8 and got.rows_per_shard == 2 * 64
+    half = M.padded_counts(w, Topology("2d_a2a", 2, 4), half_dim=True)[0]
+    assert half.width == 4 and half.rows_per_shard == 2 * 128 and half.requested == got.requested
+    one = M.padded_counts(w, Topology("1d", 1, 1), half_dim=False)[0]
+    assert one.requested == 0 and one.touched == 2 * n
+
+
+def test_compiled_cache_agrees_with_the_formulas():
+    """Every compiled entry of compiled_bytes.json (collect.py) equals the closed-form bytes."""
+    import run_ablation as R
+
+    compiled = collect.load()
+    assert compiled, "experiments/scaling/compiled_bytes.json is missing: run experiments/scaling/collect.py"
+    rows = R.cross_check(compiled)
+    assert len(rows) == len(S.distinct_compiled_stages()) * len(collect.MESHES) * len(R.CATS)
+    bad = [r for r in rows if not R.agrees(r)]
+    assert not bad, bad
+    assert any(r["category"] == "replica_sync" and r["compiled"][1] > 0 for r in rows)
+
+
+def test_live_compile_equals_formula_2x4_half_dim_2d_a2a():
+    """The closed-form bytes equal the compiled HLO's for the real half_dim path (item_up) on 2x4."""
+    import run_ablation as R
 
     from jaxscale.comm_report import comm_report
     from jaxscale.config import load_config
-    from jaxscale_models.foundation import FoundationConfig
 
-    st = dict(STAGES)["2d_a2a"] | {"half_dim": False}
-    rep = comm_report(load_config(os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"), overrides(st, 2, 4)))
-    shape = M.Shape(**{**shape_of(FoundationConfig(**TINY), None).__dict__, "batch": TINY_BATCH // 8})
-    pred = M.step_bytes(shape, 2, 4, "2d_a2a", st["fwd"], st["bwd"], False)
-    got = rep["per_step"]["by_category"]
-    for cat in ("emb_ids", "emb_rows", "replica_sync", "dense_grad", "model_gather"):
-        g = got.get(cat, {"intra_node": 0.0, "inter_node": 0.0})
-        row = {"category": cat, "compiled": (g["intra_node"], g["inter_node"]), "formula": pred[cat]}
-        assert agrees(row), row
+    st = stage("2d_a2a")
+    rep = comm_report(load_config(os.path.join(ROOT, S.CONFIG), S.overrides(st, 2, 4)))
+    assert rep["config"]["item_reshape"] == "half_dim"
+    w = tiny(True)
+    cluster = ClusterSpec(2, 4)
+    pred = R.merge_dense(
+        M.category_bytes(
+            M.step_comms(w, st, M.padded_counts(w, cluster.topology("2d_a2a"), True), cluster, M.PADDED_SYNC)
+        )
+    )
+    got = R.merge_dense({k: (v["intra_node"], v["inter_node"]) for k, v in rep["per_step"]["by_category"].items()})
+    for cat in R.CATS:
+        row = {"category": cat, "compiled": got.get(cat, (0.0, 0.0)), "formula": pred.get(cat, (0.0, 0.0))}
+        assert R.agrees(row), row
     assert pred["replica_sync"][1] > 0 and pred["emb_rows"][1] == 0
+
+
+def test_exact_batch_counts_of_a_compiled_config_fit_under_the_padded_worst_case():
+    from jaxscale.config import load_config
+
+    for name, (nodes, local) in (("2d_a2a", (2, 4)), ("+fp8", (4, 2))):
+        st = stage(name)
+        cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(st, nodes, local))
+        exact = M.batch_counts(cfg)[0]
+        padded = M.padded_counts(
+            tiny(devices=nodes * local), ClusterSpec(nodes, local).topology(st.topology), st.half_dim
+        )
+        n_ids = 2 * tiny(devices=nodes * local).batch_per_device * S.TINY["max_seq_len"]  # 2 tables
+        assert 0 < exact.requested <= cm.round_up_capacity(n_ids) and exact.width == padded[0].width
+        assert exact.touched <= padded[0].touched and exact.owned <= exact.touched_since_sync
+
+
+def test_large_preset_bytes_follow_the_techniques():
+    w = M.Workload(
+        "t",
+        32,
+        2048,
+        (TableConfig("a", 10**8, 64, pooling=None),),
+        (TableConfig("a", 10**8, 64, pooling=None, reshape="half_dim"),),
+        150_000_000,
+        150_000_000,
+        128,
+        8192,
+    )
+    cluster = ClusterSpec(8, 8)
+    counts = [cm.StackCounts(64, 10**7, 1000, 30000, 5000, 25000)]
+    half = [cm.StackCounts(32, 2 * 10**7, 1000, 30000, 5000, 25000)]
+    inter = []
+    for name in ("baseline", "+fp8", "+half_dim"):
+        st = stage(name)
+        b = M.category_bytes(M.step_comms(w, st, half if st.half_dim else counts, cluster, cm.ReplicaSync()))
+        inter.append(b["emb_rows"][1])
+    assert inter[0] > inter[1] > inter[2] > 0
+    assert inter[1] == pytest.approx(56 * 1000 * (68 + 128)) and inter[2] == pytest.approx(56 * 1000 * (36 + 64))
+    a2a = M.category_bytes(M.step_comms(w, stage("2d_a2a"), half, cluster, cm.ReplicaSync("exact", "owner")))
+    assert a2a["emb_rows"][1] == 0 and a2a["replica_sync"][1] == pytest.approx(7 * (5000 + 25000) * 68)
+    assert a2a["dense_grad"][1] == pytest.approx(2 * 7 / 8 * 4 * (150_000_000 + 8192 * 128) / 8)
+
+
+# ------------------------------------------------------------------------------------------ Monte Carlo counts
+
+
+@pytest.mark.parametrize("row_assignment", ["modulo", "contiguous"])
+def test_nested_counts_equal_the_library_counts(row_assignment):
+    rng = np.random.default_rng(0)
+    local, max_nodes = 4, 4
+    tables = [
+        TableConfig("a", 997, 16, pooling=None, features=("fa",)),
+        TableConfig("b", 501, 16, pooling=None, features=("fb",)),
+        TableConfig("c", 300, 8, pooling=None, features=("fc",)),
+    ]
+    p = np.arange(1, 998.0) ** -1.1
+    ids = {
+        "fa": rng.choice(997, size=(max_nodes * local, 50), p=p / p.sum()),
+        "fb": rng.integers(-1, 501, (max_nodes * local, 30)),
+        "fc": rng.integers(-1, 300, (max_nodes * local, 10)),
+    }
+    for nodes in (1, 2, 3, 4):
+        for topology in ("1d", "2d_a2a", "2d_ar"):
+            shards = ClusterSpec(nodes, local).topology(topology).num_shards
+            plan = ShardingPlan(
+                topology,
+                shards,
+                {
+                    "a": TableShards("row_wise", shards, 1, tuple(range(shards))),
+                    "b": TableShards("row_wise", shards, 1, tuple(rng.permutation(shards))),
+                    "c": TableShards("table_wise", 1, 1, (shards - 1,)),
+                },
+            )
+            fast, ref = C.check_nested_against_library(ids, tables, plan, nodes, local, row_assignment)
+            assert fast == ref, (nodes, topology)
+
+
+def test_raw_row_ids_keep_hot_ids_in_the_first_block():
+    raw = np.array([[0, 1, 5, -1], [7, 3, 1, 2]])
+    t = TableConfig("a", 4, 8, pooling=None, features=("f",))
+    assert C.raw_row_ids(raw, [t], 2)["f"].tolist() == [[0, 1, 1, -1], [3, 3, 1, 2]]
+
+
+# ------------------------------------------------------------------------------------------ calibration
+
+
+def _toy_predictor():
+    """Speedups of a fixed step (1 MB inter-node per GPU + 20 us latency at 2 nodes, 2.5 MB at 4)."""
+    fabric = {"no_efa_2_nodes": 12.5e9 / 8, "before_2_nodes": 400e9 / 8, "before_4_nodes": 400e9 / 8}
+    inter = {"no_efa_2_nodes": 1e6, "before_2_nodes": 1e6, "before_4_nodes": 2.5e6}
+    nodes = {"no_efa_2_nodes": 2, "before_2_nodes": 2, "before_4_nodes": 4}
+
+    def predict(name, compute_s, efficiency):
+        comm = 20e-6 + inter[name] / (fabric[name] * efficiency / 8)
+        return nodes[name] * compute_s / (compute_s + comm)
+
+    return predict
+
+
+def test_fit_recovers_known_parameters_and_reproduces_its_points():
+    predict = _toy_predictor()
+    truth = (0.004, 0.35)
+    published = {p: predict(p, *truth) for p in M.FITTED_POINTS}
+    cal = M.fit(predict, published=published)
+    assert cal.compute_s == pytest.approx(truth[0], rel=1e-4) and cal.efficiency == pytest.approx(truth[1], rel=1e-4)
+    assert cal.residual_log_rms < 1e-6
+    assert cal.fitted_values == pytest.approx(published, rel=1e-6)
+
+
+def test_check_rows_have_the_published_json_fields():
+    rows = [M.check_row(p, M.PUBLISHED[p] * 1.1, fitted=p in M.FITTED_POINTS) for p in M.PUBLISHED]
+    names = [r["name"] for r in rows]
+    assert names == [
+        "no_efa_2_nodes",
+        "before_2_nodes",
+        "before_4_nodes",
+        "fp8_2_nodes",
+        "a2a_latency_ratio",
+        "final_2_nodes",
+        "final_4_nodes",
+        "final_8_nodes",
+    ]
+    assert M.PUBLISHED["a2a_latency_ratio"] == pytest.approx(6.0)
+    for r in json.loads(json.dumps(rows)):
+        assert {"name", "published", "predicted"} <= set(r) and r["within_15_percent"]
+    assert not M.check_row("final_8_nodes", 5.0, fitted=False)["within_15_percent"]
+
+
+def test_weak_scaling_of_a_stage_is_bounded_by_the_node_count():
+    w = tiny()
+    fn = lambda st, n: M.padded_counts(w, ClusterSpec(n, 8).topology(st.topology), st.half_dim)  # noqa: E731
+    for name in STAGE_NAMES:
+        sync = cm.ReplicaSync("exact", "gather")
+        sp = [M.speedup(w, stage(name), fn, M.FABRICS["400 Gbps/node"], n, 0.01, sync) for n in (2, 4, 8)]
+        assert all(0 < s <= n + 1e-9 for s, n in zip(sp, (2, 4, 8)))
+    spec = dataclasses.replace(M.FABRICS["400 Gbps/node"], inter_node_bandwidth=1e15, inter_node_latency=0)
+    assert M.speedup(w, stage("baseline"), fn, spec, 4, 0.01, cm.ReplicaSync()) == pytest.approx(4, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ emulation
+
+
+def test_emulation_prediction_and_link_helpers():
+    import bench_step as B
+
+    assert B.rate_bytes("8mbit") == 1e6 and B.rate_bytes("1gbit") == 125e6 and B.rate_bytes("800kbit") == 1e5
+    with pytest.raises(ValueError, match="mbit"):
+        B.rate_bytes("8MB")
+    assert B.tbf_burst("4mbit") == 3000 and B.tbf_burst("1gbit") == 500_000
+    collectives = [
+        {"kind": "all-to-all", "group": "all", "inter": 1000.0, "intra": 5.0, "per_step": 1.0},
+        {"kind": "all-reduce", "group": "node", "inter": 500.0, "intra": 0.0, "per_step": 0.25},
+        {"kind": "all-to-all", "group": "local", "inter": 0.0, "intra": 900.0, "per_step": 1.0},
+    ]
+    # (1000 + 500 / 4) B per device x 2 devices per node, sent + received, at 1e6 B/s
+    assert B.predicted_delta(collectives, 2, "8mbit") == pytest.approx((1000 + 125) * 2 * 2 / 1e6)
+    assert B.bytes_by_category(
+        [dict(c, category=cat) for c, cat in zip(collectives, ("emb_rows", "replica_sync", "emb_rows"))]
+    ) == {"emb_rows": (905.0, 1000.0), "replica_sync": (0.0, 125.0)}
+    periodic = B.parse_stage("2d_a2a@periodic:sparse:8")
+    assert (
+        periodic.replica_sync == "periodic" and periodic.sync_every == 8 and periodic.name == "2d_a2a@periodic:sparse:8"
+    )
+    with pytest.raises(ValueError, match="unknown stage"):
+        B.parse_stage("3d")
+
+
+def test_emulation_report_computes_its_tables(tmp_path):
+    import emulation_report as E
+
+    stage = dict(
+        nodes=4, local=2, rate="4mbit", steps=32, batch_per_device=8, sharding={"a": "row_wise"},
+        inter_bytes_per_node=100_000.0, wire_sent_per_step=150_000.0, unlimited_median_s=0.1, limited_median_s=0.5,
+    )  # fmt: skip
+    a2a = [{"kind": "all-to-all", "group": "all", "inter": 40e3, "intra": 0.0, "per_step": 1.0}]
+    duplex = {"nodes": 4, "local": 2, "rate": "4mbit", "bytes_per_device": 500000, "repeats": 3}
+    duplex |= {k: {"factor": f, "wire_ratio": 1.0} for k, f in (("one_way@node", 1.02), ("exchange@node", 2.04))}
+    duplex["all_to_all@all"] = {"factor": 1.25, "wire_ratio": 1.0}
+    rows = [
+        {"run": "machine", "platform": "test", "cpus": 2, "loadavg_at_start": [0.5, 0, 0]},
+        dict(stage, stage="+fp8", unlimited_mean_s=0.1, limited_mean_s=0.3, predicted_delta_s=0.32, collectives=a2a),
+        dict(stage, stage="2d_a2a", unlimited_mean_s=0.2, limited_mean_s=0.3, predicted_delta_s=0.2),
+        {"run": "2d_ar_4", "nodes": 4, "error": "a process exited 1"},
+        duplex,
+        {"run": "end", "loadavg_at_end": [0.7, 0, 0], "seconds": 600},
+    ]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = E.render(E.load(str(path)), str(path))
+    # +fp8: 40 kB per device in an all-to-all over every device, 2 devices per node, the factor measured at
+    # 4 nodes (1.25), 4 Mbit/s = 0.5 MB/s: 40e3 x 2 x 1.25 / 0.5e6 = 200 ms; the exchange rule gave 320 ms
+    fp8 = "| +fp8 | row_wise | 100,000 | 1.50 | 100 ms (100 ms) | 300 ms (500 ms) | 200 ms | 200 ms | 320 ms | 1.00 |"
+    assert fp8 in text
+    # 2d_a2a has no collectives recorded: its exchange-rule prediction stands
+    assert (
+        "| 2d_a2a | row_wise | 100,000 | 1.50 | 200 ms (100 ms) | 300 ms (500 ms) | 100 ms | 200 ms | 200 ms | 0.50 |"
+        in text
+    )
+    assert "1 of 2 stages within 20%" in text and "failed: a process exited 1" in text
+    assert "an exchange of the same bytes 2.04-2.04 x" in text and "10 min in all" in text
+    assert json.dumps(rows[1]) in text  # the headline run's raw lines are quoted
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match="run.jsonl:1"):
+        E.load(str(path))
+
+
+def test_k_study_results_are_read_and_rendered(tmp_path):
+    import run_ablation as R
+    import write_results as W
+
+    runs = [
+        {"name": "exact", "k": 1, "steps": 300, "eval_loss": 2.0, "eval_recall": 0.5, "sync_bytes_inter": 4096.0},
+        {"name": "periodic k=4", "k": 4, "steps": 300, "eval_loss": 2.02, "eval_recall": 0.49, "sync_bytes_inter": 1e6},
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"machine": "test box", "runs": runs}))
+    study = R.load_k_study(str(path))
+    preds = {"400 Gbps/node": {"variants": {"2d_a2a periodic dense k=4": {8: 1.5, 64: 3.0}}}}
+    text = "\n".join(W._k_study(study, preds))
+    assert "| periodic k=4 | 4 | 300 | 2.0200 | +1.00% | 0.4900 | 1.00 MB |" in text and "test box" in text
+    assert "periodic dense k=4 1.50x / 3.00x" in text
+    assert "Pending" in "\n".join(W._k_study(None, preds))
+    path.write_text(json.dumps({"machine": "x", "runs": [{"name": "exact"}]}))
+    with pytest.raises(ValueError, match="runs\\[0\\] lacks"):
+        R.load_k_study(str(path))

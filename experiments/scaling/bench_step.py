@@ -1,163 +1,284 @@
 """One 'node' of the emulated cluster: times the real compiled train step, unlimited and rate-limited.
 
 Run by emulate.sh inside a network namespace, one process per namespace:
-    python experiments/scaling/bench_step.py --stage 2d_a2a --nodes 2 --local 2 --process-id I \
-        --coordinator 10.200.0.1:23456 --dev vethI --rate 50mbit --steps 8
+    python experiments/scaling/bench_step.py --stage 2d_a2a --nodes 4 --local 2 --process-id I \
+        --coordinator 10.200.0.1:23456 --dev vethI --rate 4mbit --steps 32
 
-Phase A removes any qdisc from this namespace's veth (unlimited), phase B installs `tc tbf rate RATE`
-on it (each side limits its own egress, so both directions are limited). Both phases time the same
-compiled step (median of --steps after 2 warm-up steps); process 0 prints one JSON line with the
-measured medians, the compiled inter-node bytes, and the predicted phase-B time for the same rate.
+`--stage` is a stage of `jaxscale.techniques` or a periodic-sync variant '<stage>@periodic:<strategy>:<k>'
+(e.g. '2d_a2a@periodic:dense:4'). Balanced stages get the planner's plan for the emulated tables, made from
+the same synthetic global batch on every process. Phase A removes any qdisc from this namespace's veth
+(unlimited); phase B installs `tc tbf` at --rate on it (each node limits its own egress, so every
+cross-node byte is limited once). Both phases time the same compiled step: 2 warm-up steps, then
+--steps timed steps. Process 0 prints one JSON line: the stage, the compiled bytes per collective
+category, the measured means and medians, the bytes node 0's veth really carried (kernel counters), every
+collective with its cross-node bytes, and the predicted delta of the limited phase by the exchange rule
+(sent + received over the rate); emulation_report.py also predicts it with the transport factors
+gloo_duplex.py measured in the same run.
 """
 
+from __future__ import annotations
+
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-# A small foundation model with visible all-to-all payloads (sequence lookups of 32 events).
+# A small foundation model whose step is dominated by embedding payloads on a slow link: sequence lookups
+# of 64 events into 2 tables of 64-dim rows, 8 sequences per device; a 1-layer d_model-16 transformer.
 EMU_MODEL = dict(
-    item_rows=4096,
-    item_dim=32,
+    item_rows=8192,
+    item_dim=64,
     item_vocab=100000,
     num_item_tables=2,
     item_combine="concat",
     num_layers=1,
     d_model=16,
     num_heads=1,
-    max_seq_len=32,
+    max_seq_len=64,
     time_encoding="none",
     max_negatives=64,
 )
+EMU_BATCH_PER_DEVICE = 8
+TBF_QUEUE = "16mb"  # a deep queue: no packet is dropped (a drop costs a TCP timeout, not bandwidth)
+KERNEL_HZ = 250  # tbf needs a bucket of at least rate / HZ bytes to reach its rate
+GLOO_DIRECTIONS = 2  # gloo sends, then receives: an exchange costs (sent + received) / rate
 
 
-def tc(dev, rate):
+def parse_stage(spec: str):
+    """A ladder stage, optionally with a periodic sync '<stage>@periodic:<strategy>:<k>'."""
+    from jaxscale.techniques import stage
+
+    name, _, sync = spec.partition("@")
+    st = stage(name)
+    if sync:
+        mode, strategy, k = sync.split(":")
+        st = dataclasses.replace(st.with_sync(mode, strategy, int(k)), name=spec)
+    return st
+
+
+def tbf_burst(rate: str) -> int:
+    """The smallest token bucket that still reaches `rate` (bytes). A larger one lets each collective that
+    starts after an idle gap send a bucketful unlimited, which hides part of its time."""
+    return max(3000, int(rate_bytes(rate) / KERNEL_HZ))
+
+
+def tc(dev: str, rate: str | None) -> None:
     subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
     if rate:
-        subprocess.run(
-            ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "64kb", "latency", "400ms"],
-            check=True,
-        )
+        tbf = ["tbf", "rate", rate, "burst", str(tbf_burst(rate)), "limit", TBF_QUEUE]
+        subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", *tbf], check=True)
+
+
+def wire_bytes_counters(dev: str) -> tuple[int, int]:
+    """(bytes sent, bytes received) on the node's veth so far, headers included (kernel counters)."""
+    stats = f"/sys/class/net/{dev}/statistics"
+    with open(f"{stats}/tx_bytes") as tx, open(f"{stats}/rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
 
 
 def rate_bytes(rate: str) -> float:
-    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
-    for u, f in units.items():
-        if rate.endswith(u):
-            return float(rate[: -len(u)]) * f
-    raise ValueError(rate)
+    """tc rate string -> bytes/s."""
+    for unit, factor in (("kbit", 1e3 / 8), ("mbit", 1e6 / 8), ("gbit", 1e9 / 8)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError(f"rate must end in kbit, mbit or gbit, got {rate!r}")
 
 
-def _globalize_host_state(trainer):
-    """Works around Trainer.init_state in multi-process runs: it device_puts the model's host state, whose
-    nnx RNG keys are committed single-device jax.Arrays, onto a sharding with non-addressable devices,
-    which JAX refuses. Replace every leaf by a replicated global array built from host data."""
-    import jax
-    import numpy as np
+def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
+    """The planner's plan for a balanced stage, from the run's first synthetic global batch (every process
+    makes the same one), written to a temp file."""
+    if not st.balanced:
+        return None
+    from jaxscale import planner
+    from jaxscale.cluster import ClusterSpec
+    from jaxscale.data import SyntheticFoundationData
+    from models.foundation import foundation_ids, foundation_tables
 
-    sh = trainer.replicated
-
-    def glob(x):
-        if not isinstance(x, jax.Array):
-            return x
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(x))
-            g = jax.make_array_from_callback(data.shape, sh, lambda idx: data[idx])
-            return jax.random.wrap_key_data(g, impl=jax.random.key_impl(x))
-        data = np.asarray(x)
-        return jax.make_array_from_callback(data.shape, sh, lambda idx: data[idx])
-
-    trainer._dense_host = jax.tree.map(glob, trainer._dense_host)
-    trainer._rest_host = jax.tree.map(glob, trainer._rest_host)
+    f = dataclasses.replace(cfg.model.foundation, item_reshape="half_dim" if st.half_dim else None)
+    batch = SyntheticFoundationData(f, cfg.train.batch_size, seed=cfg.data.seed).batch(0)
+    tables = foundation_tables(f)
+    stats = planner.measure_feature_stats(foundation_ids(f, batch), tables)
+    plan = planner.plan_sharding(
+        tables, stats, ClusterSpec(nodes, local), cfg.train.batch_size // (nodes * local), topology=st.topology
+    )
+    fd, path = tempfile.mkstemp(prefix="jaxscale_emu_plan_", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        out.write(plan.to_json())
+    return path
 
 
-def main():
-    p = argparse.ArgumentParser()
+def build_config(st, nodes: int, local: int, batch_per_device: int):
+    from stages import CONFIG, overrides
+
+    from jaxscale.config import load_config
+
+    base = overrides(dataclasses.replace(st, balanced=False), nodes, local, EMU_MODEL, batch_per_device * nodes * local)
+    extra = ["train.overflow_policy=grow", "train.warmup_steps=1"]
+    cfg = load_config(os.path.join(ROOT, CONFIG), base + extra)
+    plan = plan_file_for(st, cfg, nodes, local)
+    if plan is not None:
+        cfg = load_config(os.path.join(ROOT, CONFIG), base + extra + [f"embedding.plan_file={plan}"])
+    return cfg, plan
+
+
+def step_collectives(trainer, st) -> list[dict]:
+    """Every collective of the compiled step: kind, device group ('node': one device per node, 'all',
+    'local': inside a node), category, bytes per device (intra, inter) and how often it runs per step
+    (a periodic sync: 1/k)."""
+    from jaxscale.comm_report import _group_layout, _replica_groups, categorize, split_bytes
+
+    shape = tuple(trainer.mesh.devices.shape)
+    reps = _replica_groups(trainer.mesh, st.topology)
+    # the dense gradients: the largest all-reduce outside the replica groups (a periodic sync is larger)
+    reduces = [c for c in trainer.collectives if c.kind == "all-reduce" and categorize(c, reps) != "replica_sync"]
+    largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None
+    out = []
+    for c in trainer.collectives:
+        intra, inter = split_bytes(c, shape)
+        cat = categorize(c, reps, largest)
+        k, m, _ = _group_layout(c.groups[0], shape) if c.groups else (1, 1, None)
+        group = "local" if k == 1 else ("node" if m == 1 else "all")
+        per_step = 1 / st.sync_every if cat == "replica_sync" and st.replica_sync == "periodic" else 1.0
+        out.append(
+            {"kind": c.kind, "group": group, "category": cat, "intra": intra, "inter": inter, "per_step": per_step}
+        )
+    return out
+
+
+def bytes_by_category(collectives: list[dict]) -> dict:
+    """{category: (intra, inter)} bytes per device per step."""
+    out: dict[str, list[float]] = {}
+    for c in collectives:
+        acc = out.setdefault(c["category"], [0.0, 0.0])
+        acc[0] += c["intra"] * c["per_step"]
+        acc[1] += c["inter"] * c["per_step"]
+    return {k: tuple(v) for k, v in out.items()}
+
+
+KIND_NAMES = {"all-to-all": "all_to_all", "all-reduce": "all_reduce", "all-gather": "all_gather"}
+
+
+def transport_key(collective: dict) -> str:
+    """The gloo_duplex.py measurement that matches a step collective: kind @ device group."""
+    kind = KIND_NAMES.get(collective["kind"], "exchange")
+    return f"{kind}@{'node' if collective['group'] == 'node' else 'all'}"
+
+
+def predicted_delta(collectives: list[dict], local: int, rate: str, factors: dict | None = None) -> float:
+    """Seconds a link limited to `rate` per node adds to a step, from the compiled bytes.
+
+    The alpha-beta model of `jaxscale.comm_model` on the emulated cluster: a node's NIC is its veth at
+    `rate`, shared by its `local` devices; latency is already in the unlimited step. Each collective's
+    cross-node bytes take `factor` x bytes / rate, the factor of its kind and device group as
+    gloo_duplex.py measured it on this transport (`factors`, e.g. {'all_to_all@all': 1.6}); without a
+    measurement, the exchange rule: gloo sends, then receives, factor 2 (sent + received over the rate).
+    """
+    from jaxscale import comm_model as cm
+    from jaxscale.cluster import ClusterSpec
+
+    total = 0.0
+    for c in collectives:
+        if c["inter"] == 0:
+            continue
+        factor = (factors or {}).get(transport_key(c)) or GLOO_DIRECTIONS
+        cluster = ClusterSpec(
+            2, local, inter_node_bandwidth=rate_bytes(rate) / factor, intra_node_latency=0.0, inter_node_latency=0.0
+        )
+        total += c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster)
+    return total
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", required=True)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=2)
-    p.add_argument("--batch-per-device", type=int, default=4)
+    p.add_argument("--batch-per-device", type=int, default=EMU_BATCH_PER_DEVICE)
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--coordinator", required=True)
     p.add_argument("--dev", required=True)
-    p.add_argument("--rate", default="50mbit")
-    p.add_argument("--steps", type=int, default=8)
-    a = p.parse_args()
+    p.add_argument("--rate", default="4mbit")
+    p.add_argument("--steps", type=int, default=32)
+    a = p.parse_args(argv)
+    st = parse_stage(a.stage)
 
     from jaxscale import distributed
 
     distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
     import jax
     from jax.experimental import multihost_utils
-    from stages import STAGES, overrides
 
-    from jaxscale.comm_report import split_bytes
-    from jaxscale.config import load_config
     from jaxscale.trainer import Trainer
 
-    st = dict(STAGES)[a.stage]
-    ov = overrides(st, a.nodes, a.local, tiny=EMU_MODEL, batch=a.batch_per_device * a.nodes * a.local)
-    cfg = load_config(
-        os.path.join(ROOT, "experiments/configs/foundation_smoke.yaml"),
-        ov + ["train.overflow_policy=grow", "train.warmup_steps=1"],
-    )
+    cfg, plan = build_config(st, a.nodes, a.local, a.batch_per_device)
     trainer = Trainer(cfg, progress=False, log=False)
-    _globalize_host_state(trainer)
     state = trainer.init_state()
     batches = [trainer.batch(i) for i in range(4)]
+    t0 = time.perf_counter()
     trainer.compile(state, batches[0])
-    shape = tuple(trainer.mesh.devices.shape)
-    inter = sum(split_bytes(c, shape)[1] for c in trainer.collectives)
-    intra = sum(split_bytes(c, shape)[0] for c in trainer.collectives)
+    compile_s = time.perf_counter() - t0
+    collectives = step_collectives(trainer, st)
+    by_cat = bytes_by_category(collectives)
 
     def timed(n):
         nonlocal state
-        ts = []
+        times = []
         for i in range(n + 2):
-            t0 = time.perf_counter()
-            state, m = trainer.train_step(state, batches[i % 4])
-            jax.block_until_ready(m["loss"])
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts[2:])
+            t = time.perf_counter()
+            state, metrics = trainer.train_step(state, batches[i % 4])
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - t)
+        return times[2:]
 
-    out = {}
+    out, wire = {}, {}
     for phase, rate in (("unlimited", None), ("limited", a.rate)):
         tc(a.dev, rate)
-        multihost_utils.sync_global_devices(f"phase-{phase}")
+        multihost_utils.sync_global_devices(f"start-{phase}")
+        before = wire_bytes_counters(a.dev)
         out[phase] = timed(a.steps)
+        after = wire_bytes_counters(a.dev)
+        wire[phase] = [(y - x) / (a.steps + 2) for x, y in zip(before, after)]
         multihost_utils.sync_global_devices(f"done-{phase}")
     tc(a.dev, None)
+    if plan is not None:
+        os.remove(plan)
     if a.process_id == 0:
-        per_node_inter = inter * a.local  # the node's devices share its one link
-        r = rate_bytes(a.rate)
-        print(
-            json.dumps(
-                {
-                    "stage": a.stage,
-                    "nodes": a.nodes,
-                    "local": a.local,
-                    "rate": a.rate,
-                    "inter_bytes_per_device": inter,
-                    "intra_bytes_per_device": intra,
-                    "measured_unlimited_s": out["unlimited"],
-                    "measured_limited_s": out["limited"],
-                    # alpha-beta with a full-duplex link: t = t_unlimited + per-node inter bytes / rate
-                    "predicted_duplex_s": out["unlimited"] + per_node_inter / r,
-                    # gloo on this transport does not overlap the two directions (JAX_ON_CPU.md item 10)
-                    "predicted_gloo_s": out["unlimited"] + 2 * per_node_inter / r,
-                }
-            ),
-            flush=True,
-        )
+        inter = sum(v[1] for v in by_cat.values())
+        result = {
+            "stage": a.stage,
+            "nodes": a.nodes,
+            "local": a.local,
+            "rate": a.rate,
+            "steps": a.steps,
+            "batch_per_device": a.batch_per_device,
+            "sharding": {k: v.sharding for k, v in trainer.ec.plan.tables.items()},
+            "compile_s": compile_s,
+            "bytes_by_category": by_cat,
+            "inter_bytes_per_device": inter,
+            "inter_bytes_per_node": inter * a.local,
+            "wire_sent_per_step": wire["unlimited"][0],  # node 0's veth, TCP/IP headers included
+            "wire_received_per_step": wire["unlimited"][1],
+            "unlimited_mean_s": statistics.fmean(out["unlimited"]),
+            "unlimited_median_s": statistics.median(out["unlimited"]),
+            "limited_mean_s": statistics.fmean(out["limited"]),
+            "limited_median_s": statistics.median(out["limited"]),
+            "collectives": collectives,
+            "predicted_delta_s": predicted_delta(collectives, a.local, a.rate),
+            "unlimited_s": out["unlimited"],
+            "limited_s": out["limited"],
+        }
+        print(json.dumps(result), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

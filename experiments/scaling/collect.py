@@ -1,45 +1,81 @@
-"""Compiles each distinct stage on the 2x4 and 4x2 CPU meshes and caches comm_report's output.
+"""Compiles each distinct technique stage on the 2x4 and 4x2 CPU meshes and caches what one step sends.
 
-python experiments/scaling/collect.py            # writes experiments/scaling/compiled_bytes.json
+    python experiments/scaling/collect.py             # (re)compiles what is missing or stale
+    python experiments/scaling/collect.py --force     # recompiles everything
+
+Writes experiments/scaling/compiled_bytes.json: {key: {"overrides": [...], "report": comm_report output}}
+with key "<nodes>x<local>|<topology>|<fwd>|<bwd>|<half_dim>". An entry is stale when the overrides that
+produced it differ from the current ones (stages.py). run_ablation.py and tests/test_scaling_model.py
+compare these compiled bytes with the model's formulas.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compiled_bytes.json")
-MESHES = [(2, 4), (4, 2)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+OUT = os.path.join(HERE, "compiled_bytes.json")
+MESHES = ((2, 4), (4, 2))
 
 
-def main():
+def entry_key(nodes: int, local: int, stage) -> str:
+    from stages import compile_key
+
+    return f"{nodes}x{local}|" + "|".join(map(str, compile_key(stage)))
+
+
+def load(path: str = OUT) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(results: dict, path: str = OUT) -> None:
+    """Atomic write: a crash never leaves a truncated cache."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--force", action="store_true", help="recompile every entry")
+    args = p.parse_args(argv)
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from stages import CONFIG, STAGES, compile_key, overrides
+    sys.path.insert(0, HERE)
+    from stages import CONFIG, distinct_compiled_stages, overrides
 
     from jaxscale.comm_report import comm_report
     from jaxscale.config import load_config
 
-    results = json.load(open(OUT)) if os.path.exists(OUT) else {}
+    results = {} if args.force else load()
     for nodes, local in MESHES:
-        for _name, st in STAGES:
-            key = f"{nodes}x{local}|" + "|".join(map(str, compile_key(st)))
-            if key in results:
+        for stage in distinct_compiled_stages():
+            key = entry_key(nodes, local, stage)
+            ov = overrides(stage, nodes, local)
+            if results.get(key, {}).get("overrides") == ov:
                 continue
-            t0 = time.time()
-            rep = comm_report(load_config(os.path.join(ROOT, CONFIG), overrides(st, nodes, local)))
-            results[key] = rep
-            json.dump(results, open(OUT, "w"), indent=1)
+            t0 = time.perf_counter()
+            rep = comm_report(load_config(os.path.join(ROOT, CONFIG), ov))
+            results[key] = {"overrides": ov, "report": rep}
+            save(results)
+            s = rep["per_step"]
             print(
-                f"{key}: {time.time() - t0:.0f} s, intra {rep['per_step']['intra_node_bytes_per_device']:.0f} "
-                f"inter {rep['per_step']['inter_node_bytes_per_device']:.0f}",
+                f"{key}: {time.perf_counter() - t0:.0f} s, intra {s['intra_node_bytes_per_device']:,.0f} B, "
+                f"inter {s['inter_node_bytes_per_device']:,.0f} B per device",
                 flush=True,
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

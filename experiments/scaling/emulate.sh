@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# Emulated cluster: N network namespaces ("nodes") joined by rate-limited veth links, one JAX process each.
+# Emulated cluster: N network namespaces ("nodes") joined by rate-limited links, one JAX process each.
 #
-#   sudo experiments/scaling/emulate.sh [NODES=2] [RATE=50mbit] [STEPS=8] [STAGES="baseline +fp8 ..."]
+#   bash experiments/scaling/emulate.sh [NODES=2] [RATE=4mbit] [STEPS=32] [STAGES=all] [OUT=-]   # as root
+#   MODE=duplex bash experiments/scaling/emulate.sh [NODES] [RATE]        # gloo_duplex.py instead of stages
 #
-# 2 nodes: one veth pair between js0 and js1. More: a bridge in namespace jsbr with one veth per node.
-# Each namespace gets /etc/netns/<ns>/hosts mapping this host's name to the namespace's own 10.200.0.x
-# address (gloo advertises what the hostname resolves to; JAX_ON_CPU.md item 10). tc tbf limits each
-# node's egress (no netem on these kernels, so no added latency). Only 10.200.0.0/24 is used.
-# For each stage, bench_step.py times the real train step unlimited, then limited, and prints the
-# measured medians beside the alpha-beta prediction for the same rate. Everything is torn down on exit.
+# STAGES: space-separated names of jaxscale.techniques stages or '<stage>@periodic:<strategy>:<k>'
+# variants; 'all' = every stage plus 2d_a2a with periodic dense averaging every 4 steps. OUT: a file the
+# JSON lines are appended to ('-': stdout only). LOCAL (default 2) devices per node, PORT (23456) base port.
+#
+# Nodes are namespaces js0..js<N-1> with addresses 10.200.0.<i+1>/24 (only that range is used). Two nodes
+# share one veth pair; more hang off a bridge in namespace jsbr, one veth per node. Each namespace gets
+# /etc/netns/js<i>/hosts mapping this host's name to its own address: gloo advertises the address the
+# hostname resolves to, and `ip netns exec` bind-mounts that file over /etc/hosts. Each process limits
+# its own node's egress with tc tbf (bench_step.py / gloo_duplex.py); no added latency (netem is not
+# available on these kernels). Everything is torn down on exit, also on error or Ctrl-C.
 set -euo pipefail
-NODES=${1:-2}; RATE=${2:-50mbit}; STEPS=${3:-8}
-STAGES=${4:-"baseline +fp8 +half_dim 2d_ar 2d_a2a"}
+NODES=${1:-2}; RATE=${2:-4mbit}; STEPS=${3:-32}; STAGES=${4:-all}; OUT=${5:--}
+MODE=${MODE:-stages}
 LOCAL=${LOCAL:-2}
 HERE="$(cd "$(dirname "$0")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"
 PY=${PY:-"$ROOT/.venv/bin/python"}
 HOST="$(hostname)"
 PORT=${PORT:-23456}
+TIMEOUT=${TIMEOUT:-1800}
+LOGDIR=${LOGDIR:-/tmp/jaxscale_emulate}
+if [ "$STAGES" = all ]; then
+  STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
+fi
+[ "$NODES" -ge 2 ] || { echo "NODES must be >= 2" >&2; exit 2; }
+[ "$NODES" -le 250 ] || { echo "NODES must be <= 250 (one /24)" >&2; exit 2; }
+
+exec 9> /run/jaxscale_emulate.lock  # one emulated cluster at a time: namespaces js* are shared names
+flock -n 9 || { echo "another emulate.sh run holds /run/jaxscale_emulate.lock" >&2; exit 3; }
 
 cleanup() {
   for i in $(seq 0 $((NODES - 1))); do
-    ip netns pids "js$i" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    for pid in $(ip netns pids "js$i" 2>/dev/null); do kill "$pid" 2>/dev/null || true; done
     ip netns del "js$i" 2>/dev/null || true
     rm -rf "/etc/netns/js$i"
   done
@@ -28,6 +43,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 cleanup
+mkdir -p "$LOGDIR"
 
 for i in $(seq 0 $((NODES - 1))); do
   ip netns add "js$i"
@@ -39,6 +55,7 @@ if [ "$NODES" -eq 2 ]; then
   ip link add veth0 netns js0 type veth peer name veth1 netns js1
 else
   ip netns add jsbr
+  ip -n jsbr link set lo up
   ip -n jsbr link add br0 type bridge
   ip -n jsbr link set br0 up
   for i in $(seq 0 $((NODES - 1))); do
@@ -52,14 +69,30 @@ for i in $(seq 0 $((NODES - 1))); do
   ip -n "js$i" link set "veth$i" up
 done
 
-for stage in $STAGES; do
-  pids=()
+run_all() {  # $1 = tag, rest = the script and its arguments (minus the per-process ones)
+  local tag=$1; shift
+  local pids=() rc=0
   for i in $(seq 0 $((NODES - 1))); do
-    ip netns exec "js$i" timeout -k 5 900 env PYTHONPATH="$ROOT" XLA_FLAGS="" "$PY" "$HERE/bench_step.py" \
-      --stage "$stage" --nodes "$NODES" --local "$LOCAL" --process-id "$i" --coordinator "10.200.0.1:$PORT" \
-      --dev "veth$i" --rate "$RATE" --steps "$STEPS" 2> "/tmp/emulate_${stage//+/p}_$i.err" &
+    ip netns exec "js$i" timeout -k 5 "$TIMEOUT" env PYTHONPATH="$ROOT" XLA_FLAGS="" "$PY" "$@" \
+      --nodes "$NODES" --process-id "$i" --coordinator "10.200.0.1:$PORT" --dev "veth$i" \
+      > "$LOGDIR/${tag}_$i.out" 2> "$LOGDIR/${tag}_$i.err" &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || echo "{\"stage\": \"$stage\", \"error\": \"process exited $?; see /tmp/emulate_*.err\"}"; done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
   PORT=$((PORT + 1))
-done
+  if [ "$rc" -ne 0 ]; then
+    echo "{\"run\": \"$tag\", \"nodes\": $NODES, \"error\": \"a process exited $rc; see $LOGDIR/${tag}_*.err\"}" | emit
+  fi
+  grep '^{' "$LOGDIR/${tag}_0.out" | emit || true
+}
+
+emit() { if [ "$OUT" = - ]; then cat; else tee -a "$OUT"; fi; }
+
+if [ "$MODE" = duplex ]; then
+  run_all "duplex_${NODES}" "$HERE/gloo_duplex.py" --local "$LOCAL" --rate "$RATE"
+else
+  for stage in $STAGES; do
+    tag="$(echo "${stage}_${NODES}" | tr -c 'A-Za-z0-9_\n' '_')"
+    run_all "$tag" "$HERE/bench_step.py" --stage "$stage" --local "$LOCAL" --rate "$RATE" --steps "$STEPS"
+  done
+fi

@@ -1,133 +1,398 @@
-"""Regenerates experiments/scaling/RESULTS.md and ablation.png.
+"""Regenerates experiments/scaling/RESULTS.md and ablation.png: exact bytes, a calibrated alpha-beta model.
 
-    python experiments/scaling/run_ablation.py            # uses compiled_bytes.json (collect.py) if present
+    python experiments/scaling/run_ablation.py [--json OUT] [--recount] [--recompile] [--k-study FILE]
 
-1. Compiled bytes: every distinct stage's train step on the 2x4 and 4x2 CPU meshes (collect.py ->
-   compiled_bytes.json), tiny foundation model.
-2. Cross-check: the closed-form bytes of model.step_bytes for the same tiny shape against the compiled
-   per-category bytes (must agree exactly, else the extrapolation is wrong and this script says so).
-3. Extrapolation: the same formulas for the large preset (foundation_large.yaml: 32 sequences x 2048
-   events per GPU, 2 x 100M x 64 tables, ~150M dense parameters), at 1..64 nodes x 8 GPUs.
-4. Alpha-beta step time per fabric and compute assumption; weak-scaling speedups; table + plot.
+1. Compiled bytes (collect.py -> compiled_bytes.json): every distinct stage's train step compiled on the
+   2x4 and 4x2 CPU meshes with a tiny foundation model; the closed-form bytes (model.py, today's padded
+   engine) must equal them.
+2. Per-step counts of the large preset (foundation_large: 32 sequences x 2048 events per GPU, 2 hashed
+   tables of 100M x 64) at 1-64 nodes x 8 GPUs, by Monte Carlo over the model's own ids (counts.py), with
+   the planner's plans; cached in mc_counts.json (--recount recomputes).
+3. Calibration: compute time per step and one link efficiency fitted to the published "before" points;
+   predictions checked against the other published figures without refitting.
+4. Weak-scaling speedups per stage at 100 / 400 / 3200 Gbit/s per node; the replica-sync options; the
+   planner's topology recommendation; the periodic-sync study (from --k-study FILE when given).
+`--json OUT` writes {"calibration": {...}, "checks": [...], ...}.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
+import platform
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+import collect  # noqa: E402
+import counts as C  # noqa: E402
 import model as M  # noqa: E402
-from stages import CAPACITY_FACTOR, STAGES, TINY, TINY_BATCH, effective_tiny  # noqa: E402
+from stages import CAPACITY_FACTOR, TINY, TINY_BATCH, distinct_compiled_stages  # noqa: E402
 
-NODES = [1, 2, 4, 8, 16, 32, 64]
-LOCAL = 8
-PUBLISHED = {"before": {2: 1.13, 4: 1.21}, "after": {2: 2.0, 4: 3.9, 8: 7.5}}
-CATS = ("emb_ids", "emb_rows", "replica_sync", "dense_grad", "model_gather")
+from jaxscale import comm_model as cm  # noqa: E402
+from jaxscale import planner  # noqa: E402
+from jaxscale.cluster import ClusterSpec  # noqa: E402
+from jaxscale.plan import ShardingPlan, TableShards  # noqa: E402
+from jaxscale.quantization import CommConfig  # noqa: E402
+from jaxscale.techniques import STAGES, stage  # noqa: E402
+
+COUNTS_CACHE = os.path.join(HERE, "mc_counts.json")
+SENSITIVITY_KEY = "1d|contiguous-hashed|full"
+K_STUDY = os.path.join(ROOT, "experiments", "sync", "results.json")  # written by experiments/sync/k_study.py
+BATCH_PER_DEVICE = 32  # foundation_large.yaml: global batch 2048 on 8 x 8 GPUs
+SEED = 0
+EXACT_SYNCS = (cm.ReplicaSync("exact", "owner"), cm.ReplicaSync("exact", "gather"))
+PERIODIC_K = (4, 16, 64)
+CATS = ("emb_ids", "emb_rows", "replica_sync", "dense")
+EXACT_CATS = ("emb_ids", "emb_rows", "replica_sync")
+# XLA's all-reduce combiner decides how the float all-reduces (dense gradients, the negative pool and its
+# gradient) are grouped into collectives, so they are compared as one category.
+DENSE_CATS = ("dense_grad", "model_gather")
 
 
-def dense_params(fcfg) -> int:
-    """fp32 dense parameters of the foundation model (abstract: nothing is allocated)."""
-    import jax
-    from flax import nnx
-
-    from models.foundation import FoundationModel
-
-    abstract = nnx.eval_shape(lambda: FoundationModel(fcfg, rngs=nnx.Rngs(0)))
-    params = nnx.state(abstract, nnx.Param)
-    return int(sum(int(x.size) for x in jax.tree.leaves(params)))
+# ----------------------------------------------------------------------------------- 1. cross-check
 
 
-def shape_of(fcfg, batch_per_device: int) -> M.Shape:
-    return M.Shape(
-        batch=batch_per_device,
-        seq_len=fcfg.max_seq_len,
-        tables=fcfg.num_item_tables,
-        dim=fcfg.item_dim,
-        rows=fcfg.item_rows,
-        capacity_factor=CAPACITY_FACTOR,
-        dense_params=dense_params(fcfg),
-        item_out_dim=fcfg.item_out_dim,
-        max_negatives=fcfg.max_negatives,
-    )
+def tiny_workload(devices: int) -> M.Workload:
+    """The compiled tiny model's workload on `devices` devices (both half_dim variants inside)."""
+    from models.foundation import FoundationConfig
+
+    return M.foundation_workload(FoundationConfig(**TINY), TINY_BATCH // devices, "tiny", CAPACITY_FACTOR)
+
+
+# Which engine compiled compiled_bytes.json: 'padded' (static worst-case capacities, all-gather sync) or
+# 'exact' (capacities from the batch, the owner sync): flip when the new engine lands, then recollect.
+COMPILED_ENGINE = "padded"
+
+
+def compiled_counts(compiled_entry: dict, w: M.Workload, st, cluster: ClusterSpec):
+    """(counts, sync) the formulas use for one compiled entry, per COMPILED_ENGINE."""
+    if COMPILED_ENGINE == "padded":
+        return M.padded_counts(w, cluster.topology(st.topology), st.half_dim), M.PADDED_SYNC
+    from stages import CONFIG
+
+    from jaxscale.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, CONFIG), compiled_entry["overrides"])
+    return M.batch_counts(cfg), cm.ReplicaSync("exact", "owner")
 
 
 def cross_check(compiled: dict) -> list[dict]:
-    """Formula vs compiled bytes, per mesh, stage and category."""
-    from models.foundation import FoundationConfig
-
-    tiny = {h: shape_of(FoundationConfig(**effective_tiny({"half_dim": h})), None) for h in (False, True)}
+    """Formula vs compiled bytes, per mesh, stage and category (engine: COMPILED_ENGINE)."""
     rows = []
-    for key, rep in sorted(compiled.items()):
-        mesh, topo, fwd, bwd, half = key.split("|")
-        nodes, local = map(int, mesh.split("x"))
-        sh = M.Shape(**{**tiny[half == "True"].__dict__, "batch": TINY_BATCH // (nodes * local)})
-        # half_dim is compiled as the equivalent dim/2 x rows*2 tables (stages.effective_tiny)
-        pred = M.step_bytes(sh, nodes, local, topo, fwd, bwd, False)
-        got = rep["per_step"]["by_category"]
-        for cat in CATS:
-            g = got.get(cat, {"intra_node": 0.0, "inter_node": 0.0})
-            rows.append(
+    for st in distinct_compiled_stages():
+        for nodes, local in collect.MESHES:
+            key = collect.entry_key(nodes, local, st)
+            if key not in compiled:
+                continue
+            cluster = ClusterSpec(nodes, local)
+            w = tiny_workload(nodes * local)
+            counts, sync = compiled_counts(compiled[key], w, st, cluster)
+            pred = merge_dense(M.category_bytes(M.step_comms(w, st, counts, cluster, sync)))
+            got = merge_dense(
                 {
-                    "mesh": mesh,
-                    "topology": topo,
-                    "comm": f"{fwd}/{bwd}",
-                    "half_dim": half == "True",
-                    "category": cat,
-                    "compiled": (g["intra_node"], g["inter_node"]),
-                    "formula": pred[cat],
+                    k: (v["intra_node"], v["inter_node"])
+                    for k, v in compiled[key]["report"]["per_step"]["by_category"].items()
                 }
             )
+            for cat in CATS:
+                g = dict(zip(("intra_node", "inter_node"), got.get(cat, (0.0, 0.0))))
+                rows.append(
+                    {
+                        "mesh": f"{nodes}x{local}",
+                        "stage": st.name,
+                        "topology": st.topology,
+                        "comm": f"{st.comm_forward}/{st.comm_backward}",
+                        "half_dim": st.half_dim,
+                        "category": cat,
+                        "compiled": (g["intra_node"], g["inter_node"]),
+                        "formula": tuple(float(x) for x in pred.get(cat, (0.0, 0.0))),
+                    }
+                )
     return rows
 
 
-EXACT = ("emb_ids", "emb_rows", "replica_sync")
-
-
-def agrees(c: dict) -> bool:
-    """Embedding categories must match to the byte; dense/model ones within 1% (combined scalars)."""
-    tol = 1e-9 if c["category"] in EXACT else 0.01
-    return all(abs(a - b) <= tol * max(1.0, abs(a)) for a, b in zip(c["compiled"], c["formula"]))
-
-
-def imbalance(topology: str, nodes: int, local: int, contiguous: bool, half_dim: bool, fcfg, batch: int) -> float:
-    """max/mean bytes a shard serves under the planner's cost model, Zipf(1.1) ids with the hottest ids at the
-    lowest rows (un-hashed catalogue ids: the worst case for contiguous blocks)."""
-    from jaxscale.plan import resolve_plan
-    from jaxscale.planner import FeatureStats, Topology, report
-    from models.foundation import foundation_tables
-
-    tables = foundation_tables(fcfg.__class__(**{**fcfg.__dict__, "item_reshape": "half_dim" if half_dim else None}))
-    S, _ = M.shard_group(topology, nodes, local)
-    if S == 1:
-        return 1.0
-    stats = {t.features[0]: FeatureStats.zipf(t.rows, fcfg.max_seq_len, 1.1) for t in tables}
-    topo = Topology(nodes, local, 80e9, name=topology)
-    plan = resolve_plan(tables, topology, nodes, local, "row_wise")
-    r = report(plan, tables, stats, topo, batch, row_assignment="contiguous" if contiguous else "modulo")
-    return r.bytes_imbalance
-
-
-def predict(large: M.Shape, fcfg, compute_s: float, links: M.Links, imb_cache: dict) -> dict:
-    out = {}
-    for name, st in STAGES:
-        times = {}
-        for n in NODES:
-            key = (st["topology"], n, not st["balanced"], st["half_dim"])
-            if key not in imb_cache:
-                imb_cache[key] = imbalance(
-                    st["topology"], n, LOCAL, not st["balanced"], st["half_dim"], fcfg, large.batch
-                )
-            b = M.step_bytes(large, n, LOCAL, st["topology"], st["fwd"], st["bwd"], st["half_dim"])
-            times[n] = M.step_time(b, compute_s, links, n, LOCAL, imbalance=imb_cache[key])
-        out[name] = {"times": times, "speedup": M.speedup({n: t["total"] for n, t in times.items()})}
+def merge_dense(by_category: dict) -> dict:
+    """{category: (intra, inter)} with the float all-reduce categories summed into 'dense'."""
+    out = {k: tuple(v) for k, v in by_category.items() if k not in DENSE_CATS}
+    parts = [by_category.get(k, (0.0, 0.0)) for k in DENSE_CATS]
+    out["dense"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
     return out
+
+
+def agrees(row: dict) -> bool:
+    """Embedding categories must match to the byte; the dense all-reduces within 1% (XLA combines a few
+    fp32 metric scalars into them)."""
+    tol = 1e-9 if row["category"] in EXACT_CATS else 0.01
+    return all(abs(a - b) <= tol * max(1.0, abs(a)) for a, b in zip(row["compiled"], row["formula"]))
+
+
+# ----------------------------------------------------------------------------------- 2. counts
+
+
+def count_configs():
+    """(key, topology, balanced, half_dim) of every distinct count set the stages need."""
+    seen = {}
+    for s in STAGES:
+        key = f"{s.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
+        seen.setdefault(key, (key, s.topology, s.balanced, s.half_dim))
+    return list(seen.values())
+
+
+def stage_count_key(s) -> str:
+    return f"{s.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
+
+
+def compute_counts(large, log=print) -> dict:
+    """Monte Carlo counts for every stage configuration and node count (see counts.py)."""
+    from models.foundation import FoundationConfig
+
+    t0 = time.perf_counter()
+    cfg = FoundationConfig.large()
+    max_nodes = max(M.NODES)
+    raw = C.generate_ids(cfg, max_nodes, M.LOCAL, BATCH_PER_DEVICE, seed=SEED, log=log)
+    devices = max_nodes * M.LOCAL
+    out = {"params": counts_params(), "ids_per_device": C.ids_per_device(raw, devices), "counts": {}, "plans": {}}
+    stats_sample = {}
+    for half, balanced_layout in ((False, False), (False, True), (True, True)):
+        cfg_v = dataclasses.replace(cfg, item_reshape="half_dim" if half else None)
+        tables = large.tables(half)
+        # The engine's layout reads the model's hashed rows; TorchRec's naive layout reads ids as given
+        # (raw id mod rows), which is what lets hot ids pile onto the first row block.
+        ids = C.device_ids(cfg_v, raw, devices) if balanced_layout else C.raw_row_ids(raw, tables, devices)
+        if balanced_layout:
+            sample = {f: a[:64].reshape(64 * BATCH_PER_DEVICE, -1) for f, a in ids.items()}
+            stats = planner.measure_feature_stats(sample, tables)
+            stats_sample["half" if half else "full"] = {f: s.to_dict() for f, s in stats.items()}
+        t1 = time.perf_counter()
+        nested = C.NestedCounts(ids, tables, M.LOCAL)
+        log(
+            f"indexed {'hashed' if balanced_layout else 'raw'} {'half_dim' if half else 'full-dim'} ids in "
+            f"{time.perf_counter() - t1:.0f} s"
+        )
+        configs = [c for c in count_configs() if c[3] == half and c[2] == balanced_layout]
+        if balanced_layout and not half:  # sensitivity: contiguous blocks over the model's hashed rows
+            configs.append((SENSITIVITY_KEY, "1d", False, False))
+        for key, topology, balanced, _ in configs:
+            for n in M.NODES:
+                cluster = M.H100_NODES.with_nodes(n)
+                S = cluster.topology(topology).num_shards
+                if balanced:
+                    plan = planner.plan_sharding(tables, stats, cluster, BATCH_PER_DEVICE, topology=topology)
+                else:
+                    plan = ShardingPlan(
+                        topology, S, {t.name: TableShards("row_wise", S, 1, tuple(range(S))) for t in tables}
+                    )
+                ra = "modulo" if balanced else "contiguous"  # plans are row-wise: the assignment is the layout
+                counts = nested.counts(plan, n, ra)
+                out["counts"][f"{key}|{n}"] = [dataclasses.asdict(c) for c in counts]
+                out["plans"][f"{key}|{n}"] = plan.to_dict()
+            log(f"counted {key} at {list(M.NODES)} nodes")
+        del nested, ids
+    out["stats"] = stats_sample
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def counts_params() -> dict:
+    return {"nodes": list(M.NODES), "local": M.LOCAL, "batch_per_device": BATCH_PER_DEVICE, "seed": SEED, "step": 0}
+
+
+def load_counts(large, recount: bool, log=print) -> dict:
+    if not recount and os.path.exists(COUNTS_CACHE):
+        with open(COUNTS_CACHE) as f:
+            cached = json.load(f)
+        if cached.get("params") == counts_params():
+            return cached
+        log("mc_counts.json was made with other parameters: recounting")
+    out = compute_counts(large, log)
+    collect.save(out, COUNTS_CACHE)
+    return out
+
+
+def counts_fn(mc: dict, unbalanced_key: str | None = None):
+    """(stage, nodes) -> counts; `unbalanced_key` replaces the unbalanced stages' counts (sensitivity)."""
+    cache = {}
+
+    def get(s, n):
+        key = f"{unbalanced_key if unbalanced_key and not s.balanced else stage_count_key(s)}|{n}"
+        if key not in cache:
+            cache[key] = [cm.StackCounts(**d) for d in mc["counts"][key]]
+        return cache[key]
+
+    return get
+
+
+def stats_of(mc: dict, half: bool) -> dict:
+    return {f: planner.FeatureStats(**d) for f, d in mc["stats"]["half" if half else "full"].items()}
+
+
+def periodic_counts_fn(mc: dict, large, k: int):
+    """Counts with touched_since_sync for k steps (expected union from the sample's id statistics)."""
+    base = counts_fn(mc)
+    cache = {}
+
+    def get(s, n):
+        key = (stage_count_key(s), n)
+        if key not in cache:
+            plan = ShardingPlan.from_dict(mc["plans"][f"{stage_count_key(s)}|{n}"])
+            cluster = M.H100_NODES.with_nodes(n)
+            tables = large.tables(s.half_dim)
+            est = planner.step_counts(tables, stats_of(mc, s.half_dim), cluster, plan, BATCH_PER_DEVICE, k)
+            cache[key] = [
+                dataclasses.replace(c, touched_since_sync=e.touched_since_sync) for c, e in zip(base(s, n), est)
+            ]
+        return cache[key]
+
+    return get
+
+
+# ----------------------------------------------------------------------------------- 3. calibration
+
+
+def best_sync(large, st, fn, cluster, n, compute_s) -> cm.ReplicaSync:
+    """The exact sync strategy with the shorter step (the recommended one)."""
+    if cluster.with_nodes(n).topology(st.topology).num_replicas == 1:
+        return EXACT_SYNCS[0]
+    return min(EXACT_SYNCS, key=lambda s: M.stage_time(large, st, fn, cluster, n, compute_s, s).total)
+
+
+def point_predictor(large, fn):
+    baseline, fp8 = stage("baseline"), stage("+fp8")
+    efa, no_efa = M.CALIBRATION_FABRICS["with EFA"], M.CALIBRATION_FABRICS["without EFA"]
+
+    def predict(name, compute_s, efficiency):
+        c_efa = dataclasses.replace(efa, efficiency=efficiency)
+        c_no = dataclasses.replace(no_efa, efficiency=efficiency)
+        sync = EXACT_SYNCS[0]
+        if name == "no_efa_2_nodes":
+            return M.speedup(large, baseline, fn, c_no, 2, compute_s, sync)
+        if name.startswith("before_"):
+            return M.speedup(large, baseline, fn, c_efa, int(name.split("_")[1]), compute_s, sync)
+        if name == "fp8_2_nodes":
+            return M.speedup(large, fp8, fn, c_efa, 2, compute_s, sync)
+        raise KeyError(name)
+
+    return predict
+
+
+def run_checks(large, fn, mc, cal: M.Calibration) -> tuple[list[dict], dict]:
+    predict = point_predictor(large, fn)
+    rows = [M.check_row(p, cal.fitted_values[p], fitted=True) for p in cal.points_used]
+    rows.append(M.check_row("fp8_2_nodes", predict("fp8_2_nodes", cal.compute_s, cal.efficiency), fitted=False))
+    efa = cal.cluster(M.CALIBRATION_FABRICS["with EFA"])
+    n = M.A2A_LATENCY_NODES
+    one_d, a2a = stage("+half_dim"), stage("2d_a2a")
+    t1 = M.a2a_seconds(large, one_d, fn, efa, n, EXACT_SYNCS[0])
+    t2 = M.a2a_seconds(large, a2a, fn, efa, n, EXACT_SYNCS[0])
+    rows.append(M.check_row("a2a_latency_ratio", t1 / t2, fitted=False))
+    detail = {"a2a_seconds_1d": t1, "a2a_seconds_2d_a2a": t2, "nodes": n, "final": {}}
+    for nodes in (2, 4, 8):
+        choice = recommend(large, mc, efa, nodes, cal.compute_s)
+        st = stage_for_choice(choice)
+        sp = M.speedup(large, st, fn, efa, nodes, cal.compute_s, choice.sync or EXACT_SYNCS[0])
+        sync_a2a = best_sync(large, a2a, fn, efa, nodes, cal.compute_s)
+        detail["final"][nodes] = {
+            "recommended": choice.chosen.label,
+            "speedup_recommended": sp,
+            "speedup_2d_a2a": M.speedup(large, a2a, fn, efa, nodes, cal.compute_s, sync_a2a),
+            "sync_2d_a2a": sync_a2a.label,
+        }
+        rows.append(M.check_row(f"final_{nodes}_nodes", sp, fitted=False))
+    return rows, detail
+
+
+def recommend(large, mc, cluster: ClusterSpec, nodes: int, compute_s: float) -> planner.TopologyChoice:
+    """The planner's recommendation for the final stack (half_dim tables, fp8/bf16) on this cluster."""
+    return planner.recommend_topology(
+        large.tables(True),
+        stats_of(mc, True),
+        cluster.with_nodes(nodes),
+        BATCH_PER_DEVICE,
+        CommConfig("fp8", "bf16"),
+        periodic_every=(16,),
+        dense_params=large.dense_params(True) + large.max_negatives * large.item_out_dim,
+        compute_s=compute_s,
+    )
+
+
+def stage_for_choice(choice: planner.TopologyChoice):
+    """The ladder stage running the recommended topology (1d -> +half_dim)."""
+    return {"1d": stage("+half_dim"), "2d_ar": stage("2d_ar"), "2d_a2a": stage("2d_a2a")}[choice.topology]
+
+
+# ----------------------------------------------------------------------------------- 4. predictions
+
+
+def predictions(large, fn, mc, cal: M.Calibration, log=print) -> dict:
+    """Speedups per fabric, stage and node count (with fitted compute and efficiency)."""
+    out = {}
+    for fname, spec in M.FABRICS.items():
+        cluster = cal.cluster(spec)
+        res = {"stages": {}, "variants": {}, "recommended": {}, "step_ms": {}}
+        for st in STAGES:
+            sp, ms, syncs = {}, {}, {}
+            for n in M.NODES:
+                sync = best_sync(large, st, fn, cluster, n, cal.compute_s)
+                sp[n] = M.speedup(large, st, fn, cluster, n, cal.compute_s, sync)
+                ms[n] = M.stage_time(large, st, fn, cluster, n, cal.compute_s, sync).total * 1e3
+                syncs[n] = sync.label
+            res["stages"][st.name] = {"speedup": sp, "step_ms": ms, "sync": syncs}
+        a2a = stage("2d_a2a")
+        variants = {f"2d_a2a {s.label}": (s, fn) for s in EXACT_SYNCS}
+        for k in PERIODIC_K:
+            pfn = periodic_counts_fn(mc, large, k)
+            for strat in ("dense", "sparse"):
+                variants[f"2d_a2a periodic {strat} k={k}"] = (cm.ReplicaSync("periodic", strat, k), pfn)
+        for label, (sync, vfn) in variants.items():
+            res["variants"][label] = {n: M.speedup(large, a2a, vfn, cluster, n, cal.compute_s, sync) for n in M.NODES}
+        res["variants"]["2d_a2a exact owner + bf16 dense all-reduce"] = {
+            n: M.speedup(large, a2a, fn, cluster, n, cal.compute_s, EXACT_SYNCS[0], "bf16") for n in M.NODES
+        }
+        for n in M.NODES[1:]:
+            choice = recommend(large, mc, cluster, n, cal.compute_s)
+            st = stage_for_choice(choice)
+            res["recommended"][n] = {
+                "label": choice.chosen.label,
+                "reason": choice.reason,
+                "speedup": M.speedup(large, st, fn, cluster, n, cal.compute_s, choice.sync or EXACT_SYNCS[0]),
+            }
+        log(f"predicted {fname}")
+        out[fname] = res
+    return out
+
+
+def bytes_table(large, fn, cal) -> list[dict]:
+    rows = []
+    cluster = cal.cluster(M.FABRICS["400 Gbps/node"])
+    for st in STAGES:
+        for n in (1, 2, 8, 64):
+            c = cluster.with_nodes(n)
+            sync = best_sync(large, st, fn, cluster, n, cal.compute_s)
+            b = M.category_bytes(M.step_comms(large, st, fn(st, n), c, sync))
+            rows.append({"stage": st.name, "nodes": n, "sync": sync.label, "bytes": b})
+    return rows
+
+
+# ----------------------------------------------------------------------------------- output
+
+
+def machine() -> dict:
+    import numpy
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def fmt_bytes(x: float) -> str:
@@ -137,191 +402,102 @@ def fmt_bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def main():
-    cache = os.path.join(HERE, "compiled_bytes.json")
-    if not os.path.exists(cache) or "--recompile" in sys.argv:
-        subprocess.run([sys.executable, os.path.join(HERE, "collect.py")], check=True, cwd=ROOT)
-    compiled = json.load(open(cache))
+def load_k_study(path: str | None) -> dict | None:
+    """The periodic-sync quality study (experiments/sync/k_study.py's results.json), if it was run."""
+    path = path or (K_STUDY if os.path.exists(K_STUDY) else None)
+    if path is None:
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{path}: expected {{'machine': ..., 'runs': [...]}} as experiments/sync/k_study.py writes")
+    for i, r in enumerate(data["runs"]):
+        missing = {"name", "k", "steps", "eval_loss", "eval_recall", "sync_bytes_inter"} - set(r)
+        if missing:
+            raise ValueError(f"{path}: runs[{i}] lacks {sorted(missing)}")
+    return dict(data, path=os.path.relpath(path, ROOT))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="also write calibration, checks and tables as JSON here")
+    p.add_argument("--recount", action="store_true", help="recompute the Monte Carlo counts (mc_counts.json)")
+    p.add_argument("--recompile", action="store_true", help="recompile the small configs (collect.py --force)")
+    p.add_argument(
+        "--k-study", default=None, help="periodic-sync quality results (default: experiments/sync/results.json)"
+    )
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    mach = machine()
+    if args.recompile or not os.path.exists(collect.OUT):
+        cmd = [sys.executable, os.path.join(HERE, "collect.py")] + (["--force"] if args.recompile else [])
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    compiled = collect.load()
+    checks_hlo = cross_check(compiled)
+    bad = [c for c in checks_hlo if not agrees(c)]
+
     from models.foundation import FoundationConfig
 
-    checks = cross_check(compiled)
-    bad = [c for c in checks if not agrees(c)]
-
     fl = FoundationConfig.large()
-    large = shape_of(fl, 2048 // 64)
-    compute = {
-        "FLOPs (40% MFU of H100 bf16)": M.compute_time_from_flops(large, fl.d_model, fl.num_layers),
-        "published 490k ex/s": M.compute_time_from_published(large.batch),
+    large = M.foundation_workload(fl, BATCH_PER_DEVICE, "large")
+    mc = load_counts(large, args.recount)
+    fn = counts_fn(mc)
+    cal = M.fit(point_predictor(large, fn))
+    sensitivity = M.fit(point_predictor(large, counts_fn(mc, SENSITIVITY_KEY)))
+    # diagnostic only (not used for any prediction): the EFA points alone, to see which point conflicts
+    efa_only = M.fit(point_predictor(large, fn), points=("before_2_nodes", "before_4_nodes"))
+    efa_only_no_efa = point_predictor(large, fn)("no_efa_2_nodes", efa_only.compute_s, efa_only.efficiency)
+    checks, detail = run_checks(large, fn, mc, cal)
+    preds = predictions(large, fn, mc, cal)
+    btab = bytes_table(large, fn, cal)
+    k_study = load_k_study(args.k_study)
+    flops_s = M.transformer_step_flops(large, fl.d_model, fl.num_layers) / (0.4 * M.H100_BF16_DENSE_FLOPS)
+    mach["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    mach["seconds"] = time.perf_counter() - t_start
+    result = {
+        "machine": mach,
+        "calibration": {
+            "points_used": list(cal.points_used),
+            "fitted": {
+                "compute_s": cal.compute_s,
+                "efficiency": cal.efficiency,
+                "residual_log_rms": cal.residual_log_rms,
+            },
+            "fabrics": {k: dataclasses.asdict(v) for k, v in M.CALIBRATION_FABRICS.items()},
+        },
+        "checks": checks,
+        "check_details": detail,
+        "cross_check": {"rows": len(checks_hlo), "disagree": len(bad)},
+        "predictions": {f: {k: v for k, v in r.items() if k != "recommended"} for f, r in preds.items()},
+        "recommended": {f: r["recommended"] for f, r in preds.items()},
+        "flops_compute_s": flops_s,
     }
-    imb_cache: dict = {}
-    results = {
-        (c, f): predict(large, fl, cs, links, imb_cache) for c, cs in compute.items() for f, links in M.FABRICS.items()
-    }
+    import write_results
 
-    L = [
-        "# Scaling ablation: exact bytes + alpha-beta model",
-        "",
-        "Generated by `python experiments/scaling/run_ablation.py` (model: `model.py`, stages: `stages.py`).",
-        "",
-    ]
-    L += [
-        "## What was measured and what is modelled",
-        "",
-        "* **Bytes are exact for the compiled meshes.** Each distinct stage's train step was compiled (not run) on "
-        "the 2x4 and 4x2 simulated CPU meshes with a tiny foundation model that has the large preset's table "
-        f"structure ({TINY}, global batch {TINY_BATCH}, capacity_factor {CAPACITY_FACTOR}); "
-        "`jaxscale.comm_report` read every collective from the compiled HLO.",
-        "* **Bytes at 8 GPUs/node and 1-64 nodes, for the large preset, are extrapolated analytically** (the large "
-        "model cannot compile here): `model.step_bytes` gives each collective's per-device bytes in closed form "
-        "(docstring of model.py), and the same formulas reproduce the compiled tiny-model bytes exactly "
-        "(cross-check below). Large preset per GPU: "
-        f"{large.batch} sequences x {large.seq_len} events, {large.tables} tables x {large.rows:,} rows x "
-        f"{large.dim}, {large.dense_params:,} dense parameters (counted from the model, abstractly), item vector "
-        f"{large.item_out_dim}.",
-        "* **Time is modelled** (alpha-beta, `model.py`), with published link figures; nothing is fitted to the "
-        "published speedups. Compute time per step is a parameter: "
-        + "; ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in compute.items())
-        + ".",
-        "* The `baseline` and `+fp8` stages use TorchRec's contiguous row blocks; the engine only implements "
-        "modulo-hashed rows, so their penalty enters as the load imbalance (max/mean bytes per shard) from the "
-        "planner's cost model with Zipf(1.1) ids whose hottest ids are the lowest rows (raw catalogue ids, the "
-        "worst case; with hashed ids contiguous blocks would be nearly balanced). The imbalance multiplies the "
-        "embedding all-to-all time.",
-        "",
-    ]
-    L += ["## Cross-check: closed-form bytes vs compiled HLO (per device per step, intra / inter)", ""]
-    L += ["| mesh | topology | comm | half_dim | category | compiled | formula |", "|---|---|---|---|---|---|---|"]
-    for c in checks:
-        if c["compiled"] == (0.0, 0.0) and c["formula"] == (0.0, 0.0):
-            continue
-        L.append(
-            f"| {c['mesh']} | {c['topology']} | {c['comm']} | {c['half_dim']} | {c['category']} | "
-            f"{c['compiled'][0]:,.0f} / {c['compiled'][1]:,.0f} | {c['formula'][0]:,.0f} / {c['formula'][1]:,.0f} |"
-        )
-    L += [
-        "",
-        f"**All {len(checks)} category rows agree** (embedding all-to-alls and replica sync to the byte; "
-        "dense_grad / model_gather within 1%: XLA combines 3 fp32 metric scalars into the gradient all-reduce)."
-        if not bad
-        else f"**{len(bad)} of {len(checks)} category rows DISAGREE** (the extrapolation of those categories is not "
-        f"validated): " + ", ".join(f"{c['mesh']} {c['topology']} {c['category']}" for c in bad),
-        "",
-    ]
-
-    L += [
-        "## Extrapolated bytes per GPU per step (large preset, 8 GPUs/node)",
-        "",
-        "| stage | nodes | emb all-to-all intra | emb all-to-all inter | replica sync inter | dense all-reduce inter | "
-        "negatives gather inter | imbalance |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, st in STAGES:
-        for n in (1, 2, 8, 64):
-            b = M.step_bytes(large, n, LOCAL, st["topology"], st["fwd"], st["bwd"], st["half_dim"])
-            e_i = b["emb_ids"][0] + b["emb_rows"][0]
-            e_x = b["emb_ids"][1] + b["emb_rows"][1]
-            imb = imb_cache[(st["topology"], n, not st["balanced"], st["half_dim"])]
-            L.append(
-                f"| {name} | {n} | {fmt_bytes(e_i)} | {fmt_bytes(e_x)} | {fmt_bytes(b['replica_sync'][1])} | "
-                f"{fmt_bytes(b['dense_grad'][1])} | {fmt_bytes(b['model_gather'][1])} | {imb:.2f} |"
-            )
-    L += [""]
-    for (cname, fname), res in results.items():
-        L += [
-            f"## Predicted weak-scaling speedup: {fname}, compute = {cname} ({compute[cname] * 1e3:.1f} ms)",
-            "",
-            "| stage | " + " | ".join(f"{n} node{'s' if n > 1 else ''}" for n in NODES) + " | step ms at 8 nodes |",
-            "|---|" + "---|" * (len(NODES) + 1),
-        ]
-        for name, _ in STAGES:
-            sp = res[name]["speedup"]
-            L.append(
-                f"| {name} | "
-                + " | ".join(f"{sp[n]:.2f}x" for n in NODES)
-                + f" | {res[name]['times'][8]['total'] * 1e3:.1f} |"
-            )
-        L.append("| published before / after | — | 1.13x / 2.0x | 1.21x / 3.9x | — / 7.5x | | | | |")
-        L.append("")
-
-    def sp(c, f, stage, n):
-        return results[(c, f)][stage]["speedup"][n]
-
-    cf, cp = list(compute)
-    L += [
-        "## Where the model and the published figures disagree",
-        "",
-        f"* **Compute dominates under the FLOPs estimate.** With {compute[cf] * 1e3:.0f} ms of transformer compute "
-        f"per step (32 x 2048 tokens per GPU), even the baseline scales well: {sp(cf, '3200 Gbps/node', 'baseline', 2):.2f}x "  # noqa: E501
-        f"at 2 nodes on 3200 Gbps and {sp(cf, '100 Gbps/node', 'baseline', 2):.2f}x on 100 Gbps, against the published "
-        "1.13x. The published baseline implies communication comparable to compute, i.e. a much lighter dense step "
-        "per looked-up row than our large preset (their 'example' is not our 2048-event sequence).",
-        f"* **Under the published-throughput compute ({compute[cp] * 1e3:.1f} ms per 32-example step)** "
-        f"communication dominates: baseline {sp(cp, '3200 Gbps/node', 'baseline', 2):.2f}x at 2 nodes on 3200 Gbps "
-        f"(published 1.13x) and {sp(cp, '100 Gbps/node', 'baseline', 2):.2f}x on 100 Gbps (published 0.2x without the "
-        f"fast NIC) - the same regime - but the full stack reaches only {sp(cp, '3200 Gbps/node', '2d_ar', 2):.2f}x "
-        f"(2d_ar) / {sp(cp, '3200 Gbps/node', '2d_a2a', 2):.2f}x (2d_a2a) at 2 nodes and "
-        f"{sp(cp, '3200 Gbps/node', '2d_a2a', 8):.2f}x at 8 nodes, far from 2.0x / 7.5x. The dense-gradient "
-        "all-reduce of ~156M fp32 parameters (137 MB inter-node per GPU at 8 nodes) cannot hide behind a 4 ms step; "
-        "none of the five techniques touches it.",
-        "* **2d_a2a with exact replica sync does not scale in this engine.** The sync all-gathers every replica's "
-        "received rows and gradients, (Rep-1) S C (4 + wire) bytes per device: it grows linearly with the node count "
-        "(11 MB at 2 nodes, 78 MB at 8, 702 MB at 64 per GPU, all inter-node), so 2d_a2a falls behind 2d_ar and "
-        "even +half_dim 1d beyond ~4 nodes. The published 2D all-to-all result relies on TorchRec's periodic weight "
-        "averaging (replica_sync='periodic' here), whose cost is amortised over sync_every steps; this model does not "
-        "include that mode's cost.",
-        "* **2d_ar equals +half_dim 1d here**: its all-to-all is one GPU per node, so every byte crosses nodes, the "
-        "same inter-node bytes as 1d (whose (N-1)/N x payload crosses); its intra-node replica sync is cheap on NVLink.",  # noqa: E501
-        "* **Balance**: the contiguous baseline's imbalance (1.68 at 2 nodes, 3.85 at 8, 24 at 64) assumes raw Zipf "
-        "ids with the hottest ids in the first rows; with hashed ids (as the large preset hashes a 2B vocabulary) "
-        "contiguous blocks are nearly balanced and the '+balanced' step would gain little.",
-        "* **FP8**: fp32 -> fp8 forward / bf16 backward cuts the embedding rows' bytes to (68 + 128) / 512 = 38% "
-        "(forward alone: 68/256 = 27%, i.e. a 73% cut, slightly under the published >75% because of the 4-byte "
-        "per-row scale).",
-        "* Not modelled: overlap of the embedding all-to-all with compute (pipelining), NCCL protocol efficiency "
-        "(efficiency = 1.0: line rate), congestion, and ragged all-to-alls (the engine pads to capacity_factor 1.25 "
-        "x the uniform share).",
-        "",
-    ]
-    open(os.path.join(HERE, "RESULTS.md"), "w").write("\n".join(L) + "\n")
-    plot(results, compute)
-    print("\n".join(L))
+    text = write_results.render(
+        mach,
+        checks_hlo,
+        bad,
+        large,
+        mc,
+        cal,
+        (sensitivity, efa_only, efa_only_no_efa),
+        checks,
+        detail,
+        preds,
+        btab,
+        k_study,
+        flops_s,
+        fl,
+    )
+    with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+        f.write(text)
+    write_results.plot(preds, os.path.join(HERE, "ablation.png"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    print(text)
     return 1 if bad else 0
-
-
-def plot(results, compute):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9), sharex=True)
-    for i, cname in enumerate(compute):
-        for j, fname in enumerate(M.FABRICS):
-            ax = axes[i, j]
-            res = results[(cname, fname)]
-            for name, _ in STAGES:
-                sp = res[name]["speedup"]
-                ax.plot(NODES, [sp[n] for n in NODES], marker="o", label=name)
-            ax.plot(NODES, NODES, "k:", label="ideal")
-            ax.plot(
-                list(PUBLISHED["before"]),
-                list(PUBLISHED["before"].values()),
-                "rx",
-                ms=10,
-                mew=2,
-                label="published before",
-            )
-            ax.plot(list(PUBLISHED["after"]), list(PUBLISHED["after"].values()), "g*", ms=12, label="published after")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log", base=2)
-            ax.set_title(f"{fname}\ncompute: {cname}", fontsize=9)
-            ax.set_xlabel("nodes (8 GPUs each)")
-            ax.set_ylabel("speedup vs 1 node")
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
-    fig.suptitle("jaxscale weak scaling: exact compiled bytes extrapolated + alpha-beta model")
-    fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "ablation.png"), dpi=90)
 
 
 if __name__ == "__main__":
