@@ -19,7 +19,8 @@ BATCH_AXES = (NODE, LOCAL)  # the batch is always sharded over every device
 
 TOPOLOGIES = ("1d", "2d_ar", "2d_a2a")
 
-_MESHES_DIR = Path(__file__).resolve().parent / "presets" / "meshes"  # links to the repo's meshes/
+# Named clusters (`jaxscale.cluster.ClusterSpec.named`): a link to the repo's meshes/, shipped in the wheel.
+_MESHES_DIR = Path(__file__).resolve().parent / "presets" / "meshes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,17 +169,6 @@ def mesh_shape(mesh) -> tuple[int, int]:
     if tuple(mesh.axis_names) != AXES:
         raise ValueError(f"expected a mesh with axes {AXES}, got {tuple(mesh.axis_names)}")
     return int(mesh.shape[NODE]), int(mesh.shape[LOCAL])
-
-
-def named_mesh(name: str) -> dict:
-    """A named topology from `meshes/` (e.g. '2x4'), as a dict with nodes, local and link figures."""
-    import yaml
-
-    path = _MESHES_DIR / f"{name}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in _MESHES_DIR.glob("*.yaml"))
-        raise ValueError(f"unknown mesh {name!r}; known meshes: {known}")
-    return yaml.safe_load(path.read_text())
 
 
 def node_of_position(position: int, mesh_shape_: tuple[int, int]) -> int:

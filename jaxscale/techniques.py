@@ -27,13 +27,14 @@ SYNC_STRATEGIES = ("owner", "gather", "dense", "sparse")
 # The training-config keys a stage sets (one place to change when the config's layout changes).
 CONFIG_KEYS = {
     "topology": "embedding.topology",
-    "comm_forward": "embedding.comm_forward",
-    "comm_backward": "embedding.comm_backward",
+    "comm_forward": "embedding.comm.forward",
+    "comm_backward": "embedding.comm.backward",
     "half_dim": "model.foundation.item_reshape",  # the foundation model's bandwidth-aware reshape
     "sharding": "embedding.sharding",
     "plan_file": "embedding.plan_file",
     "replica_sync": "embedding.replica_sync",
     "sync_every": "embedding.sync_every",
+    "sync_strategy": "embedding.sync_strategy",
 }
 
 
@@ -86,12 +87,12 @@ class Stage:
         """The same stage with another replica sync (e.g. the one the planner recommends)."""
         return dataclasses.replace(self, replica_sync=replica_sync, sync_strategy=sync_strategy, sync_every=sync_every)
 
-    def config_overrides(self, *, plan_file: str | None = None, sync_strategy_key: str | None = None) -> list[str]:
+    def config_overrides(self, *, plan_file: str | None = None) -> list[str]:
         """Dotted overrides of the training config for this stage.
 
         A balanced stage needs `plan_file`, a JSON `ShardingPlan` the planner made for the run's tables
-        and cluster (`ShardingPlan.to_json`); unbalanced stages use plain `row_wise`. The engine's exact
-        sync strategy is emitted only when the config names its key (`sync_strategy_key`).
+        and cluster (`ShardingPlan.to_json`); unbalanced stages use plain `row_wise`. An exact sync sets the
+        engine's `sync_strategy`; a sparse periodic sync is the engine's `replica_sync=periodic_sparse`.
         """
         k = CONFIG_KEYS
         out = [
@@ -107,9 +108,10 @@ class Stage:
         else:
             out += [f"{k['sharding']}=row_wise", f"{k['plan_file']}=null"]
         if self.replica_sync is not None:
-            out += [f"{k['replica_sync']}={self.replica_sync}", f"{k['sync_every']}={self.sync_every}"]
-            if sync_strategy_key is not None:
-                out.append(f"{sync_strategy_key}={self.sync_strategy}")
+            mode = "periodic_sparse" if self.replica_sync == "periodic" and self.sync_strategy == "sparse" else None
+            out += [f"{k['replica_sync']}={mode or self.replica_sync}", f"{k['sync_every']}={self.sync_every}"]
+            if self.replica_sync == "exact" and self.sync_strategy is not None:
+                out.append(f"{k['sync_strategy']}={self.sync_strategy}")
         return out
 
 

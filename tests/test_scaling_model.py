@@ -45,15 +45,15 @@ def test_stage_config_overrides_load():
     from jaxscale.config import load_config
 
     unbalanced = stage("+fp8").config_overrides()
-    assert "embedding.comm_forward=fp8" in unbalanced and "embedding.sharding=row_wise" in unbalanced
+    assert "embedding.comm.forward=fp8" in unbalanced and "embedding.sharding=row_wise" in unbalanced
     with pytest.raises(ValueError, match="plan_file"):
         stage("+balanced").config_overrides()
-    a2a = stage("2d_a2a").config_overrides(plan_file="plan.json", sync_strategy_key="embedding.sync_strategy")
+    a2a = stage("2d_a2a").config_overrides(plan_file="plan.json")
     assert "embedding.plan_file=plan.json" in a2a and "embedding.sync_strategy=owner" in a2a
     assert "model.foundation.item_reshape=half_dim" in a2a
     cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(stage("2d_a2a"), 2, 4))
     assert cfg.embedding.topology == "2d_a2a" and cfg.model.foundation.item_reshape == "half_dim"
-    assert cfg.embedding.comm_forward == "fp8" and cfg.mesh.nodes == 2
+    assert cfg.embedding.comm.forward == "fp8" and cfg.mesh.nodes == 2
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_with_sync():
 
 
 def tiny(half_dim=False, devices=8):
-    from models.foundation import FoundationConfig
+    from jaxscale_models.foundation import FoundationConfig
 
     return M.foundation_workload(FoundationConfig(**S.TINY), S.TINY_BATCH // devices, "tiny", S.CAPACITY_FACTOR)
 

@@ -1,7 +1,7 @@
 """Bytes per technique stage: the foundation smoke config's embedding step, compiled per stage on a 2x4 mesh.
 
-The ladder is defined once, in `technique_stages`, with the semantics of the project's technique ladder
-(each stage adds one technique to the previous one):
+The ladder is the project's one ladder, `jaxscale.techniques.STAGES` (each stage adds one technique to
+the previous one):
 
   baseline   1d, fp32 forward / fp32 backward payloads, the config's sharding
   +fp8       fp8 forward (e4m3, per-row scale), bf16 backward
@@ -21,30 +21,17 @@ import time
 
 from common import REPO, worker_main
 
+from jaxscale.techniques import Stage
+
 FOUNDATION_CONFIG = REPO / "experiments" / "configs" / "foundation_smoke.yaml"
 MESH = (2, 4)
 
 
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    name: str
-    topology: str
-    comm_forward: str
-    comm_backward: str
-    balanced: bool
-    half_dim: bool
-
-
 def technique_stages() -> list[Stage]:
-    """The technique ladder, cumulative. THE one place the suite defines it."""
-    return [
-        Stage("baseline", "1d", "fp32", "fp32", balanced=False, half_dim=False),
-        Stage("+fp8", "1d", "fp8", "bf16", balanced=False, half_dim=False),
-        Stage("+balanced", "1d", "fp8", "bf16", balanced=True, half_dim=False),
-        Stage("+half_dim", "1d", "fp8", "bf16", balanced=True, half_dim=True),
-        Stage("2d_ar", "2d_ar", "fp8", "bf16", balanced=True, half_dim=True),
-        Stage("2d_a2a", "2d_a2a", "fp8", "bf16", balanced=True, half_dim=True),
-    ]
+    """The technique ladder, cumulative: the project's one ladder (`jaxscale.techniques.STAGES`)."""
+    from jaxscale.techniques import STAGES
+
+    return list(STAGES)
 
 
 def _foundation_workload(half_dim: bool):
@@ -67,12 +54,14 @@ def _sharding(stage: Stage, cfg, tables, host_ids):
     if not stage.balanced:
         return cfg.embedding.sharding
     from jaxscale import planner
+    from jaxscale.cluster import ClusterSpec
 
     batch = next(iter(host_ids.values())).shape[0]
     devices = MESH[0] * MESH[1]
     stats = planner.measure_feature_stats(host_ids, tables)
-    topo = planner.Topology(nodes=MESH[0], devices_per_node=MESH[1], device_memory_bytes=1e9, name=stage.topology)
-    return planner.plan_sharding(tables, stats, topo, batch_size_per_device=batch // devices)
+    cluster = ClusterSpec(nodes=MESH[0], devices_per_node=MESH[1], device_memory_bytes=1e9)
+    per_device = batch // devices
+    return planner.plan_sharding(tables, stats, cluster, batch_size_per_device=per_device, topology=stage.topology)
 
 
 def stage_bytes(stage: Stage) -> dict:
@@ -94,6 +83,9 @@ def stage_bytes(stage: Stage) -> dict:
         sharding=_sharding(stage, cfg, tables, host_ids),
         optimizer=e.optimizer.build(),
         comm=jaxscale.CommConfig(forward=stage.comm_forward, backward=stage.comm_backward),
+        replica_sync="periodic_sparse" if stage.sync_strategy == "sparse" else (stage.replica_sync or "exact"),
+        sync_every=stage.sync_every,
+        sync_strategy=stage.sync_strategy if stage.replica_sync == "exact" and stage.sync_strategy else "auto",
         capacity_factor=e.capacity_factor,
     )
     state = ec.init(jax.random.key(0))

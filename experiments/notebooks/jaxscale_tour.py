@@ -40,6 +40,7 @@ from IPython.display import Image, display
 
 import jaxscale
 from jaxscale import comm_inspect, planner
+from jaxscale.cluster import ClusterSpec
 
 REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "experiments" / "configs").is_dir())
 print(jax.device_count(), "devices")
@@ -69,7 +70,7 @@ def zipf(rows, shape, a=1.2):
 
 host_ids = {"history": zipf(20_000, (B, 16)), "users": zipf(5_000, (B, 1)), "category": zipf(500, (B, 3))}
 stats = planner.measure_feature_stats(host_ids, tables)
-topo = planner.Topology(nodes=2, devices_per_node=4, device_memory_bytes=1e9, name="1d")
+topo = ClusterSpec(nodes=2, devices_per_node=4, device_memory_bytes=1e9)
 plan = planner.plan_sharding(tables, stats, topo, batch_size_per_device=B // 8)
 print({name: ts.sharding for name, ts in plan.tables.items()})
 print(planner.report(plan, tables, stats, topo, batch_size_per_device=B // 8))

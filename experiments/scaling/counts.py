@@ -3,7 +3,7 @@
 One global batch of the largest mesh is generated with the trainer's synthetic data
 (`jaxscale.data.SyntheticFoundationData`: Zipf(1.1) item ranks within 32 item clusters over a 2B-id
 vocabulary, lognormal sequence lengths) and hashed into the item tables exactly as the model does
-(`models.foundation.foundation_ids`: 2 tables of 100M rows, or 200M under half_dim). Weak scaling keeps
+(`jaxscale_models.foundation.foundation_ids`: 2 tables of 100M rows, or 200M under half_dim). Weak scaling keeps
 the per-device batch, and the synthetic stream is counter-based, so the batch of an N-node run is the
 first N nodes' slice of that batch: every node count reuses the same ids (nested meshes).
 
@@ -191,7 +191,7 @@ def generate_ids(cfg, max_nodes: int, local: int, batch_per_device: int, seed: i
 
 def device_ids(cfg, raw: np.ndarray, devices: int) -> dict[str, np.ndarray]:
     """{feature: [devices, B * L]} stored-row ids, hashed as the model hashes them."""
-    from models.foundation import foundation_ids
+    from jaxscale_models.foundation import foundation_ids
 
     return {f: a.reshape(devices, -1) for f, a in foundation_ids(cfg, {"item_ids": raw}).items()}
 

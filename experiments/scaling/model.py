@@ -130,7 +130,7 @@ class Workload:
 
 def foundation_workload(cfg, batch_per_device: int, name: str, capacity_factor: float | None = None) -> Workload:
     """The workload of a FoundationConfig (dense parameters counted from the model, abstractly)."""
-    from models.foundation import foundation_tables
+    from jaxscale_models.foundation import foundation_tables
 
     half = dataclasses.replace(cfg, item_reshape="half_dim")
     full = dataclasses.replace(cfg, item_reshape=None)
@@ -154,7 +154,7 @@ def dense_params(cfg) -> int:
     import jax
     from flax import nnx
 
-    from models.foundation import FoundationModel
+    from jaxscale_models.foundation import FoundationModel
 
     abstract = nnx.eval_shape(lambda: FoundationModel(cfg, rngs=nnx.Rngs(0)))
     return int(sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
@@ -209,7 +209,7 @@ def batch_counts(cfg, step: int = 0) -> list[cm.StackCounts]:
     from jaxscale import planner
     from jaxscale.data import make_data
     from jaxscale.plan import resolve_plan
-    from models.foundation import foundation_ids, foundation_tables
+    from jaxscale_models.foundation import foundation_ids, foundation_tables
 
     nodes, local = cfg.mesh.nodes, cfg.mesh.local
     fcfg = cfg.model.foundation

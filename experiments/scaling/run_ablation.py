@@ -61,7 +61,7 @@ DENSE_CATS = ("dense_grad", "model_gather")
 
 def tiny_workload(devices: int) -> M.Workload:
     """The compiled tiny model's workload on `devices` devices (both half_dim variants inside)."""
-    from models.foundation import FoundationConfig
+    from jaxscale_models.foundation import FoundationConfig
 
     return M.foundation_workload(FoundationConfig(**TINY), TINY_BATCH // devices, "tiny", CAPACITY_FACTOR)
 
@@ -151,7 +151,7 @@ def stage_count_key(s) -> str:
 
 def compute_counts(large, log=print) -> dict:
     """Monte Carlo counts for every stage configuration and node count (see counts.py)."""
-    from models.foundation import FoundationConfig
+    from jaxscale_models.foundation import FoundationConfig
 
     t0 = time.perf_counter()
     cfg = FoundationConfig.large()
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
     checks_hlo = cross_check(compiled)
     bad = [c for c in checks_hlo if not agrees(c)]
 
-    from models.foundation import FoundationConfig
+    from jaxscale_models.foundation import FoundationConfig
 
     fl = FoundationConfig.large()
     large = M.foundation_workload(fl, BATCH_PER_DEVICE, "large")
