@@ -57,6 +57,10 @@ class MeshConfig:
     """Size of the 'node' axis (one process per node in a multi-process run)."""
     local: int = 8
     """Devices per node (the 'local' axis)."""
+    cluster: str | None = None
+    """The cluster's link figures for the planner (`embedding.topology=auto`): a preset of meshes/ (e.g.
+    '8x8') or a YAML path; None: the preset named '<nodes>x<local>' when there is one, else the defaults of
+    `jaxscale.cluster.ClusterSpec`."""
 
     def __post_init__(self):
         for f in ("nodes", "local"):

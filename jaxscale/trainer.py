@@ -239,11 +239,14 @@ class Trainer:
         where = dict(process_index=self.process_index, process_count=self.process_count)
         self.data = data if data is not None else make_data(cfg, split="train", **where)
         self.eval_data = eval_data if eval_data is not None else make_data(cfg, split="eval", **where)
-        self.ec = make_collection(cfg, self.mesh, self.tables)
-        self.tx = make_optimizer(cfg)
         model = self.spec.build(self.model_cfg, nnx.Rngs(cfg.train.seed))
         self.graphdef, dense, rest = nnx.split(model, nnx.Param, ...)
         self._dense_host, self._rest_host = _host_tree(dense), _host_tree(rest)  # numpy: see init_state
+        self.topology_choice = None
+        if cfg.embedding.topology == "auto":
+            cfg = self.cfg = self._choose_topology(cfg)
+        self.ec = make_collection(cfg, self.mesh, self.tables)
+        self.tx = make_optimizer(cfg)
         self.replicated = NamedSharding(self.mesh, P())
         self.checkpointer = Checkpointer(
             self.workdir, cfg.train.keep_checkpoints, self.process_index, self.process_count, self.is_writer
@@ -253,6 +256,51 @@ class Trainer:
         self.comm = None
         self.collectives = None
         self._stop_requested = False
+
+    def _choose_topology(self, cfg: Config, sample_steps: int = 4) -> Config:
+        """`embedding.topology=auto`: the planner's recommendation for this cluster and a data sample.
+
+        The sample is the first `sample_steps` batches' engine ids; the planner predicts the embedding
+        communication per step of 1d, 2d_ar and 2d_a2a (each exact sync strategy) with the dense gradient
+        all-reduce sharing the links, and the run uses the fastest (its report is printed). The resolved
+        topology (and exact sync strategy) is what the config, and so every checkpoint, records.
+        """
+        from jaxscale import planner
+        from jaxscale.cluster import ClusterSpec, known_clusters
+
+        nodes, local = cfg.mesh.nodes, cfg.mesh.local
+        if cfg.mesh.cluster is not None:
+            cluster = ClusterSpec.from_yaml(cfg.mesh.cluster)
+        elif f"{nodes}x{local}" in known_clusters():
+            cluster = ClusterSpec.named(f"{nodes}x{local}")
+        else:
+            cluster = ClusterSpec(nodes, local)
+        if (cluster.nodes, cluster.devices_per_node) != (nodes, local):
+            got = f"{cluster.nodes}x{cluster.devices_per_node}"
+            raise ValueError(f"mesh.cluster describes a {got} cluster, the mesh is {nodes}x{local}")
+        batches = [self.spec.ids(self.model_cfg, self.data.batch(s)) for s in range(sample_steps)]
+        sample = {f: np.concatenate([b[f] for b in batches]) for f in batches[0]}
+        stats = planner.measure_feature_stats(sample, self.tables)
+        dense = sum(int(np.size(x)) for x in jax.tree.leaves(self._dense_host))
+        per_device = cfg.train.batch_size // (nodes * local)
+        choice = planner.recommend_topology(
+            self.tables,
+            stats,
+            cluster,
+            per_device,
+            cfg.embedding.comm,
+            dense_params=dense,
+            dense_precision=cfg.train.dense_grad_precision,
+        )
+        self.topology_choice = choice
+        if self.is_writer:
+            print(choice.report())
+        changes = {"topology": choice.topology}
+        if choice.sync is not None and choice.sync.mode == "exact":
+            changes["sync_strategy"] = choice.sync.strategy
+        if choice.topology == "1d":
+            changes["replica_sync"] = "exact"  # no replicas to sync
+        return dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, **changes))
 
     # -------------------------------------------------------------- state
 

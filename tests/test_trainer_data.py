@@ -124,3 +124,25 @@ def test_trainer_takes_its_data_source(tmp_path):
     tr.batch(4)
     assert src.calls == [4]
     assert Path(tmp_path).exists()
+
+
+def test_topology_auto_follows_the_cluster(tmp_path, capsys):
+    """embedding.topology=auto: the planner's choice for the cluster's links and a data sample. Over a slow
+    inter-node link (1 Gbit/s) an all-to-all that crosses nodes (1d, 2d_ar) never wins: 2d_a2a does."""
+    slow = tmp_path / "slow.yaml"
+    slow.write_text(
+        "nodes: 2\ndevices_per_node: 4\ndevice_memory_gb: 80\nintra_node_bandwidth_gbytes_per_s: 450\n"
+        "inter_node_bandwidth_gbit_per_s: 1\nintra_node_latency_us: 3\ninter_node_latency_us: 10\nefficiency: 1.0\n"
+    )
+    base = [o for o in DLRM if not o.startswith("mesh.")] + ["mesh.nodes=2", "mesh.local=4"]
+    cfg = load_config(None, base + ["embedding.topology=auto", f"mesh.cluster={slow}"])
+    tr = Trainer(cfg, workdir=str(tmp_path / "run"), progress=False)
+    choice = tr.topology_choice
+    assert choice is not None and choice.topology == "2d_a2a"
+    assert tr.cfg.embedding.topology == "2d_a2a" and tr.ec.topology.name == "2d_a2a"
+    assert "recommended" in capsys.readouterr().out
+    assert {c.topology for c in choice.candidates} == {"1d", "2d_ar", "2d_a2a"}
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(slow.read_text().replace("nodes: 2", "nodes: 4"))
+    with pytest.raises(ValueError, match="describes a 4x4 cluster"):
+        Trainer(load_config(None, base + ["embedding.topology=auto", f"mesh.cluster={wrong}"]), progress=False)
