@@ -23,24 +23,22 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxscale.comm_model import CAPACITY_LADDER as LADDER_GROWTH
+from jaxscale.comm_model import round_up_capacity
 from jaxscale.embedding import routing
 from jaxscale.embedding.layout import Layout
 from jaxscale.mesh import Topology
 
-LADDER_GROWTH = 1.25
 SYNC_STRATEGIES = ("gather", "owner")
 
 
 def ladder_up(n: int) -> int:
-    """The smallest value >= n on the capacity ladder 1, 2, 3, 4, 5, 7, 9, 12, 15, 19, 24, 30, ...
+    """The smallest capacity >= n on the ladder ceil(1.25**i): 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 19, ...
 
-    Each step grows by x1.25 (at least +1), so rounding up costs at most 25% padding and a run sees
-    O(log) distinct capacities.
+    Rounding up costs at most 25% padding and a run sees O(log) distinct capacities. The one ladder, shared
+    with the planner and the scaling model (`jaxscale.comm_model.round_up_capacity`).
     """
-    v = 1
-    while v < n:
-        v = max(v + 1, math.ceil(v * LADDER_GROWTH))
-    return v
+    return round_up_capacity(n)
 
 
 @dataclasses.dataclass(frozen=True)
