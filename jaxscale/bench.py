@@ -106,8 +106,14 @@ def main(argv=None) -> int:
         if any(a in ("-h", "--help") for a in argv):
             print(__doc__)
             return 0
-        print(f"no jaxscale source checkout found ({SUITE}): benchmarking the installed package", file=sys.stderr)
-        return installed_benchmark(quick="--quick" in argv)
+        print(
+            f"no jaxscale source checkout found ({SUITE}; set JAXSCALE_SOURCE to point at one): benchmarking the "
+            "installed package",
+            file=sys.stderr,
+        )
+        # a fresh interpreter: the benchmark sets JAX's device count, which must happen before JAX starts
+        code = f"from jaxscale.bench import installed_benchmark as b; raise SystemExit(b(quick={'--quick' in argv}))"
+        return subprocess.call([sys.executable, "-c", code])
     return subprocess.call([sys.executable, str(suite), *argv])
 
 

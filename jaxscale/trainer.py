@@ -435,6 +435,7 @@ class Trainer:
     def save(self, mgr, state) -> int:
         """Saves `state` (and the data source's position, when it has one) at its step."""
         position = self.data.get_state() if hasattr(self.data, "get_state") else None
+        self.checkpointer.verbose = self.is_writer
         return self.checkpointer.save(mgr, state, self._meta(state), position)
 
     def restore(self, template_state, step: int | None = None):

@@ -299,8 +299,12 @@ def test_entry_point_finds_the_checkout_and_explains_when_it_cannot(monkeypatch,
     found = entry.find_suite()
     assert found is not None and found == BENCH_DIR / "suite.py"
     monkeypatch.setattr(entry, "candidates", lambda: [tmp_path])
-    assert entry.main(["--quick"]) == 2
+    assert entry.main(["--help"]) == 0
+    calls = []
+    monkeypatch.setattr(entry.subprocess, "call", lambda args: calls.append(args) or 0)
+    assert entry.main(["--quick"]) == 0  # an installed package benchmarks itself in a fresh interpreter
     assert "set JAXSCALE_SOURCE" in capsys.readouterr().err
+    assert calls and "installed_benchmark" in calls[0][-1] and "quick=True" in calls[0][-1]
 
 
 def test_nothing_in_the_package_imports_experiments():
