@@ -4,8 +4,11 @@
 import dataclasses
 import json
 import os
-import sys
 
+import collect
+import compiled_stages as S
+import counts as C
+import model as M
 import numpy as np
 import pytest
 
@@ -17,12 +20,6 @@ from jaxscale.tables import TableConfig
 from jaxscale.techniques import STAGE_NAMES, STAGES, Stage, stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments", "scaling"))
-
-import collect  # noqa: E402
-import counts as C  # noqa: E402
-import model as M  # noqa: E402
-import stages as S  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ ladder
 

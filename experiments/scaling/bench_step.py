@@ -30,7 +30,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 # A small foundation model whose step is dominated by embedding payloads on a slow link: sequence lookups
 # of 64 events into 2 tables of 64-dim rows, 8 sequences per device; a 1-layer d_model-16 transformer.
@@ -117,7 +116,7 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
 
 
 def build_config(st, nodes: int, local: int, batch_per_device: int):
-    from stages import CONFIG, overrides
+    from compiled_stages import CONFIG, overrides
 
     from jaxscale.config import load_config
 

@@ -5,7 +5,7 @@
 
 Writes experiments/scaling/compiled_bytes.json: {key: {"overrides": [...], "report": comm_report output}}
 with key "<nodes>x<local>|<topology>|<fwd>|<bwd>|<half_dim>". An entry is stale when the overrides that
-produced it differ from the current ones (stages.py). run_ablation.py and tests/test_scaling_model.py
+produced it differ from the current ones (compiled_stages.py). run_ablation.py and tests/test_scaling_model.py
 compare these compiled bytes with the model's formulas.
 """
 
@@ -24,7 +24,7 @@ MESHES = ((2, 4), (4, 2))
 
 
 def entry_key(nodes: int, local: int, stage) -> str:
-    from stages import compile_key
+    from compiled_stages import compile_key
 
     return f"{nodes}x{local}|" + "|".join(map(str, compile_key(stage)))
 
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    sys.path.insert(0, HERE)
-    from stages import CONFIG, distinct_compiled_stages, overrides
+    from compiled_stages import CONFIG, distinct_compiled_stages, overrides
 
     from jaxscale.comm_report import comm_report
     from jaxscale.config import load_config

@@ -28,12 +28,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 import collect  # noqa: E402
 import counts as C  # noqa: E402
 import model as M  # noqa: E402
-from stages import CAPACITY_FACTOR, TINY, TINY_BATCH, distinct_compiled_stages  # noqa: E402
+from compiled_stages import CAPACITY_FACTOR, TINY, TINY_BATCH, distinct_compiled_stages  # noqa: E402
 
 from jaxscale import comm_model as cm  # noqa: E402
 from jaxscale import planner  # noqa: E402
@@ -75,7 +74,7 @@ def compiled_counts(compiled_entry: dict, w: M.Workload, st, cluster: ClusterSpe
     """(counts, sync) the formulas use for one compiled entry, per COMPILED_ENGINE."""
     if COMPILED_ENGINE == "padded":
         return M.padded_counts(w, cluster.topology(st.topology), st.half_dim), M.PADDED_SYNC
-    from stages import CONFIG
+    from compiled_stages import CONFIG
 
     from jaxscale.config import load_config
 
