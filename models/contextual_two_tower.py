@@ -64,6 +64,7 @@ from jaxscale_models.foundation import (
 )
 
 HOURS = 24
+CONTEXT_DROPOUT_MODES = ("sample", "marginal")
 NEG_INF = -1e9  # masked logits: finite, so a fully masked (ignored) row stays finite in value and gradient
 
 HISTORY_KEYS = ("item_ids", "item_categories", "timestamps", "actions", "surfaces", "mask")
@@ -104,6 +105,10 @@ class ContextualTwoTowerConfig:
     context_dim: int = 32
     context_dropout: float = 0.5
     """Training only: probability that an example's whole context is replaced by 'missing'."""
+    context_dropout_mode: Literal["sample", "marginal"] = "sample"
+    """'sample': a Bernoulli(context_dropout) mask per example (dropout). 'marginal': its exact expectation,
+    without sampling: every example's loss is (1 - p) * loss(with context) + p * loss(context missing), so
+    the missing-context mode learns from every example (the head runs twice; the encoder once)."""
     head_hidden: tuple[int, ...] = (128,)
     """Hidden sizes of the query head MLP."""
     item_hidden: tuple[int, ...] = (128,)
@@ -147,6 +152,7 @@ class ContextualTwoTowerConfig:
         if self.logq_buckets is not None:
             check_int(o, self, "logq_buckets", 1)
         check_choice(o, self, "time_encoding", TIME_ENCODINGS)
+        check_choice(o, self, "context_dropout_mode", CONTEXT_DROPOUT_MODES)
         check_choice(o, self, "dtype", DTYPES)
         for f in ("use_context", "logq_correction", "remove_accidental_hits"):
             if not isinstance(getattr(self, f), bool):
@@ -407,7 +413,7 @@ class ContextLayer(nnx.Module):
         self.surface_emb = nnx.Embed(cfg.num_surfaces + 1, c, embedding_init=init, rngs=rngs)
         self.hour_emb = nnx.Embed(HOURS + 1, c, embedding_init=init, rngs=rngs)
         self.out = nnx.Linear(c, c, rngs=rngs)
-        self.rate = cfg.context_dropout
+        self.rate = cfg.context_dropout if cfg.context_dropout_mode == "sample" else 0.0
         self.deterministic = False
         self.rngs = rngs["dropout"].fork()
 
@@ -577,16 +583,28 @@ def two_tower_loss(model: ContextualTwoTower, embeddings: Mapping, batch: Mappin
     labels = jnp.asarray(batch["label_item"])
     valid = labels >= 0
     log_q = model.logq(labels, valid) if cfg.logq_correction else None
-    loss = in_batch_softmax(
-        out["query"],
-        out["item"],
-        labels,
-        valid,
-        temperature=cfg.temperature,
-        log_q=log_q,
-        remove_accidental_hits=cfg.remove_accidental_hits,
-    )
-    metrics = {"loss": loss, "examples": jnp.sum(valid), "query": out["query"], "label_item": labels}
+
+    def softmax(query):
+        return in_batch_softmax(
+            query,
+            out["item"],
+            labels,
+            valid,
+            temperature=cfg.temperature,
+            log_q=log_q,
+            remove_accidental_hits=cfg.remove_accidental_hits,
+        )
+
+    loss = softmax(out["query"])
+    metrics = {}
+    if cfg.use_context and cfg.context_dropout_mode == "marginal" and not model.query_head.context.deterministic:
+        n = labels.shape[0]
+        missing = withhold_context({"item_ids": np.zeros((n, 1))})
+        no_context = model.query_head(out["state"], jnp.zeros((n, cfg.item_dim), jnp.float32), missing)
+        loss_missing = softmax(no_context)
+        metrics = {"loss_with_context": loss, "loss_context_missing": loss_missing}
+        loss = (1.0 - cfg.context_dropout) * loss + cfg.context_dropout * loss_missing
+    metrics |= {"loss": loss, "examples": jnp.sum(valid), "query": out["query"], "label_item": labels}
     if cfg.logq_correction:
         metrics["logq_estimator_step"] = model.logq.step[...]
         metrics["mean_log_q"] = jnp.sum(jnp.where(valid, log_q, 0.0)) / jnp.maximum(jnp.sum(valid), 1)

@@ -349,6 +349,6 @@ class CorpusEncoder:
                 ("label_item", "label_category"),
                 chunk,
             )
-            ids = to_global(self.ec.validate_ids(part), self.ec.mesh)
-            out.append(np.asarray(self._fn(self.emb_state, ids))[:n])
+            lookup_ids = to_global(self.ec.validate_ids(part), self.ec.mesh)
+            out.append(np.asarray(self._fn(self.emb_state, lookup_ids))[:n])
         return np.concatenate(out)

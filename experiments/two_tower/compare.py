@@ -50,7 +50,8 @@ def make_config(args, use_context: bool):
         mlp_ratio=2,
         max_seq_len=args.seq_len,
         context_dim=32,
-        context_dropout=0.5,
+        context_dropout=args.context_dropout,
+        context_dropout_mode=args.context_dropout_mode,
         head_hidden=(128,),
         item_hidden=(128,),
         embed_dim=32,
@@ -216,6 +217,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-users", type=int, default=4096)
     p.add_argument("--lr", type=float, default=3e-3, help="dense (adamw) peak learning rate")
     p.add_argument("--sparse-lr", type=float, default=0.05, help="tables (row-wise AdaGrad) learning rate")
+    p.add_argument("--context-dropout", type=float, default=0.5)
+    p.add_argument("--context-dropout-mode", default="sample", choices=("sample", "marginal"))
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
