@@ -105,7 +105,7 @@ class ContextualTwoTowerConfig:
     context_dim: int = 32
     context_dropout: float = 0.5
     """Training only: probability that an example's whole context is replaced by 'missing'."""
-    context_dropout_mode: Literal["sample", "marginal"] = "sample"
+    context_dropout_mode: Literal["sample", "marginal"] = "marginal"
     """'sample': a Bernoulli(context_dropout) mask per example (dropout). 'marginal': its exact expectation,
     without sampling: every example's loss is (1 - p) * loss(with context) + p * loss(context missing), so
     the missing-context mode learns from every example (the head runs twice; the encoder once)."""
@@ -113,6 +113,8 @@ class ContextualTwoTowerConfig:
     """Hidden sizes of the query head MLP."""
     item_hidden: tuple[int, ...] = (128,)
     """Hidden sizes of the item tower MLP."""
+    item_category_feature: bool = True
+    """The item tower reads the item's category embedding besides its id embedding."""
     embed_dim: int = 32
     """Dim of the query and item vectors (the retrieval space)."""
     temperature: float = 0.05
@@ -154,7 +156,7 @@ class ContextualTwoTowerConfig:
         check_choice(o, self, "time_encoding", TIME_ENCODINGS)
         check_choice(o, self, "context_dropout_mode", CONTEXT_DROPOUT_MODES)
         check_choice(o, self, "dtype", DTYPES)
-        for f in ("use_context", "logq_correction", "remove_accidental_hits"):
+        for f in ("use_context", "logq_correction", "remove_accidental_hits", "item_category_feature"):
             if not isinstance(getattr(self, f), bool):
                 raise field_error(o, f, f"must be a bool, got {getattr(self, f)!r}")
         if self.d_model % self.num_heads:
@@ -489,8 +491,9 @@ class ContextualTwoTower(nnx.Module):
         self.cfg = cfg
         self.encoder = SequenceEncoder(cfg.encoder_config(), rngs=rngs)
         self.query_head = QueryHead(cfg, rngs=rngs)
-        self.item_ln = nnx.LayerNorm(2 * cfg.item_dim, rngs=rngs)
-        self.item_tower = MLP((2 * cfg.item_dim, *cfg.item_hidden, cfg.embed_dim), rngs=rngs)
+        item_in = cfg.item_dim * (2 if cfg.item_category_feature else 1)
+        self.item_ln = nnx.LayerNorm(item_in, rngs=rngs)
+        self.item_tower = MLP((item_in, *cfg.item_hidden, cfg.embed_dim), rngs=rngs)
         if cfg.logq_correction:
             self.logq = StreamingFrequencyEstimator(cfg.estimator_buckets, cfg.logq_alpha, cfg.item_rows)
 
@@ -504,8 +507,11 @@ class ContextualTwoTower(nnx.Module):
         return last_valid(hidden, mask)
 
     def item_vectors(self, item_emb, category_emb):
-        """Item tower: [..., item_dim] id and category embeddings -> L2-normalised [..., E]."""
-        x = jnp.concatenate([jnp.asarray(item_emb, jnp.float32), jnp.asarray(category_emb, jnp.float32)], axis=-1)
+        """Item tower: [..., item_dim] id and category embeddings -> L2-normalised [..., E] (the category is
+        ignored without `item_category_feature`)."""
+        x = jnp.asarray(item_emb, jnp.float32)
+        if self.cfg.item_category_feature:
+            x = jnp.concatenate([x, jnp.asarray(category_emb, jnp.float32)], axis=-1)
         return l2norm(self.item_tower(self.item_ln(x)))
 
     def query(self, embeddings: Mapping, batch: Mapping):

@@ -312,7 +312,7 @@ def fake_lookup(cfg, ids, seed=0):
 
 
 def test_model_structure_and_context_dropout_equals_withheld_context():
-    cfg = ContextualTwoTowerConfig(**TINY, context_dropout=0.5)
+    cfg = ContextualTwoTowerConfig(**TINY, context_dropout=0.5, context_dropout_mode="sample")
     model = ContextualTwoTower(cfg, rngs=nnx.Rngs(0))
     assert isinstance(model.encoder, SequenceEncoder)
     host = SyntheticContextualData(cfg, 32, seed=1).held_out().with_options(corpus=False).batch(0)
@@ -359,3 +359,20 @@ def test_loss_updates_the_estimator_only_in_training_and_summarize_ranks_the_cor
     with pytest.raises(ValueError, match="exactly once"):
         two_tower_summarize(cfg, [dict(m, corpus_items=np.zeros_like(m["corpus_items"]))])
     assert two_tower_summarize(cfg, [{k: v for k, v in m.items() if not k.startswith("corpus")}]) == {}
+
+
+def test_marginal_context_dropout_averages_the_losses_with_and_without_context():
+    cfg = ContextualTwoTowerConfig(**TINY, context_dropout=0.7, context_dropout_mode="marginal", logq_correction=False)
+    model = ContextualTwoTower(cfg, rngs=nnx.Rngs(4))
+    host = SyntheticContextualData(cfg, 32, seed=6).batch(0)
+    held = withhold_context(host)
+    emb, emb_held = fake_lookup(cfg, two_tower_ids(cfg, host)), fake_lookup(cfg, two_tower_ids(cfg, held))
+    loss_fn = nnx.jit(two_tower_loss)
+    loss, m = loss_fn(model, emb, host)  # training mode: both halves
+    model.eval()  # eval mode: the examples' own context only
+    with_ctx, _ = loss_fn(model, emb, host)
+    without, _ = loss_fn(model, emb_held, held)
+    np.testing.assert_allclose(float(m["loss_with_context"]), float(with_ctx), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss_context_missing"]), float(without), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), 0.3 * float(with_ctx) + 0.7 * float(without), rtol=1e-5)
+    assert abs(float(with_ctx) - float(without)) > 1e-3

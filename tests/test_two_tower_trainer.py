@@ -38,6 +38,7 @@ TINY = [
     "train.eval_every=40",
     "train.log_every=10",
     "data.eval_batches=2",
+    "embedding.capacity_factor=2.0",  # fixed exchange shapes: one compilation (overflow would grow it)
 ]
 
 

@@ -12,6 +12,14 @@ with their real request context; the contextual model is evaluated a second time
 
     {"recall@10": {"context": x, "no_context": y, "context_withheld": z}, "recall@50": {...}, "recall@100": {...}}
 
+The recipe (both models): context dropout 0.5 in its marginal form (every example's loss is the average of
+its loss with and without its context; see `ContextualTwoTowerConfig.context_dropout_mode`), and an item
+tower that reads the item id only, so the item vectors learn the category structure from the training
+signal; this is where the context's clean signal carries over to requests without context. With
+`--item-category` (ablation, its own RESULTS.md section) both item towers also read the category
+embedding, get that structure for free, and the context-withheld model is only level with the context-free
+one.
+
 Training uses a direct loop over the model's `ModelSpec` (its tables, ids, build, loss) and a real
 `EmbeddingCollection` on one device rather than the Trainer, because (1) the loop carries the model's
 non-parameter state from step to step (the logQ frequency estimator and the dropout RNG counters; the
@@ -54,6 +62,7 @@ def make_config(args, use_context: bool):
         context_dropout_mode=args.context_dropout_mode,
         head_hidden=(128,),
         item_hidden=(128,),
+        item_category_feature=args.item_category,
         embed_dim=32,
         temperature=0.05,
         use_context=use_context,
@@ -170,11 +179,14 @@ def render(args, result, machine, load_at_end) -> str:
 
     t = result["table"]
     lines = [
-        "## compare.py: contextual vs context-free retrieval (planted-context synthetic data)",
+        "## compare.py: contextual vs context-free retrieval (planted-context synthetic data)"
+        + (" -- ablation: item tower with the category feature" if args.item_category else ""),
         "",
         f"Command: `python experiments/two_tower/compare.py {' '.join(args.argv)}`".replace(" `", "`").rstrip(),
         "",
         f"Same data stream, seed {args.seed}, {args.steps} steps of batch {args.batch_size} for both models; "
+        f"context dropout {args.context_dropout} ({args.context_dropout_mode}); item tower reads "
+        f"{'id and category' if args.item_category else 'the item id only'}; "
         f"{args.items} items in {args.categories} categories; exact full-corpus top-K over all {args.items} items "
         f"for {args.eval_users} held-out requests (real request context; 'context withheld' = every context "
         "feature missing).",
@@ -214,11 +226,16 @@ def parse_args(argv=None):
     p.add_argument("--items", type=int, default=2000)
     p.add_argument("--categories", type=int, default=50)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--eval-users", type=int, default=4096)
+    p.add_argument("--eval-users", type=int, default=16384)
     p.add_argument("--lr", type=float, default=3e-3, help="dense (adamw) peak learning rate")
     p.add_argument("--sparse-lr", type=float, default=0.05, help="tables (row-wise AdaGrad) learning rate")
     p.add_argument("--context-dropout", type=float, default=0.5)
-    p.add_argument("--context-dropout-mode", default="sample", choices=("sample", "marginal"))
+    p.add_argument("--context-dropout-mode", default="marginal", choices=("sample", "marginal"))
+    p.add_argument(
+        "--item-category",
+        action="store_true",
+        help="ablation: the item tower also reads the category embedding (recorded as section compare_item_category)",
+    )
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -252,7 +269,8 @@ def main(argv=None) -> int:
         os.replace(tmp, out)
         print(f"wrote {out}")
     if args.results != "none":
-        path = write_section("compare", render(args, result, m, os.getloadavg()), Path(args.results or RESULTS))
+        section = "compare_item_category" if args.item_category else "compare"
+        path = write_section(section, render(args, result, m, os.getloadavg()), Path(args.results or RESULTS))
         print(f"wrote {path}")
     return 0
 
