@@ -23,9 +23,11 @@ Training (`two_tower_loss`): each example's candidates are the batch's positive 
   * accidental hits (tensorflow-recommenders' `remove_accidental_hits`): a candidate that is the same item
     as the row's positive (another row engaged with it too) is not a negative; it is masked out.
   * pseudo-context: training examples carry a context derived from the positive label (its category, with
-    noise; see `contextual_two_tower_data.derive_pseudo_context`), and the context layer drops an example's
-    whole context with probability `context_dropout` (high by default) so the model also serves requests
-    without context: a dropped context looks exactly like a missing one.
+    noise; see `contextual_two_tower_data.derive_pseudo_context`), and the context is dropped with a high
+    probability `context_dropout` (0.5) so the model also serves requests without context: a dropped context
+    looks exactly like a missing one. `context_dropout_mode='sample'` draws a mask per example (dropout);
+    'marginal' (default) takes its exact expectation: each example's loss is (1 - p) * loss(with its
+    context) + p * loss(context missing), so the missing-context mode learns from every example.
 
 Evaluation: exact full-corpus retrieval: every item's vector, scores = queries @ items.T, top-K over all
 items (`full_corpus_topk`), Recall@10/50/100 (`recall_at_k`). In the trainer the eval batches carry the

@@ -376,3 +376,19 @@ def test_marginal_context_dropout_averages_the_losses_with_and_without_context()
     np.testing.assert_allclose(float(m["loss_context_missing"]), float(without), rtol=1e-5)
     np.testing.assert_allclose(float(loss), 0.3 * float(with_ctx) + 0.7 * float(without), rtol=1e-5)
     assert abs(float(with_ctx) - float(without)) > 1e-3
+
+
+def test_parquet_round_trip_of_the_synthetic_requests(tmp_path):
+    from jaxscale.data import ParquetData, write_parquet_sample
+    from jaxscale_models.contextual_two_tower import SPEC
+
+    cfg = ContextualTwoTowerConfig(**TINY)
+    data = SyntheticContextualData(cfg, 16, seed=2)
+    path = write_parquet_sample(tmp_path / "requests.parquet", data, 32, row_group_size=16)
+    columns, seq_len = SPEC.parquet_columns(cfg)
+    read = ParquetData(path, columns, batch_size=16, seq_len=seq_len)
+    for step in range(2):
+        want, got = data.batch(step), read.batch(step)
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
