@@ -296,15 +296,15 @@ class Block(nnx.Module):
         return x + self.dropout(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
-class FoundationModel(nnx.Module):
-    """The dense part of the foundation model. Call: `model(embeddings, batch) -> dict` with
+class SequenceEncoder(nnx.Module):
+    """The causal encoder over a user's events: item vectors + action + surface + position + time gap ->
+    a pre-LN transformer -> final LayerNorm. `encode(items, batch) -> hidden [B, L, d_model]`: position t
+    sees events <= t only, so `hidden[:, t]` is the user's state after event t.
 
-      hidden        [B, L, d_model]  final-LN transformer output (the user representation at each event)
-      query         [B, L, E]        retrieval query (E = cfg.item_out_dim), L2-normalised
-      item          [B, L, E]        item vector of each event (combined lookups), L2-normalised
-      engage_logits [B, L-1]         logit that event t+1 is engaged, from history <= t and item t+1
-
-    Dropout follows nnx's train/eval switch (`model.train()` / `model.eval()`); it is a no-op at rate 0.
+    The foundation model is this encoder plus its heads; other models (e.g. the contextual two-tower's query
+    tower) hold one as a submodule and reuse it as is. Configured by the `FoundationConfig` fields that shape
+    it (item_dim / item_out_dim / item_reshape, num_actions, num_surfaces, d_model, num_layers, num_heads,
+    mlp_ratio, max_seq_len, dropout, time_encoding, time_buckets, time_max_seconds, dtype).
     """
 
     def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
@@ -329,10 +329,6 @@ class FoundationModel(nnx.Module):
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.ln_f = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
-        self.query = nnx.Linear(d, e, rngs=rngs)
-        self.engage_item = nnx.Linear(e, d, rngs=rngs)
-        self.engage_hidden = nnx.Linear(2 * d, d, rngs=rngs)
-        self.engage_out = nnx.Linear(d, 1, rngs=rngs)
 
     def time_features(self, timestamps, mask):
         """Encodes the gap (seconds) since the previous valid event; 0 for the first event."""
@@ -349,15 +345,21 @@ class FoundationModel(nnx.Module):
         angles = log_gap[..., None] * freqs
         return self.time_proj(jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1))
 
-    def __call__(self, embeddings: Mapping, batch: Mapping) -> dict:
+    def item_vectors(self, embeddings: Mapping, mask) -> jax.Array:
+        """The looked-up item tables -> one [B, L, item_out_dim] vector per event (zeros on padding)."""
+        cfg = self.cfg
+        if cfg.item_reshape == "half_dim":
+            embeddings = {f: self.item_up(jnp.asarray(embeddings[f], jnp.float32)) for f in item_features(cfg)}
+        return jnp.where(mask[..., None], combine_items(cfg, embeddings), 0.0)
+
+    def encode(self, items, batch: Mapping) -> jax.Array:
+        """items [B, L, item_out_dim] (zeros on padding) and the batch's actions / surfaces / timestamps / mask
+        -> hidden [B, L, d_model] float32."""
         cfg = self.cfg
         mask = jnp.asarray(batch["mask"], bool)
         b, l = mask.shape
         if l > cfg.max_seq_len:
             raise ValueError(f"sequence length {l} exceeds FoundationConfig.max_seq_len={cfg.max_seq_len}")
-        if cfg.item_reshape == "half_dim":
-            embeddings = {f: self.item_up(jnp.asarray(embeddings[f], jnp.float32)) for f in item_features(cfg)}
-        items = jnp.where(mask[..., None], combine_items(cfg, embeddings), 0.0)
         actions = jnp.clip(jnp.where(mask, batch["actions"], 0), 0, cfg.num_actions - 1)
         surfaces = jnp.clip(jnp.where(mask, batch["surfaces"], 0), 0, cfg.num_surfaces - 1)
         x = (
@@ -371,7 +373,33 @@ class FoundationModel(nnx.Module):
         x = self.dropout(x)
         for block in self.blocks:
             x = block(x, mask)
-        hidden = self.ln_f(x).astype(jnp.float32)
+        return self.ln_f(x).astype(jnp.float32)
+
+
+class FoundationModel(SequenceEncoder):
+    """The dense part of the foundation model: the `SequenceEncoder` plus its heads. Call:
+    `model(embeddings, batch) -> dict` with
+
+      hidden        [B, L, d_model]  final-LN transformer output (the user representation at each event)
+      query         [B, L, E]        retrieval query (E = cfg.item_out_dim), L2-normalised
+      item          [B, L, E]        item vector of each event (combined lookups), L2-normalised
+      engage_logits [B, L-1]         logit that event t+1 is engaged, from history <= t and item t+1
+
+    Dropout follows nnx's train/eval switch (`model.train()` / `model.eval()`); it is a no-op at rate 0.
+    """
+
+    def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)  # the encoder's parameters first: creation order fixes their init
+        d, e = cfg.d_model, cfg.item_out_dim
+        self.query = nnx.Linear(d, e, rngs=rngs)
+        self.engage_item = nnx.Linear(e, d, rngs=rngs)
+        self.engage_hidden = nnx.Linear(2 * d, d, rngs=rngs)
+        self.engage_out = nnx.Linear(d, 1, rngs=rngs)
+
+    def __call__(self, embeddings: Mapping, batch: Mapping) -> dict:
+        mask = jnp.asarray(batch["mask"], bool)
+        items = self.item_vectors(embeddings, mask)
+        hidden = self.encode(items, batch)
         query = _l2norm(self.query(hidden))
         item_n = _l2norm(items)
         nxt = self.engage_item(item_n[:, 1:])

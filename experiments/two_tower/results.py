@@ -1,0 +1,47 @@
+"""RESULTS.md of the two-tower experiments: each script owns one section (between its markers) and rewrites
+only that section, atomically; the machine description goes with every section."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+TITLE = (
+    "# Contextual two-tower: recorded results\n\n"
+    "Every section is written by the script it names; nothing here is typed by hand.\n"
+)
+
+
+def machine() -> dict:
+    import jax
+
+    from jaxscale.bench import machine as suite_machine
+
+    return {**suite_machine(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:1]}
+
+
+def machine_lines(m: dict, load_at_end) -> list[str]:
+    fmt = lambda x: "n/a" if x is None else ", ".join(f"{v:.2f}" for v in x)  # noqa: E731
+    return [
+        f"- machine: {m['cpu_model']}, {m['nproc']} cores visible, {m['memory']}; {m['platform']}",
+        f"- python {m['python']}, jax {m['jax']}, numpy {m['numpy']}",
+        f"- load average (1, 5, 15 min) at start: {fmt(m['loadavg_at_start'])}; at end: {fmt(load_at_end)}",
+    ]
+
+
+def write_section(name: str, markdown: str, path: Path = RESULTS) -> Path:
+    """Replaces section `name` of `path` (created if absent) with `markdown`; other sections are kept."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else TITLE
+    block = f"{begin}\n{markdown.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
