@@ -146,10 +146,12 @@ def make_train_step(
                 out = dp_forward(dense, state["rest"], emb, batch)
                 loss, metrics = spec.objective(model_cfg, out, batch)
                 return loss, (_scalars(metrics), state["rest"])
-            model = nnx.merge(graphdef, dense, state["rest"])
+            # fresh variables at this trace level (copy=True): nnx refuses in-place updates of variables
+            # created outside the gradient trace, and the model's non-parameter state must advance
+            model = nnx.merge(graphdef, dense, state["rest"], copy=True)
             loss, metrics = spec.loss(model, emb, batch)
-            # the model's non-parameter state after the call (e.g. dropout's RNG counters, which advance
-            # every step: kept, so no two steps draw the same dropout masks)
+            # the model's non-parameter state after the call (dropout's RNG counters, a retrieval model's
+            # logQ estimator, ...): carried to the next step, so no two steps draw the same dropout masks
             _, _, rest = nnx.split(model, nnx.Param, ...)
             return loss, (_scalars(metrics), rest)
 

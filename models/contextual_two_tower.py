@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Literal
@@ -705,26 +704,12 @@ def two_tower_summarize(cfg: ContextualTwoTowerConfig, batches: list) -> dict:
 
 
 def _synthetic(cfg: ContextualTwoTowerConfig, global_batch: int, data, split: str):
+    """The planted-context generator on the run's data settings (seed, Zipf exponent, id scrambling); its
+    signal strengths keep their defaults here (set them on `SyntheticContextualData` directly)."""
     from jaxscale_models.contextual_two_tower_data import SyntheticContextualData
 
-    options = dict(data.options)
-    known = [
-        p
-        for p in inspect.signature(SyntheticContextualData).parameters
-        if p not in ("cfg", "global_batch", "seed", "split")
-    ]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(
-            f"data.options: unknown keys {unknown} for the contextual two-tower synthetic data; known: {known}"
-        )
     return SyntheticContextualData(
-        cfg,
-        global_batch,
-        data.seed,
-        split=split,
-        zipf_exponent=data.zipf_exponent,
-        **{"scramble": data.scramble_ids, **options},
+        cfg, global_batch, data.seed, split=split, zipf_exponent=data.zipf_exponent, scramble=data.scramble_ids
     )
 
 
