@@ -130,6 +130,10 @@ class ContextualTwoTowerConfig:
     """The K of the full-corpus Recall@K computed at evaluation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Activation dtype of the encoder; heads, softmax and losses stay float32."""
+    category_field: str = "category"
+    """`data.source: sequences`: the sequence field (int64, in [0, num_categories)) that gives the categories
+    of history events, labels and the corpus (`jaxscale_models.contextual_two_tower_sequences`). A model
+    setting, like num_categories: which store field feeds the category table."""
 
     def __post_init__(self):
         o = "ContextualTwoTowerConfig"
@@ -157,6 +161,8 @@ class ContextualTwoTowerConfig:
         check_choice(o, self, "time_encoding", TIME_ENCODINGS)
         check_choice(o, self, "context_dropout_mode", CONTEXT_DROPOUT_MODES)
         check_choice(o, self, "dtype", DTYPES)
+        if not isinstance(self.category_field, str) or not self.category_field:
+            raise field_error(o, "category_field", f"must be a field name, got {self.category_field!r}")
         for f in ("use_context", "logq_correction", "remove_accidental_hits", "item_category_feature"):
             if not isinstance(getattr(self, f), bool):
                 raise field_error(o, f, f"must be a bool, got {getattr(self, f)!r}")
@@ -713,6 +719,14 @@ def _synthetic(cfg: ContextualTwoTowerConfig, global_batch: int, data, split: st
     )
 
 
+def _sequence_store(cfg: ContextualTwoTowerConfig, config, split: str, process_index: int, process_count: int):
+    """`data.source: sequences`: anchors of a `jaxscale.sequences` store, labelled by the anchor event, through
+    Grain (`jaxscale_models.contextual_two_tower_sequences`)."""
+    from jaxscale_models.contextual_two_tower_sequences import sequence_source
+
+    return sequence_source(cfg, config, split, process_index, process_count)
+
+
 def _parquet_columns(cfg: ContextualTwoTowerConfig):
     from jaxscale_models.contextual_two_tower_data import SyntheticContextualData
 
@@ -729,6 +743,7 @@ SPEC = ModelSpec(
     synthetic=_synthetic,
     parquet_columns=_parquet_columns,
     summarize=two_tower_summarize,
+    data_sources={"sequences": _sequence_store},
 )
 
 __all__ = [

@@ -20,6 +20,12 @@ Batches have the foundation model's format (see `jaxscale.data`), right-padded t
 random-access data source), shuffled (reshuffled every epoch), repeated, batched and sliced per process,
 read through Grain's threaded prefetching iterator; its `get_state`/`set_state` carry Grain's iterator
 state so a checkpoint can save the data position.
+
+Extension hooks (a model that needs more than the foundation model's keys, e.g. the contextual two-tower
+source `jaxscale_models.contextual_two_tower_sequences`): `PointInTimeExamples.anchor_event(i)` is the
+stored event that anchor i was taken from; `_padding` / `_model_columns` define the history arrays (add a
+key to both); `SequenceBatches._make_source` builds the random-access source and `SequenceBatches.keys`
+are the keys `batch` returns.
 """
 
 from __future__ import annotations
@@ -135,7 +141,7 @@ class PointInTimeExamples:
                 f"store {store} was built from another definition of {sequence!r} than {defs} "
                 f"(store: {json.dumps(reader.sequence.to_json())})"
             )
-        self.users, self.anchor_ts, self.days = self._anchors(reader)
+        self.users, self.anchor_ts, self.days, self.anchor_part, self.anchor_row = self._anchors(reader)
 
     # ---------------------------------------------------------------- store access
 
@@ -161,7 +167,7 @@ class PointInTimeExamples:
             )
         chosen = parts[-self.eval_days :] if self.split == "eval" else parts[: -self.eval_days]
         first_chosen = len(parts) - len(chosen) if self.split == "eval" else 0
-        users, ts = [], []
+        users, ts, at_part, at_row = [], [], [], []
         for k, part in enumerate(parts[first_chosen : first_chosen + len(chosen)], start=first_chosen):
             run = np.repeat(np.arange(len(part.users)), np.diff(part.starts))
             u, t = part.users[run], part.ts
@@ -176,10 +182,12 @@ class PointInTimeExamples:
             keep = history >= self.min_history
             users.append(u[rows][keep])
             ts.append(t[rows][keep])
+            at_part.append(np.full(int(keep.sum()), k, np.int32))
+            at_row.append(rows[keep].astype(np.int64))
         users, ts = np.concatenate(users), np.concatenate(ts)
         if len(users) == 0:
             raise ValueError(f"the {self.split} split of {self.sequence_name!r} in {self.store} has no example")
-        return users, ts, [p.day for p in chosen]
+        return users, ts, [p.day for p in chosen], np.concatenate(at_part), np.concatenate(at_row)
 
     # ---------------------------------------------------------------- examples
 
@@ -189,6 +197,12 @@ class PointInTimeExamples:
     def anchor(self, index: int) -> tuple[int, int]:
         """(user_id, ts in epoch ms) of example `index`."""
         return int(self.users[index]), int(self.anchor_ts[index])
+
+    def anchor_event(self, index: int):
+        """(partition, row): the stored event anchor `index` was taken from, the first stored (earliest
+        arrival) of the user's events at the anchor's ts; its ts equals the anchor's, so it is not part of the
+        anchor's history."""
+        return self.reader.partitions[int(self.anchor_part[index])], int(self.anchor_row[index])
 
     def __getitem__(self, index) -> dict[str, np.ndarray]:
         index = int(index)
@@ -221,10 +235,10 @@ class PointInTimeExamples:
             self._maps[key] = cols
         return cols
 
-    def example(self, user_id: int, as_of: int) -> dict[str, np.ndarray]:
-        """One example: the user's last max_seq_len events with ts < as_of, in the model's format."""
+    def _padding(self) -> dict[str, np.ndarray]:
+        """An empty history: one padded [max_seq_len] array per key of `_model_columns`, plus `mask`."""
         L = self.max_seq_len
-        out = {
+        return {
             "item_ids": np.full(L, -1, np.int32),
             "timestamps": np.full(L, -1, np.int32),
             "actions": np.full(L, -1, np.int32),
@@ -232,8 +246,12 @@ class PointInTimeExamples:
             "engaged": np.zeros(L, np.float32),
             "mask": np.zeros(L, bool),
         }
+
+    def example(self, user_id: int, as_of: int) -> dict[str, np.ndarray]:
+        """One example: the user's last max_seq_len events with ts < as_of, in the model's format."""
+        out = self._padding()
         at = 0
-        for part, lo, hi in self.reader.slices(user_id, as_of, L):
+        for part, lo, hi in self.reader.slices(user_id, as_of, self.max_seq_len):
             cols = self._model_columns(part)
             for k, v in cols.items():
                 out[k][at : at + hi - lo] = v[lo:hi]
@@ -260,6 +278,9 @@ class SequenceBatches:
     any other step (a resume, an eval restart) repositions it. `get_state()`/`set_state()` wrap Grain's
     iterator state (JSON-serialisable) so checkpoints can save the data position.
     """
+
+    keys: tuple[str, ...] = BATCH_KEYS
+    """The keys `batch` returns (a subclass whose source produces more sets its own)."""
 
     def __init__(
         self,
@@ -291,7 +312,7 @@ class SequenceBatches:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
         self.process_index, self.seed = process_index, int(seed)
         self.local_batch_size = global_batch_size // process_count
-        self.source = PointInTimeExamples(
+        self.source = self._make_source(
             store,
             sequence,
             defs,
@@ -309,6 +330,10 @@ class SequenceBatches:
         self._mp = grain.MultiprocessingOptions(num_workers=worker_count) if worker_count else None
         self._seek(0)
 
+    def _make_source(self, store, sequence, defs, **kwargs) -> PointInTimeExamples:
+        """The random-access source of examples (`kwargs`: PointInTimeExamples' keyword arguments)."""
+        return PointInTimeExamples(store, sequence, defs, **kwargs)
+
     def _seek(self, step: int) -> None:
         it_ds = self.dataset[step:].to_iter_dataset(self._read)
         if self._mp is not None:
@@ -323,7 +348,7 @@ class SequenceBatches:
             self._seek(int(step))
         out = next(self._iter)
         self._next += 1
-        return {k: out[k] for k in BATCH_KEYS}
+        return {k: out[k] for k in self.keys}
 
     def __len__(self) -> int:
         """Steps in one epoch of this split."""
