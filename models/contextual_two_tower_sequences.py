@@ -315,24 +315,15 @@ def sequence_source(cfg, config, split: str, process_index: int, process_count: 
     """`data.source: sequences` for `model.kind: contextual_two_tower` (`ModelSpec.data_sources`): the store of
     `data.sequences`, the category field `cfg.category_field`, Grain's shuffle and the pseudo-context draws
     seeded by `data.seed`."""
-    s = config.data.sequences
-    return ContextualSequenceBatches(
-        s.store,
-        s.sequence,
-        s.defs,
-        global_batch_size=config.train.batch_size,
-        max_seq_len=cfg.max_seq_len,
-        num_actions=cfg.num_actions,
-        num_surfaces=cfg.num_surfaces,
+    return ContextualSequenceBatches.from_config(
+        cfg,
+        config,
+        split,
+        process_index,
+        process_count,
         num_categories=cfg.num_categories,
         item_rows=cfg.item_rows,
         category_field=cfg.category_field,
-        seed=config.data.seed,
-        process_index=process_index,
-        process_count=process_count,
-        split=split,
-        eval_days=s.eval_days,
-        min_history=s.min_history,
     )
 
 

@@ -519,22 +519,7 @@ def _sequence_store(cfg: FoundationConfig, config, split: str, process_index: in
     """`data.source: sequences`: point-in-time examples from a `jaxscale.sequences` store, through Grain."""
     from jaxscale.sequences.training import SequenceBatches
 
-    s = config.data.sequences
-    return SequenceBatches(
-        s.store,
-        s.sequence,
-        s.defs,
-        global_batch_size=config.train.batch_size,
-        max_seq_len=cfg.max_seq_len,
-        num_actions=cfg.num_actions,
-        num_surfaces=cfg.num_surfaces,
-        seed=config.data.seed,
-        process_index=process_index,
-        process_count=process_count,
-        split=split,
-        eval_days=s.eval_days,
-        min_history=s.min_history,
-    )
+    return SequenceBatches.from_config(cfg, config, split, process_index, process_count)
 
 
 SPEC = ModelSpec(

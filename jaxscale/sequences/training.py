@@ -282,6 +282,28 @@ class SequenceBatches:
     keys: tuple[str, ...] = BATCH_KEYS
     """The keys `batch` returns (a subclass whose source produces more sets its own)."""
 
+    @classmethod
+    def from_config(cls, mcfg, config, split: str, process_index: int, process_count: int, **model_options):
+        """The source a run's `data.sequences` section describes, for a model config `mcfg` (its
+        max_seq_len, num_actions, num_surfaces) and any options a subclass adds (`model_options`)."""
+        s = config.data.sequences
+        return cls(
+            s.store,
+            s.sequence,
+            s.defs,
+            global_batch_size=config.train.batch_size,
+            max_seq_len=mcfg.max_seq_len,
+            num_actions=mcfg.num_actions,
+            num_surfaces=mcfg.num_surfaces,
+            seed=config.data.seed,
+            process_index=process_index,
+            process_count=process_count,
+            split=split,
+            eval_days=s.eval_days,
+            min_history=s.min_history,
+            **model_options,
+        )
+
     def __init__(
         self,
         store,
