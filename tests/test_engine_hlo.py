@@ -168,3 +168,63 @@ def test_dense_gradient_would_fail_the_sparsity_check():
 
         temps[rows] = jax.jit(dense, donate_argnums=0).lower(w, i, g).compile().memory_analysis().temp_size_in_bytes
     assert not temps[1_000_000] < 2 * temps[10_000], temps
+
+
+def _lookup_then_update(ec, with_after):
+    """One jitted step that looks up, then updates with GIVEN gradients (they do not depend on the lookup)."""
+
+    def step(state, ids, grads):
+        emb = ec.lookup(state, ids)
+        return ec.update(state, ids, grads, after=emb if with_after else None), emb
+
+    return jax.jit(step, donate_argnums=0)
+
+
+@pytest.mark.parametrize(
+    "shape, topology, sharding",
+    [
+        ((1, 1), "1d", "row_wise"),
+        ((1, 8), "1d", "row_wise"),
+        ((2, 4), "2d_a2a", "row_wise"),
+        ((4, 2), "2d_ar", "table_wise"),
+    ],
+)
+def test_update_after_the_lookup_needs_no_table_copy(shape, topology, sharding):
+    """Given gradients leave the lookup and the in-place update unordered, so XLA copies the donated
+    table; `update(after=outputs)` orders them: no copy, the same result bit for bit."""
+    import numpy as np
+
+    mesh = jaxscale.make_mesh(*shape, devices=jax.devices()[: shape[0] * shape[1]])
+    rows = 200_000
+    ec = jaxscale.EmbeddingCollection(
+        [jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum")],
+        mesh,
+        topology=topology,
+        sharding=sharding,
+        optimizer=jaxscale.RowWiseAdagrad(0.1),
+    )
+    rng = np.random.default_rng(0)
+    ids = {"items": np.minimum(rng.zipf(1.2, (B, L)) - 1, rows - 1).astype(np.int32)}
+    grads = {"items": jax.device_put(rng.normal(size=(B, DIM)).astype(np.float32), ec.batch_sharding)}
+    w0 = rng.uniform(-0.1, 0.1, (rows, DIM)).astype(np.float32)
+    block = _block_bytes(ec)
+    results = {}
+    for with_after in (False, True):
+        fn = _lookup_then_update(ec, with_after)
+        state, batch = ec.from_dense({"items": w0}), ec.shard_batch(ids)
+        temp = fn.lower(state, batch, grads).compile().memory_analysis().temp_size_in_bytes
+        state, emb = fn(state, batch, grads)
+        results[with_after] = (temp, ec.to_dense(state)["items"], np.asarray(emb["items"]))
+    (t_plain, w_plain, e_plain), (t_after, w_after, e_after) = results[False], results[True]
+    assert t_plain >= block, (t_plain, block)  # negative control: without `after` the table is copied
+    assert t_after < block / 10, (t_after, block)
+    np.testing.assert_array_equal(w_after, w_plain)
+    np.testing.assert_array_equal(e_after, e_plain)
+
+
+def test_update_after_must_be_sharded_by_batch():
+    ec = _collection(jaxscale.make_mesh(2, 4), "1d")
+    ids = {"items": jnp.zeros((B, L), jnp.int32), "seq": jnp.zeros((B, L), jnp.int32)}
+    grads = {"items": jnp.zeros((B, DIM)), "seq": jnp.zeros((B, L, DIM))}
+    with pytest.raises(ValueError, match="after takes arrays sharded by batch"):
+        ec.update(ec.init(jax.random.key(0)), ids, grads, after=jnp.zeros((3,)))

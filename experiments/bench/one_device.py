@@ -98,7 +98,7 @@ class JaxscaleEngine:
 
         def step(state, ids, g):
             emb = ec.lookup(state, ids)
-            return ec.update(state, ids, {"f": g}), emb["f"]
+            return ec.update(state, ids, {"f": g}, after=emb), emb["f"]  # after: no table copy
 
         self._step = jax.jit(step, donate_argnums=0)
         self.info = {"jax": jax.__version__}

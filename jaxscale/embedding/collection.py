@@ -444,17 +444,23 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, state, ids, grads, *, apply=True, return_stats: bool = False):
+    def update(self, state, ids, grads, *, apply=True, after=None, return_stats: bool = False):
         """Applies the optimizer to the looked-up rows, given gradients w.r.t. the lookup outputs.
 
         `apply` may be a traced boolean: False leaves weights and optimizer state unchanged (used to skip
         a step on a non-finite loss or on overflow without copying the tables). The state is donated.
+
+        `after`: this step's lookup outputs (or any arrays sharded by batch) that the in-place update must
+        wait for. A train step whose gradients come from the lookup needs nothing; when one jitted step
+        looks up and then updates with gradients that do NOT depend on the lookup (given or precomputed
+        gradients, as in a kernel benchmark), nothing orders the two, and XLA copies every donated table
+        to keep the old one alive for the lookup. Passing the outputs here orders them instead.
         """
         ids = self._prepare(ids)
-        new_state, stats = self._update_jit(state, ids, grads, apply)
+        new_state, stats = self._update_jit(state, ids, grads, apply, after)
         return (new_state, stats) if return_stats else new_state
 
-    def _update(self, state, ids: ShardedIds, grads, apply=True):
+    def _update(self, state, ids: ShardedIds, grads, apply=True, after=None):
         feats = tuple(sorted(ids))
         missing = [f for f in feats if f not in grads]
         if missing:
@@ -464,9 +470,10 @@ class EmbeddingCollection:
         spec = self.state_spec.spec
         stacks = {k: spec for k in self.layout.stacks}
         batch = {f: P(BATCH_AXES) for f in feats}
+        after = self._order_inputs(after)
         fn = self._shard_map(
             functools.partial(self._update_body, feats, caps),
-            in_specs=(stacks, {s: stacks for s in slots}, batch, batch, P(), P()),
+            in_specs=(stacks, {s: stacks for s in slots}, batch, batch, P(), P(), [P(BATCH_AXES)] * len(after)),
             out_specs=(stacks, {s: stacks for s in slots}, _NO_STATS),
         )
         weights, slot_state, stats = fn(
@@ -476,10 +483,23 @@ class EmbeddingCollection:
             {f: grads[f].astype(jnp.float32) for f in feats},
             jnp.asarray(apply, jnp.bool_),
             state["step"],
+            after,
         )
         return dict(state, weights=weights, step=state["step"] + 1, **slot_state), stats
 
-    def _update_body(self, feats, caps, weights, slot_state, ids, grads, apply, step):
+    def _order_inputs(self, after) -> list:
+        """The leaves of `after` as a list of batch-sharded arrays (checked: each splits over the devices)."""
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(after)]
+        devices = self.nodes * self.local
+        for i, x in enumerate(leaves):
+            if x.ndim == 0 or x.shape[0] % devices:
+                raise ValueError(
+                    f"update(after=...): leaf {i} has shape {x.shape}; after takes arrays sharded by batch "
+                    f"(the lookup outputs), whose leading dim divides over the {devices} devices"
+                )
+        return leaves
+
+    def _update_body(self, feats, caps, weights, slot_state, ids, grads, apply, step, after):
         weights, slot_state = dict(weights), {s: dict(v) for s, v in slot_state.items()}
         overflow, invalid = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
         for f in feats:
@@ -501,6 +521,7 @@ class EmbeddingCollection:
                     pooling=t.pooling,
                     optimizer=self.optimizer,
                     apply=apply,
+                    after=after or None,
                 )
                 weights[key] = w
                 for s, v in new.items():
@@ -528,7 +549,7 @@ class EmbeddingCollection:
             if self._invariant_adagrad and st.has_column_pieces:
                 rows, g, sq = self._full_dim_sq_means(key, rows, g, received)
             weights[key], new_slots = self._apply(
-                weights[key], {s: slot_state[s][key] for s in self.optimizer.slots}, rows, g, apply, sq
+                weights[key], {s: slot_state[s][key] for s in self.optimizer.slots}, rows, g, apply, sq, after
             )
             for s, v in new_slots.items():
                 slot_state[s][key] = v
@@ -552,11 +573,18 @@ class EmbeddingCollection:
             weights, slot_state = jax.lax.cond(do_sync, average, lambda tree: tree, (weights, slot_state))
         return weights, slot_state, self._stats(overflow, invalid)
 
-    def _apply(self, w_block, slot_blocks, rows, g, apply, grad_sq_mean):
+    def _apply(self, w_block, slot_blocks, rows, g, apply, grad_sq_mean, after):
         # The [1, 1, R, w] blocks go to the kernel as they are: a reshape in front of the in-place update
         # would make XLA copy the whole donated block.
         return kernels.apply_rows(
-            w_block, slot_blocks, rows, g, optimizer=self.optimizer, apply=apply, grad_sq_mean=grad_sq_mean
+            w_block,
+            slot_blocks,
+            rows,
+            g,
+            optimizer=self.optimizer,
+            apply=apply,
+            grad_sq_mean=grad_sq_mean,
+            after=after or None,
         )
 
     def _row_grads_to_owner(self, key, feats, ids, grads, capacity):

@@ -72,28 +72,37 @@ def _optimizer_args(optimizer) -> dict:
     return dict(optimizer="rowwise_adagrad", learning_rate=optimizer.learning_rate, eps=optimizer.eps)
 
 
-def apply_rows(table, slots: dict, rows, grads, *, optimizer, apply, grad_sq_mean=None):
+def apply_rows(table, slots: dict, rows, grads, *, optimizer, apply, grad_sq_mean=None, after=None):
     """Applies `optimizer` to the rows named in `rows` (duplicates summed first; rows < 0 ignored), in place.
 
     table f32[R, w] (or a [1, ..., 1, R, w] state block), slots {name: f32[R] (or [1, ..., 1, R])}, rows
     i32[m] (rows of the block), grads f32[m, w]; `apply` (traced bool) False
     leaves everything unchanged. `grad_sq_mean` f32[m] (optional, equal for entries of one row): the
     row's mean squared gradient over the FULL embedding dim, for row-wise AdaGrad on a column-sharded
-    table (the mean over this shard's columns otherwise). Only the touched rows are read and written.
+    table (the mean over this shard's columns otherwise). `after`: arrays the in-place write must wait for
+    (this step's lookup outputs when the gradients do not depend on them; else XLA copies the table).
+    Only the touched rows are read and written.
     """
     acc = slots.get("accumulator")
     table, acc = native.update_rows(
-        table, acc, rows, grads, apply=apply, acc_increment=grad_sq_mean, **_optimizer_args(optimizer)
+        table,
+        acc,
+        rows,
+        grads,
+        apply=apply,
+        acc_increment=grad_sq_mean,
+        after=after,
+        **_optimizer_args(optimizer),
     )
     return table, ({"accumulator": acc} if acc is not None else {})
 
 
-def apply_pooled(table, slots: dict, rows, grad, *, pooling, optimizer, apply):
+def apply_pooled(table, slots: dict, rows, grad, *, pooling, optimizer, apply, after=None):
     """The fused backward of `gather_pool`: rows i32[b, L] (< 0: padding), grad f32[b, w] (pooled) or
     f32[b, L, w] (sequence): per-row gradients summed and the optimizer applied, never materialising
     [b*L, w]. Only for a block read by ONE feature (features sharing a table need one combined step)."""
     acc = slots.get("accumulator")
     table, acc = native.update_pooled(
-        table, acc, rows, grad, pooling=pooling, apply=apply, **_optimizer_args(optimizer)
+        table, acc, rows, grad, pooling=pooling, apply=apply, after=after, **_optimizer_args(optimizer)
     )
     return table, ({"accumulator": acc} if acc is not None else {})
