@@ -20,6 +20,10 @@ all-reduce 2(W-1)/W, all-gather (W-1)/W of the result, reduce-scatter (W-1)/W of
 After the last step the fp32 tables are checked against `jaxscale.reference` (column-wise tables with one
 AdaGrad accumulator per column shard are checked against the reference with those accumulators).
 
+Column-wise tables run with `RowWiseAdagrad(per_column_shard=True)`: TorchRec keeps one accumulator per row
+and column shard, so that is the same work. jaxscale's default instead keeps one accumulator per full row
+(the result does not depend on the layout), which sends each touched row's squared-gradient sum once more.
+
 `python equal_devices.py jaxscale SPEC RESULT` is the jaxscale worker (one process of a session).
 """
 
@@ -171,7 +175,8 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
         mesh,
         topology="1d",
         sharding=sharding,
-        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+        # column-wise: TorchRec's optimizer state (one accumulator per row and column shard), the same work
+        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS, per_column_shard=sharding == "column_wise"),
         comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
         capacity_factor=spec.get("capacity_factor"),
     )
