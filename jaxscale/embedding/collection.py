@@ -251,8 +251,9 @@ class EmbeddingCollection:
     def capacities(self, ids: Mapping[str, np.ndarray]):
         """Exchange capacities for host ids (this process's rows): counted from the ids when
         capacity_factor is None (the smallest already-compiled set that fits them, see
-        `capacity.CapacityCache`), else None (the fixed shapes)."""
-        if self.capacity_factor is not None:
+        `capacity.CapacityCache`), else None (the fixed shapes). None too when there is one shard and no
+        exact replica sync: every row is local and nothing is exchanged, so there is nothing to count."""
+        if self.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
             return None
         exchange = None
         first, devices = 0, self.nodes * self.local
