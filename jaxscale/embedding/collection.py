@@ -510,23 +510,26 @@ class EmbeddingCollection:
         partial = self._partial(feats, ids)
         for key, st in self.layout.stacks.items():
             reads = [f for f in feats if self.layout.routes[self.feature_table[f]].stack == key]
-            if self.num_shards == 1 and not self._exact_sync and len(reads) == 1:
-                # One feature on one local block: the fused backward of the fused lookup (no [b*L, w] copy).
-                (f,) = reads
-                t = self.tables[self.feature_table[f]]
-                w, new = kernels.apply_pooled(
-                    weights[key],
-                    {s: v[key] for s, v in slot_state.items()},
-                    self._local_rows(f, ids[f]),
-                    grads[f],
-                    pooling=t.pooling,
-                    optimizer=self.optimizer,
-                    apply=apply,
-                    after=after or None,
-                )
-                weights[key] = w
-                for s, v in new.items():
-                    slot_state[s][key] = v
+            if self._fused_update(reads):
+                # Every row is local and each feature reads its own table (disjoint rows): the fused backward
+                # of the fused lookup, feature after feature, never materialising [b*L, w].
+                for f in reads:
+                    t = self.tables[self.feature_table[f]]
+                    rows = self._local_rows(f, ids[f])
+                    w, new = kernels.apply_pooled(
+                        weights[key],
+                        {s: slot_state[s][key] for s in self.optimizer.slots},
+                        rows,
+                        grads[f],
+                        pooling=t.pooling,
+                        optimizer=self.optimizer,
+                        apply=apply,
+                        after=after or None,
+                    )
+                    weights[key] = w
+                    for s, v in new.items():
+                        slot_state[s][key] = v
+                    self._mark_touched(slot_state, key, st, rows.reshape(-1), apply)
                 continue
             pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
             row_feats = [f for f in feats if f not in partial]
@@ -554,10 +557,7 @@ class EmbeddingCollection:
             )
             for s, v in new_slots.items():
                 slot_state[s][key] = v
-            if "touched" in slot_state:  # sparse periodic sync: remember the rows this replica moved
-                marks = slot_state["touched"][key][0, 0]
-                hit = jnp.where((rows >= 0) & apply, rows, st.rows)
-                slot_state["touched"][key] = marks.at[hit].set(1.0, mode="drop")[None, None]
+            self._mark_touched(slot_state, key, st, rows, apply)
         if self.num_replicas > 1 and self.replica_sync in ("periodic", "periodic_sparse"):
             do_sync = (step + 1) % self.sync_every == 0
             if self.replica_sync == "periodic":
@@ -573,6 +573,19 @@ class EmbeddingCollection:
                 )
             weights, slot_state = jax.lax.cond(do_sync, average, lambda tree: tree, (weights, slot_state))
         return weights, slot_state, self._stats(overflow, invalid)
+
+    def _fused_update(self, reads) -> bool:
+        """One shard, no exact sync, and the features reading a block each on a table of their own."""
+        tables = {self.feature_table[f] for f in reads}
+        return self.num_shards == 1 and not self._exact_sync and len(tables) == len(reads)
+
+    @staticmethod
+    def _mark_touched(slot_state, key, st, rows, apply):
+        """Sparse periodic sync: remember the rows (i32[m], < 0: none) this replica moved."""
+        if "touched" in slot_state:
+            marks = slot_state["touched"][key][0, 0]
+            hit = jnp.where((rows >= 0) & apply, rows, st.rows)
+            slot_state["touched"][key] = marks.at[hit].set(1.0, mode="drop")[None, None]
 
     def _apply(self, w_block, slot_blocks, rows, g, apply, grad_sq_mean, after):
         # The [1, 1, R, w] blocks go to the kernel as they are: a reshape in front of the in-place update
