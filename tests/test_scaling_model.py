@@ -299,6 +299,22 @@ def test_emulation_prediction_and_link_helpers():
         B.parse_stage("3d")
 
 
+def test_emulation_plans_a_balanced_stage():
+    """bench_step's per-stage setup outside the namespaces: the config and the planner's plan file."""
+    import bench_step as B
+
+    from jaxscale.plan import ShardingPlan
+
+    cfg, path = B.build_config(B.parse_stage("2d_a2a"), 2, 2, 8)
+    try:
+        with open(path) as fh:
+            plan = ShardingPlan.from_json(fh.read())
+        assert plan.topology == "2d_a2a" and plan.num_shards == 2 and cfg.embedding.plan_file == path
+    finally:
+        os.unlink(path)
+    assert B.build_config(B.parse_stage("+fp8"), 2, 2, 8)[1] is None  # unbalanced stages keep their sharding
+
+
 def test_emulation_report_computes_its_tables(tmp_path):
     import emulation_report as E
 

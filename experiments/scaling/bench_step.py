@@ -99,8 +99,8 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
         return None
     from jaxscale import planner
     from jaxscale.cluster import ClusterSpec
-    from jaxscale.data import SyntheticFoundationData
     from jaxscale_models.foundation import foundation_ids, foundation_tables
+    from jaxscale_models.foundation_data import SyntheticFoundationData
 
     f = dataclasses.replace(cfg.model.foundation, item_reshape="half_dim" if st.half_dim else None)
     batch = SyntheticFoundationData(f, cfg.train.batch_size, seed=cfg.data.seed).batch(0)
