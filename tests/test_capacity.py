@@ -1,11 +1,14 @@
 """Exchange capacities: counted exactly on the host, overflow counted exactly when a factor is forced, and
 the compiled exchanges of a batch sized close to what the batch really needs (bytes from compiled HLO)."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from capacity_reference import dropped, remote_unique_ids, requests_per_owner
+from conftest import MESH_IDS, MESH_SHAPES
 
 import jaxscale
 from jaxscale.comm_inspect import list_collectives
@@ -226,3 +229,34 @@ def test_capacity_cache_reuses_a_covering_executable():
     small = ec.shard_batch({"t": rng.integers(0, 50, (64, 8)).astype(np.int32)}).capacities
     assert small == big  # the smaller batch fits the executable already compiled
     assert Topology("2d_a2a", 2, 4).replica_of(np.arange(8)).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=MESH_IDS)
+@pytest.mark.parametrize("topology", jaxscale.TOPOLOGIES)
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_pair_counts_without_building_pairs_equal_the_request_path(shape, topology, sharding):
+    """The host counts the (row, bag) pairs a device sends each owner straight from the ids; the same
+    maximum as building the pair requests and counting (device, owner) keys; invalid ids send nothing."""
+    from jaxscale.embedding import capacity as C
+    from jaxscale.embedding import routing
+
+    rng = np.random.default_rng(zlib.crc32(f"{shape}{topology}{sharding}".encode()))
+    tables = [
+        jaxscale.TableConfig(f"t{i}", rows=int(rng.integers(50, 500)), dim=16, pooling="sum", features=(f"f{i}",))
+        for i in range(3)
+    ]
+    ec = jaxscale.EmbeddingCollection(tables, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
+    B, L, devices = 64, 7, 8
+    ids = {}
+    for i, t in enumerate(tables):
+        x = np.minimum(rng.zipf(1.2, (B, L)) - 1, t.rows + 3)  # a few ids past the table: invalid
+        ids[f"f{i}"] = np.where(rng.random((B, L)) < 0.2, -1, x).astype(np.int32)
+    ids["f0"][:8] = -1  # device 0 sends nothing for f0
+    for key in ec.layout.stacks:
+        feats = sorted(ids)
+        fast = C._pair_count_max(ec.layout, ec.feature_table, key, feats, ids, devices)
+        req = routing.pair_requests(ec.layout, ec.feature_table, key, feats, ids, xp=np)
+        dev = np.concatenate([np.repeat(np.arange(s.bags) // (s.bags // devices), L) for s in req.segments])
+        ok = req.dest < ec.layout.num_shards
+        slow = max(1, C._max_count(dev[ok].astype(np.int64) * ec.layout.num_shards + req.dest[ok]))
+        assert fast == slow

@@ -236,6 +236,27 @@ def _device_of_requests(segments, shapes, devices_per_batch: int, first_device: 
     return np.concatenate(parts)
 
 
+def _pair_count_max(layout: Layout, feature_table, key: str, feats, ids, devices: int) -> int:
+    """The most valid (row, bag) pairs one device sends one owner for stack `key` (0: no feature reads it);
+    what `pair_requests` + `_max_count` give, without building the pairs."""
+    S = layout.num_shards
+    counts, reads = np.zeros((devices, S + 1), np.int64), False
+    for f in feats:
+        t_idx = feature_table[f]
+        route = layout.routes[t_idx]
+        if route.stack != key:
+            continue
+        reads, x = True, ids[f]
+        b = x.shape[0]
+        valid = (x >= 0) & (x < layout.tables[t_idx].stored_rows)
+        part = np.where(valid, x, 0) % route.row_parts if route.row_parts > 1 else np.zeros(x.shape, np.int64)
+        dev = (np.arange(b) // (b // devices))[:, None] * (S + 1)
+        for c in range(route.col_parts):
+            dest = np.where(valid, route.shard[:, c][part], S)
+            counts += np.bincount((dev + dest).ravel(), minlength=devices * (S + 1)).reshape(devices, S + 1)
+    return max(1, int(counts[:, :S].max())) if reads else 0
+
+
 def _max_count(keys: np.ndarray) -> int:
     return int(np.bincount(keys).max()) if keys.size else 0
 
@@ -281,6 +302,10 @@ def count_capacities(
             ("rows", routing.row_requests, row_feats),
             ("pairs", routing.pair_requests, sorted(partial)),
         ):
+            if mode == "pairs" and mfeats and not (sync and rep_count > 1):
+                # Pairs are not de-duplicated and no sync needs their rows: count (device, owner) directly.
+                maxima["pairs"] = _pair_count_max(layout, feature_table, key, mfeats, ids, devices)
+                continue
             req = builder(layout, feature_table, key, mfeats, ids, xp=np) if mfeats else None
             if req is None:
                 continue
