@@ -47,7 +47,8 @@ def render(rows: list[dict], path: str) -> str:
         "",
         f"Machine: {machine.get('platform', '?')}, {machine.get('cpus', '?')} CPUs; load average "
         f"{_load(machine.get('loadavg_at_start'))} at start, {_load(end.get('loadavg_at_end'))} at end; "
-        f"{end.get('seconds', float('nan')) / 60:.0f} min in all.",
+        f"{end.get('seconds', float('nan')) / 60:.0f} min in all."
+        + (f" Note: {end['note']}." if end.get("note") else ""),
         "",
         "## Setup",
         "",
