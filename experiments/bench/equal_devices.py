@@ -52,6 +52,7 @@ JAXSCALE_PRECISIONS = {
     "fp16": ("fp16", "fp16"),
     "bf16": ("bf16", "bf16"),
     "fp8": ("fp8", "bf16"),
+    "fp8x2": ("fp8", "fp8"),  # fp8 both ways (gradients in e5m2)
 }
 # The TorchRec run each jaxscale precision is compared with, and why.
 TORCHREC_MATCH = {
@@ -63,6 +64,7 @@ TORCHREC_MATCH = {
         "TorchRec's FP8 QComms fail on CPU for its all-to-alls and run as FP16 for row-wise reduce-scatters; "
         "FP16 is its narrowest precision that runs",
     ),
+    "fp8x2": ("fp16", "as fp8: FP16 is TorchRec's narrowest precision that runs on CPU"),
 }
 # Byte model for TorchRec's counted collectives (what leaves a rank), given the input bytes b and world w.
 _OFFRANK = {
@@ -505,7 +507,7 @@ def comparisons(engines: dict, worlds) -> list[dict]:
                 if ok_t and row["torchrec_bytes"] and row["jaxscale_bytes"] is not None
                 else None
             )
-            row["bytes_target"] = 0.5 if j["precision"] == "fp8" else 1.0
+            row["bytes_target"] = 0.5 if j["precision"] in ("fp8", "fp8x2") else 1.0
             rows.append(row)
     return rows
 

@@ -87,7 +87,7 @@ def sizes(quick: bool) -> dict:
             rounds=2,
             worlds=(2, 4),
             shardings=equal_devices.SHARDINGS,
-            precisions=("fp32", "fp16", "bf16", "fp8"),
+            precisions=("fp32", "fp16", "bf16", "fp8", "fp8x2"),
             torchrec_fp8_probe=True,
         ),
     }
