@@ -292,7 +292,8 @@ def count_capacities(
     gather_all = exchange or (lambda a: a)
     local_shapes = {f: (s[0] // devices, s[1]) for f, s in shapes.items()}
     worst = static_capacities(layout, feature_table, topology, local_shapes, pooled_comm, None, sync)
-    out = []
+    local_max: dict[str, tuple[int, int]] = {}  # stack -> (rows, pairs) slots this process needs
+    sync_caps: dict[str, dict] = {}  # stack -> the exact sync's capacities and strategy
     for key, st in layout.stacks.items():
         if not any(layout.routes[feature_table[f]].stack == key for f in feats):
             continue
@@ -326,15 +327,7 @@ def count_capacities(
                 per_dest = dev * S + dest
             maxima[mode] = max(1, _max_count(per_dest))
             touched.append(np.stack([dev, dest, row]))
-        rows_cap, pairs_cap = (
-            gather_all(np.array([maxima["rows"]])).max(),
-            gather_all(np.array([maxima["pairs"]])).max(),
-        )
-        bound = worst[key]
-        cap = StackCapacity(
-            rows=min(ladder_up(int(rows_cap)), bound.rows) if rows_cap else 0,
-            pairs=min(ladder_up(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
-        )
+        local_max[key] = (maxima["rows"], maxima["pairs"])
         if sync and rep_count > 1:
             dev, dest, row = np.concatenate(touched, axis=1) if touched else np.zeros((3, 0), np.int64)
             rep = topology.replica_of(dev).astype(np.int64)
@@ -356,8 +349,21 @@ def count_capacities(
             else:
                 strategy = sync_strategy
             if strategy == "owner":
-                cap = dataclasses.replace(cap, sync=min(o, st.rows), owned=min(u, st.rows), sync_strategy="owner")
+                sync_caps[key] = dict(sync=min(o, st.rows), owned=min(u, st.rows), sync_strategy="owner")
             else:
-                cap = dataclasses.replace(cap, sync=min(g, st.rows), sync_strategy="gather")
-        out.append((key, cap))
+                sync_caps[key] = dict(sync=min(g, st.rows), sync_strategy="gather")
+    # Every stack's maxima over every process in one exchange (each process sends one value per count).
+    stacks = list(local_max)
+    out = []
+    if not stacks:
+        return Capacities((), counted=True)
+    mine = np.array([local_max[k] for k in stacks], np.int64).reshape(-1)
+    every = gather_all(mine).reshape(-1, len(stacks), 2).max(axis=0)
+    for key, (rows_cap, pairs_cap) in zip(stacks, every):
+        bound = worst[key]
+        cap = StackCapacity(
+            rows=min(ladder_up(int(rows_cap)), bound.rows) if rows_cap else 0,
+            pairs=min(ladder_up(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
+        )
+        out.append((key, dataclasses.replace(cap, **sync_caps.get(key, {}))))
     return Capacities(tuple(out), counted=True)
