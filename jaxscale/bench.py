@@ -41,6 +41,38 @@ def find_suite() -> Path | None:
     return None
 
 
+def _first_field(path: str, key: str) -> str | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> dict:
+    """The machine a benchmark ran on (CPU model, cores, memory, load average now, software), for the
+    description every recorded result carries (the experiment scripts add their own versions)."""
+    import platform
+
+    import numpy as np
+
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "cpu_model": _first_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
+        "nproc": os.cpu_count(),
+        "memory": _first_field("/proc/meminfo", "MemTotal"),
+        "loadavg_at_start": load,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+    }
+
+
 def installed_benchmark(quick: bool) -> int:
     """One device: the engine's lookup + row-wise AdaGrad step vs the NumPy reference (medians, ratio)."""
     import statistics

@@ -110,3 +110,16 @@ def test_render_states_the_verdicts(bench):
     for rec in result["cpu"]:
         rec["serialize_ns"]["zstd"] = rec["serialize_arrays_ns"]["zstd"] / 10
     assert verdicts(lambda r: 0.01 * r["serialize_arrays_ns"]["zstd"]) == "met from arrays, missed against re-encoding"
+
+
+def test_machine_description_has_what_the_reports_print(bench):
+    """The trimmer and two-tower reports describe the machine through `jaxscale.bench.machine`."""
+    m = bench.machine()
+    for key in ("cpu_model", "nproc", "memory", "loadavg_at_start", "python", "platform", "numpy", "jax", "pyarrow"):
+        assert key in m, key
+    assert m["nproc"] >= 1 and len(m["loadavg_at_start"]) == 3
+    spec = importlib.util.spec_from_file_location("tt_results", SCRIPT.parents[1] / "two_tower" / "results.py")
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    lines = results.machine_lines(results.machine(), [0.1, 0.2, 0.3])
+    assert any("cores visible" in line for line in lines)
