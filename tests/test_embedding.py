@@ -54,6 +54,13 @@ def out_shape(f, tables=TABLES):
     return (B, L, t.dim) if t.pooling is None else (B, t.dim)
 
 
+def reference_step(opt, ref_w, ref_acc, tables, ids, grads, lr, eps):
+    """One step of the NumPy reference: SGD ('sgd') or row-wise AdaGrad; returns (tables, accumulators)."""
+    if opt == "sgd":
+        return sgd_step(ref_w, tables, ids, grads, lr), ref_acc
+    return adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps)
+
+
 @pytest.mark.parametrize("shape,topology,sharding", CASES)
 def test_lookup_and_update_match_reference(shape, topology, sharding):
     """Lookups and 5 sparse updates equal the NumPy reference; row-wise AdaGrad on every case, SGD on 2x4.
@@ -91,10 +98,7 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
                 )
             grads = {f: rng.normal(size=out_shape(f, tables)).astype(np.float32) for f in ids}
             state = ec.update(state, ids, {f: jnp.asarray(g) for f, g in grads.items()})
-            if opt == "sgd":
-                ref_w = sgd_step(ref_w, tables, ids, grads, lr)
-            else:
-                ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps)
+            ref_w, ref_acc = reference_step(opt, ref_w, ref_acc, tables, ids, grads, lr, eps)
         got = ec.to_dense(state)
         for name in ref_w:
             np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=f"{opt} table {name}")
@@ -146,10 +150,7 @@ def test_one_device_matches_reference(tables, opt):
         for f in ids:
             np.testing.assert_allclose(np.asarray(out[f]), ref_out[f], rtol=1e-5, atol=1e-6)
         state = ec.update(state, batch, {f: jnp.asarray(g) for f, g in grads.items()})
-        if opt == "sgd":
-            ref_w = sgd_step(ref_w, tables, ids, grads, lr)
-        else:
-            ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, lr, eps)
+        ref_w, ref_acc = reference_step(opt, ref_w, ref_acc, tables, ids, grads, lr, eps)
     got = ec.to_dense(state)
     for name in ref_w:
         np.testing.assert_allclose(got[name], ref_w[name], rtol=1e-5, atol=1e-6, err_msg=name)

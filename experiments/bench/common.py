@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -97,31 +96,25 @@ def background_busy(window_s: float = 1.0) -> float | None:
     return round((b[0] - a[0]) / (b[1] - a[1]), 3)
 
 
-def _read_first(path: str, key: str) -> str | None:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def machine() -> dict:
-    """CPU model, cores, memory, load average and software versions: printed beside every result."""
+    """CPU model, cores, memory, load average and software versions: printed beside every result
+    (`jaxscale.bench.machine`, plus the cores this process may use)."""
+    from jaxscale import bench
+
+    m = bench.machine()
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count()
     return {
-        "cpu_model": _read_first("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
-        "cores": os.cpu_count(),
+        "cpu_model": m["cpu_model"],
+        "cores": m["nproc"],
         "usable_cores": usable,
-        "memory": _read_first("/proc/meminfo", "MemTotal"),
+        "memory": m["memory"],
         "load_average": load_average(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "numpy": np.__version__,
+        "python": m["python"],
+        "platform": m["platform"],
+        "numpy": m["numpy"],
     }
 
 
