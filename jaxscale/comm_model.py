@@ -22,7 +22,9 @@ Three layers, each usable alone:
      ids        all-to-all (S-1) C_req 4                      (one int32 id per requested row)
      rows       all-to-all (S-1) C_req wire_fwd(w)           (forward)
      grads      all-to-all (S-1) C_req wire_bwd(w)           (backward)
-     pooled features returning per-bag partial sums: ids (S-1) C_pair 8 (row, bag), sums (S-1) B wire(w)
+     pooled features returning per-bag partial sums: ids (S-1) pair_id_bytes(...), sums (S-1) B wire(w);
+     a pair is a u16 row offset + a u8 count per bag while the shard's stack spans <= 2**16 rows (the
+     engine's 'narrow' codec; an upper bound: it checks each table piece), else an int32 or two
    Replica sync (2D topologies only):
      exact 'owner'    all-to-all over the replica group (Rep-1) C_own (4 + wire_bwd) to each row's owner
                       replica, then all-gather of the owned union (Rep-1) V_own (4 + wire_bwd)
@@ -48,7 +50,8 @@ from jaxscale.mesh import Topology
 from jaxscale.quantization import PRECISIONS, wire_bytes
 
 ID_BYTES = 4  # one int32 row id
-PAIR_ID_BYTES = 8  # (row, bag) of a partial-sum request
+NARROW_SPAN = 2**16  # = jaxscale.embedding.routing.NARROW_SPAN (this module imports no JAX)
+PAIR_ID_BYTES = 8  # (row, bag) of a partial-sum request as two int32 (the widest encoding)
 ADAGRAD_STATE_BYTES = 4  # row-wise AdaGrad: one fp32 accumulator per row
 WEIGHT_BYTES = 4  # fp32 stored weights
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb = 25
@@ -288,6 +291,17 @@ class Comm:
     payload_bytes: float = 0.0
 
 
+def pair_id_bytes(pair_slots: int, bags: int, rows_per_shard: int) -> int:
+    """Bytes of one destination's (row, bag) pair buffer, as `jaxscale.embedding.routing.PairCodec` encodes
+    it: narrow (2 per pair + 1 per bag, u8 counts in u16 words) when the stack's rows per shard fit
+    NARROW_SPAN, packed int32 when rows x bags < 2**31, else two int32."""
+    if rows_per_shard <= NARROW_SPAN:
+        return 2 * pair_slots + 2 * math.ceil(bags / 2)
+    if rows_per_shard * bags < 2**31:
+        return 4 * pair_slots
+    return PAIR_ID_BYTES * pair_slots
+
+
 def embedding_comms(
     stacks: Sequence[StackCounts],
     topology: Topology,
@@ -313,7 +327,12 @@ def embedding_comms(
             ]
         if S > 1 and st.pair_slots:
             out += [
-                Comm("emb_ids", f"{tag} pair ids", "forward", all_to_all(shard, st.pair_slots * PAIR_ID_BYTES)),
+                Comm(
+                    "emb_ids",
+                    f"{tag} pair ids",
+                    "forward",
+                    all_to_all(shard, pair_id_bytes(st.pair_slots, st.bags, st.rows_per_shard)),
+                ),
                 Comm("emb_rows", f"{tag} partial sums", "forward", all_to_all(shard, st.bags * wf)),
                 Comm("emb_rows", f"{tag} bag grads", "backward", all_to_all(shard, st.bags * wb)),
             ]

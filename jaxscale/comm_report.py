@@ -20,8 +20,9 @@ bytes of each collective are split by where they actually go, for the most-loade
 with G = k x m group members over k nodes, m per node (groups are regular on a jaxscale mesh). The two
 parts always add up to comm_inspect's bytes per device (ring byte model), so totals agree with it.
 
-Categories (used by experiments/scaling): 'emb_ids' (integer all-to-alls: row ids to the owners),
-'emb_rows' (float/bitcast all-to-alls: looked-up rows forward, their gradients backward),
+Categories (used by experiments/scaling): 'emb_ids' (all-to-alls of signed ints, or of buffers without a
+row axis: row ids / narrow (row, bag) pairs to the owners), 'emb_rows' (float/bitcast all-to-alls of
+[.., .., width] buffers: looked-up rows forward, their gradients backward),
 'replica_sync' (collectives over the replica axes of a 2D topology: exact sparse sync or periodic
 averaging), 'dense_grad' (the largest all-reduce: data-parallel dense gradients; XLA combines into it whatever else
 is all-reduced in the backward pass), 'model_gather' (other all-gathers/all-reduces of float arrays the
@@ -108,8 +109,10 @@ def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = No
     if replica_groups and groups == replica_groups:  # the owner sync's all-to-all included
         return "replica_sync"
     if c.kind in ("all-to-all", "ragged-all-to-all"):
+        # ids: signed ints, or u16 buffers without a row axis (narrow pairs); rows always have [.., .., width]
         integer = all(dt.startswith("s") or dt == "pred" for dt in c.dtypes)
-        return "emb_ids" if integer else "emb_rows"
+        flat = all(len(s) <= 2 for s in c.shapes)
+        return "emb_ids" if integer or flat else "emb_rows"
     if c.kind == "all-reduce" and c.name == largest_all_reduce and c.result_bytes >= SCALAR_BYTES:
         return "dense_grad"
     has_array = any(len(s) >= 1 and dt.startswith(("f", "bf")) for dt, s in zip(c.dtypes, c.shapes))

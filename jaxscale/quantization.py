@@ -3,17 +3,22 @@
 Embedding rows are quantized just before a collective and dequantized right after it, so the network
 moves 1 or 2 bytes per element instead of 4. Two rules make the savings real:
 
-* fp8 uses a per-row fp32 scale (row = last axis), so rows of any magnitude use the full fp8 range and
-  large values never clip. The scale travels *inside* the payload (4 extra u8 per row): one collective.
+* fp8 uses a per-row power-of-two scale (row = last axis), so rows of any magnitude use the fp8 range
+  and large values never clip. The scale is stored as one biased exponent byte (E8M0, the shared-scale
+  format of the OCP Microscaling (MX) formats) and travels *inside* the payload: 1 extra u8 per row, one
+  collective. A power of two loses nothing against an exact fp32 scale: fp8 is a floating-point format,
+  so its relative precision is the same at every scale; the row's max |x| lands in (max/2, max] instead
+  of exactly at the format's max, which gives up at most one binade at the subnormal end.
 * Every low-precision payload is bitcast to an unsigned integer of the same width before the collective.
   XLA:CPU upcasts f8 collectives to f16 and bf16 ones to f32; integers are moved as they are, on every
   backend.
 
-Non-finite input: with fp8, a NaN or inf anywhere in a row makes that row's scale non-finite, so the whole
-row arrives as NaN; other rows are unaffected. bf16/fp16 keep NaN/inf per element. fp16 is an unscaled
-cast (as TorchRec's FP16): values above 65504 become inf. Use bf16 or fp8 for unbounded values.
-Rows whose max |x| is an fp32 subnormal (< 1.2e-38) are sent with the smallest normal scale and lose
-relative precision (CPU may flush such inputs to zero anyway).
+Non-finite input: with fp8, a NaN or inf anywhere in a row makes that row's scale NaN (exponent byte
+0xFF, E8M0's NaN), so the whole row arrives as NaN; other rows are unaffected. bf16/fp16 keep NaN/inf
+per element. fp16 is an unscaled cast (as TorchRec's FP16): values above 65504 become inf. Use bf16 or
+fp8 for unbounded values.
+Scales are clamped to [2**-126, 2**127]: rows whose max |x| is below ~2**-118 (e4m3) lose relative
+precision at the subnormal end of fp8 (CPU may flush fp32 subnormal inputs to zero anyway).
 
 `wire_bytes(rows, dim, precision)` is the one definition of what a payload costs on the wire; the planner,
 the communication model and the scaling model use it without JAX, so JAX is imported inside the functions
@@ -32,13 +37,15 @@ if TYPE_CHECKING:  # annotations only; see the module docstring
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_FORMATS = ("e4m3", "e5m2")
-SCALE_BYTES = 4  # one fp32 scale per row, packed as 4 u8 behind the fp8 payload
+SCALE_BYTES = 1  # one E8M0 exponent byte per row (scale 2**(byte - 127)), packed behind the fp8 payload
+_SCALE_BIAS = 127
+_SCALE_NAN = 255  # E8M0's NaN: the row had a NaN or inf
 
 _FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # jax.numpy attribute names
 _CAST_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-_F32_TINY = float(np.finfo(np.float32).tiny)
+_MIN_SCALE_EXP, _MAX_SCALE_EXP = -126, 127  # normal fp32 powers of two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +101,7 @@ def bytes_per_element(precision: str) -> int:
 def wire_bytes(rows: int, dim: int, precision: str) -> int:
     """Bytes that `rows` rows of width `dim` occupy on the wire at `precision`, as `encode` lays them out.
 
-    fp32 4 bytes per element, bf16/fp16 2, fp8 1 plus the row's fp32 scale (4 bytes per row). The one
+    fp32 4 bytes per element, bf16/fp16 2, fp8 1 plus the row's scale exponent (1 byte per row). The one
     definition of a payload's size: the engine's buffers, the planner, `jaxscale.comm_model` and the
     scaling model all count bytes with it. Pure Python (no JAX).
     """
@@ -121,8 +128,10 @@ def quantize(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> tuple[ja
     """Quantize `x` to `precision`; returns (values, scale).
 
     For fp8 `scale` is fp32 of shape x.shape[:-1] + (1,) with x ~= values * scale per row (last axis);
-    for the other precisions it is None (plain cast). The scale is amax / finfo.max computed in fp32, so
-    |x| up to the fp32 limit maps into range without overflow; all-zero rows get scale 1 (zeros, no NaN).
+    for the other precisions it is None (plain cast). The scale is the smallest power of two with
+    amax / scale <= finfo.max (clamped to normal fp32 powers of two), so |x| up to the fp32 limit maps
+    into range without overflow and dividing by it is exact; all-zero rows get scale 1 (zeros, no NaN);
+    a row with a NaN or inf gets a NaN scale, so only that row becomes NaN.
     """
     import jax.numpy as jnp
 
@@ -132,11 +141,20 @@ def quantize(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> tuple[ja
         return x32.astype(qdt), None
     fmax = float(jnp.finfo(qdt).max)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    # amax == 0 -> 1 (zeros stay zeros); NaN/inf amax -> non-finite scale, so only that row becomes NaN.
-    scale = jnp.where(amax == 0, 1.0, amax / fmax)
-    scale = jnp.maximum(scale, _F32_TINY)  # an fp32-subnormal amax must not give a zero scale
+    exponent = _scale_exponent(amax, fmax)
+    scale = jnp.where(jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), exponent), jnp.nan)
     values = jnp.clip(x32 / scale, -fmax, fmax).astype(qdt)
     return values, scale
+
+
+def _scale_exponent(amax, fmax: float):
+    """int32 e with 2**(e-1) < amax / fmax <= 2**e, clamped to the normal range; 0 for amax == 0."""
+    import jax.numpy as jnp
+
+    mantissa, exponent = jnp.frexp(amax / fmax)  # amax / fmax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # exact powers of two need no round-up
+    exponent = jnp.where(amax == 0, 0, exponent)
+    return jnp.clip(exponent, _MIN_SCALE_EXP, _MAX_SCALE_EXP).astype(jnp.int32)
 
 
 def dequantize(values: jax.Array, scale: jax.Array | None, dtype=np.float32) -> jax.Array:
@@ -164,10 +182,10 @@ def bitcast_from_uint(u: jax.Array, dtype) -> jax.Array:
 def encode(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> jax.Array:
     """`x` as the array a collective should move.
 
-    fp32 -> f32 unchanged; bf16/fp16 -> u16 of the same shape; fp8 -> u8 of shape [..., d + 4], the row's
-    fp32 scale packed as its last 4 bytes so payload and scale travel in one collective.
+    fp32 -> f32 unchanged; bf16/fp16 -> u16 of the same shape; fp8 -> u8 of shape [..., d + 1], the row's
+    scale packed as its last byte (E8M0: biased exponent, 255 = NaN) so payload and scale travel in one
+    collective.
     """
-    import jax
     import jax.numpy as jnp
 
     values, scale = quantize(x, precision, fp8_format)
@@ -176,14 +194,28 @@ def encode(x: jax.Array, precision: str, fp8_format: str = "e4m3") -> jax.Array:
     wire = bitcast_to_uint(values)
     if scale is None:
         return wire
-    scale_bytes = jax.lax.bitcast_convert_type(scale[..., 0], jnp.uint8)  # [...] f32 -> [..., 4] u8
-    return jnp.concatenate([wire, scale_bytes], axis=-1)
+    return jnp.concatenate([wire, _scale_to_e8m0(scale)], axis=-1)
+
+
+def _scale_to_e8m0(scale):
+    """fp32 powers of two [..., 1] -> their biased exponent byte [..., 1] u8 (NaN -> 255)."""
+    import jax.numpy as jnp
+
+    _, exponent = jnp.frexp(scale)  # scale = 0.5 * 2**exponent
+    biased = exponent - 1 + _SCALE_BIAS
+    return jnp.where(jnp.isnan(scale), _SCALE_NAN, biased).astype(jnp.uint8)
+
+
+def _scale_from_e8m0(byte):
+    """Inverse of `_scale_to_e8m0`: u8 [..., 1] -> fp32 2**(byte - 127), NaN for 255."""
+    import jax.numpy as jnp
+
+    exponent = byte.astype(jnp.int32) - _SCALE_BIAS
+    return jnp.where(byte == _SCALE_NAN, jnp.nan, jnp.ldexp(jnp.float32(1), exponent))
 
 
 def decode(wire: jax.Array, precision: str, fp8_format: str = "e4m3", dtype=np.float32) -> jax.Array:
     """Inverse of `encode`: the dequantized array as `dtype`."""
-    import jax
-    import jax.numpy as jnp
 
     qdt = wire_dtype(precision, fp8_format)
     if precision == "fp32":
@@ -191,5 +223,4 @@ def decode(wire: jax.Array, precision: str, fp8_format: str = "e4m3", dtype=np.f
     if precision != "fp8":
         return dequantize(bitcast_from_uint(wire, qdt), None, dtype)
     values = bitcast_from_uint(wire[..., :-SCALE_BYTES], qdt)
-    scale = jax.lax.bitcast_convert_type(wire[..., -SCALE_BYTES:], jnp.float32)[..., None]
-    return dequantize(values, scale, dtype)
+    return dequantize(values, _scale_from_e8m0(wire[..., -SCALE_BYTES:]), dtype)

@@ -104,7 +104,7 @@ def test_embedding_bytes_gather_periodic_and_wire_precisions():
     topo = Topology("2d_a2a", 4, 2)  # 4 replicas, one device per node
     gather = cm.category_bytes(cm.embedding_comms(counts, topo, "fp8", "bf16", cm.ReplicaSync("exact", "gather")))
     assert gather["replica_sync"] == (0, 3 * 9 * (4 + 16))  # (Rep-1) U (4 + wire_bwd), bf16 x 8 = 16 B
-    assert gather["emb_rows"] == (1 * 10 * (12 + 16), 0)  # fp8 row = 8 + 4 B scale
+    assert gather["emb_rows"] == (1 * 10 * (9 + 16), 0)  # fp8 row = 8 + 1 B scale
     dense = cm.category_bytes(cm.embedding_comms(counts, topo, sync=cm.ReplicaSync("periodic", "dense", 4)))
     assert dense["replica_sync"] == (0, pytest.approx(2 * 3 / 4 * 1000 * (8 * 4 + 4) / 4))
     sparse = cm.category_bytes(cm.embedding_comms(counts, topo, sync=cm.ReplicaSync("periodic", "sparse", 4)))
@@ -116,8 +116,17 @@ def test_embedding_bytes_gather_periodic_and_wire_precisions():
 def test_partial_sum_counts():
     counts = [cm.StackCounts(8, 100, 0, pair_slots=20, bags=16)]
     b = cm.category_bytes(cm.embedding_comms(counts, Topology("1d", 1, 4), "fp32", "bf16"))
-    assert b["emb_ids"] == (3 * 20 * cm.PAIR_ID_BYTES, 0)
+    assert b["emb_ids"] == (3 * (20 * 2 + 16), 0)  # narrow: a u16 per pair, a u8 count per bag
     assert b["emb_rows"] == (3 * 16 * (32 + 16), 0)
+    assert cm.pair_id_bytes(20, 15, 2**16) == 20 * 2 + 16  # counts travel two to a u16 word
+    assert cm.pair_id_bytes(20, 16, 2**16 + 1) == 20 * 4  # packed int32: row * bags + bag
+    assert cm.pair_id_bytes(20, 2**15, 2**16 + 1) == 20 * 8  # two int32
+
+
+def test_pair_id_bytes_match_the_engines_narrow_limit():
+    from jaxscale.embedding import routing
+
+    assert cm.NARROW_SPAN == routing.NARROW_SPAN
 
 
 def test_replica_sync_validation():

@@ -169,7 +169,8 @@ def test_large_preset_bytes_follow_the_techniques():
         b = M.category_bytes(M.step_comms(w, st, half if st.half_dim else counts, cluster, cm.ReplicaSync()))
         inter.append(b["emb_rows"][1])
     assert inter[0] > inter[1] > inter[2] > 0
-    assert inter[1] == pytest.approx(56 * 1000 * (68 + 128)) and inter[2] == pytest.approx(56 * 1000 * (36 + 64))
+    # fp8 rows: 1 byte per element + a 1-byte scale exponent; bf16 gradients 2 bytes per element
+    assert inter[1] == pytest.approx(56 * 1000 * (65 + 128)) and inter[2] == pytest.approx(56 * 1000 * (33 + 64))
     a2a = M.category_bytes(M.step_comms(w, stage("2d_a2a"), half, cluster, cm.ReplicaSync("exact", "owner")))
     assert a2a["emb_rows"][1] == 0 and a2a["replica_sync"][1] == pytest.approx(7 * (5000 + 25000) * 68)
     assert a2a["dense_grad"][1] == pytest.approx(2 * 7 / 8 * 4 * (150_000_000 + 8192 * 128) / 8)

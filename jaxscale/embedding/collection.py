@@ -131,6 +131,7 @@ class EmbeddingCollection:
         self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer, markers)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self._capacity_cache = capacity_lib.CapacityCache()
+        self._pair_codecs: dict = {}  # (stack, segments, bag length) -> routing.PairCodec
         self._lookup_jit = jax.jit(self._lookup)
         self._update_jit = jax.jit(self._update, donate_argnums=0)
 
@@ -430,9 +431,9 @@ class EmbeddingCollection:
         """Pair strategy: (row, bag) pairs to the owners, one partial sum per bag back from each holder."""
         st = self.layout.stacks[key]
         req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
-        route = routing.route_pairs(req, self.num_shards, st.rows, capacity)
+        route = routing.route_pairs(req, self.num_shards, self._pair_codec(key, req), capacity)
         recv = collectives.all_to_all_ids(route.send, self.shard_axes)  # (row, bag) pairs for me
-        rrow, rbag = routing.unpack_pairs(recv, route, req.bags)
+        rrow, rbag = routing.unpack_pairs(recv, route, req.bags, jax.lax.axis_index(self.shard_axes))
         S, G = self.num_shards, req.bags
         segment = jnp.where(rrow >= 0, jnp.arange(S)[:, None] * G + rbag, -1)  # the bag's partial sum, per owner
         sums = kernels.gather_segment_sum(table, rrow.reshape(-1), segment.reshape(-1), num_segments=S * G)
@@ -625,12 +626,19 @@ class EmbeddingCollection:
         )
         return _Exchange(recv_rows, recv_g, _spans(req), route), route.overflow
 
+    def _pair_codec(self, key, req) -> routing.PairCodec:
+        """How stack `key`'s pairs travel (narrow unless a piece spans too many rows); static, cached."""
+        cache_key = (key, req.segments, req.bag_len)
+        if cache_key not in self._pair_codecs:
+            self._pair_codecs[cache_key] = routing.pair_codec(self.layout, self.feature_table, key, req)
+        return self._pair_codecs[cache_key]
+
     def _pair_grads_to_owner(self, key, feats, ids, grads, capacity):
         """Reverse path of the pair strategy: each owner gets the bag gradients of the segments it holds
         and the (row, bag) pairs, and credits every pair's row with its bag's gradient."""
         st = self.layout.stacks[key]
         req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
-        route = routing.route_pairs(req, self.num_shards, st.rows, capacity)
+        route = routing.route_pairs(req, self.num_shards, self._pair_codec(key, req), capacity)
         S, G = self.num_shards, req.bags
         per_owner = [[] for _ in range(S)]
         for seg in req.segments:
@@ -647,7 +655,7 @@ class EmbeddingCollection:
             send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
         )  # [S, G, w]
         recv = collectives.all_to_all_ids(route.send, self.shard_axes)
-        rrow, rbag = routing.unpack_pairs(recv, route, G)
+        rrow, rbag = routing.unpack_pairs(recv, route, G, jax.lax.axis_index(self.shard_axes))
         pair_g = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
         sizes = [ids[seg.feature].size for seg in req.segments]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)

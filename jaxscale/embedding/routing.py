@@ -7,7 +7,8 @@ Two strategies, both typed here:
   returns the rows and the requester pools them.
 * pairs (per-bag partial sums, for pooled features with several ids per bag): every valid (row, bag) pair
   travels to its owner (no de-duplication: the owner pools its rows per bag) and one partial sum per bag
-  comes back from each owner that holds a piece of the bag's table.
+  comes back from each owner that holds a piece of the bag's table. A pair travels as 2 bytes when it can
+  (`PairCodec`): its row relative to its table piece, in bag order, beside one count per bag.
 
 Request building works on NumPy or JAX arrays (`xp`), so the host counts exactly the buffers the device
 fills (`jaxscale.embedding.capacity`). A request that does not fit its buffer is counted as overflow,
@@ -75,15 +76,36 @@ class PairRequests:
     bag: object  # int32 [n]: the index of the bag's partial sum on its owner
     segments: tuple[BagSegment, ...]
     bags: int  # partial sums per owner (the largest over owners)
+    bag_len: int  # the most ids one bag has (pairs one bag sends one owner)
+
+
+NARROW_SPAN = 2**16  # a table piece spanning at most this many rows of its owner's block has u16 row offsets
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PairCodec:
+    """How one stack's (row, bag) pairs travel to their owners; chosen once, from the layout and bag length.
+
+    'narrow': a u16 per pair (its row minus the first row of its table piece on the owner) and one count
+    per bag (u8, or u16 for bags of 256+ ids), in ONE u16 buffer [S, C + count words]. A sender lists an
+    owner's pairs in bag order, so the owner recovers each pair's bag from the counts and its row from
+    the bag's piece: 2 bytes per pair + 1 per bag, where TorchRec sends an int64 per id and per bag.
+    Needs every piece an owner holds to span <= NARROW_SPAN rows.
+    'packed': one int32 `row * bags + bag` per pair; 'wide': two int32 (when even that overflows).
+    """
+
+    kind: str
+    piece_base: np.ndarray | None = None  # int32 [S, G]: first block row of each owner bag's table piece
+    count_bytes: int = 0  # 1 or 2: width of a per-bag count ('narrow')
 
 
 @dataclasses.dataclass(frozen=True)
 class PairRoute:
-    """The (row, bag) pairs' send buffer; a pair travels as one int32 `row * bags + bag` when that fits."""
+    """The (row, bag) pairs' send buffer, encoded as `codec` says; empty slots carry no pair."""
 
-    send: jax.Array  # int32 [S, C] packed, or [S, C, 2] unpacked; -1 = empty
+    send: jax.Array  # narrow: u16 [S, C + count words]; packed: int32 [S, C]; wide: int32 [S, C, 2]; -1 = empty
     overflow: jax.Array
-    packed: bool
+    codec: PairCodec
     dest: jax.Array  # int32 [n] (request order): owner, or S when no position
     position: jax.Array  # int32 [n]: position in the owner's block of the send buffer
 
@@ -190,33 +212,94 @@ def pair_requests(layout: Layout, feature_table, key: str, feats, ids, xp=jnp):
         row.append(xp.asarray(route.offset[:, seg.col_block])[part] + sid // route.row_parts)
         bag.append(xp.asarray(offsets[:, j])[d] + xp.repeat(xp.arange(b, dtype=xp.int32), L))
     cat = xp.concatenate
+    bag_len = max(ids[seg.feature].shape[1] for seg in segments)
     return PairRequests(
-        cat(dest).astype(xp.int32), cat(row).astype(xp.int32), cat(bag).astype(xp.int32), segments, bags
+        cat(dest).astype(xp.int32), cat(row).astype(xp.int32), cat(bag).astype(xp.int32), segments, bags, bag_len
     )
 
 
-def route_pairs(req: PairRequests, num_shards: int, block_rows: int, capacity: int) -> PairRoute:
-    """Each valid (row, bag) pair gets a position among the pairs bound for its owner (no de-duplication)."""
+def pair_codec(layout: Layout, feature_table, key: str, req: PairRequests) -> PairCodec:
+    """The narrowest `PairCodec` stack `key`'s pairs fit (static: from the layout and the ids' shapes)."""
+    S, G = layout.num_shards, req.bags
+    base = np.zeros((S, G), np.int64)
+    narrow = req.bag_len < 2**16
+    for seg in req.segments:
+        t_idx = feature_table[seg.feature]
+        for d in seg.holders:
+            pieces = [pc for pc in layout.stacks[key].pieces[d] if pc.table == t_idx and pc.col_part == seg.col_block]
+            lo, hi = min(pc.offset for pc in pieces), max(pc.offset + pc.rows for pc in pieces)
+            narrow &= hi - lo <= NARROW_SPAN
+            base[d, seg.offsets[d] : seg.offsets[d] + seg.bags] = lo
+    if narrow:
+        return PairCodec("narrow", base.astype(np.int32), 1 if req.bag_len < 2**8 else 2)
+    return PairCodec("packed" if layout.stacks[key].rows * G < 2**31 else "wide")
+
+
+def route_pairs(req: PairRequests, num_shards: int, codec: PairCodec, capacity: int) -> PairRoute:
+    """Each valid (row, bag) pair gets a position among the pairs bound for its owner (no de-duplication).
+
+    The sort is stable, so an owner's pairs keep request order, which is bag order (`pair_requests`).
+    A pair that does not fit is counted in `overflow`; with 'narrow' it is left out of its bag's count too.
+    """
     dest, C = req.dest, capacity
     S, G = num_shards, req.bags
     n = dest.shape[0]
     iota = jnp.arange(n, dtype=jnp.int32)
-    sd, perm = jax.lax.sort((dest, iota), num_keys=1)
+    sd, perm = jax.lax.sort((dest, iota), num_keys=1, is_stable=True)
     counts = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), sd, num_segments=S + 1, indices_are_sorted=True)
     position = iota - (jnp.cumsum(counts) - counts)[sd]
     fits = (sd < S) & (position < C)
     overflow = jnp.sum((sd < S) & (position >= C), dtype=jnp.int32)
     row, bag = req.row[perm], req.bag[perm]
-    packed = block_rows * G < 2**31
-    payload = row * G + bag if packed else jnp.stack([row, bag], axis=-1)
-    shape = (S, C) if packed else (S, C, 2)
-    send = jnp.full(shape, -1, jnp.int32).at[jnp.where(fits, sd, S), position].set(payload, mode="drop")
+    slot_owner = jnp.where(fits, sd, S)  # owner S: dropped by mode="drop"
+    if codec.kind == "narrow":
+        base = jnp.asarray(codec.piece_base)[jnp.minimum(sd, S - 1), bag]
+        offset = (row - base).astype(jnp.uint16)
+        offsets = jnp.zeros((S, C), jnp.uint16).at[slot_owner, position].set(offset, mode="drop")
+        per_bag = jax.ops.segment_sum(fits.astype(jnp.int32), slot_owner * G + bag, num_segments=(S + 1) * G)
+        send = jnp.concatenate([offsets, _count_words(per_bag.reshape(S + 1, G)[:S], codec.count_bytes)], axis=1)
+    else:
+        packed = codec.kind == "packed"
+        payload = row * G + bag if packed else jnp.stack([row, bag], axis=-1)
+        shape = (S, C) if packed else (S, C, 2)
+        send = jnp.full(shape, -1, jnp.int32).at[slot_owner, position].set(payload, mode="drop")
     inv = jnp.zeros((n,), jnp.int32).at[perm].set(iota)
-    return PairRoute(send, overflow, packed, jnp.where(fits, sd, S)[inv], position[inv])
+    return PairRoute(send, overflow, codec, slot_owner[inv], position[inv])
 
 
-def unpack_pairs(recv, route: PairRoute, bags: int):
-    """Received pairs -> (rows, bags); -1 rows (and bag 0) for empty slots."""
-    if route.packed:
+def _count_words(counts, count_bytes: int):
+    """int32 [S, G] per-bag counts -> u16 [S, ceil(G * count_bytes / 2)] (u8 counts two to a word)."""
+    if count_bytes == 2:
+        return counts.astype(jnp.uint16)
+    S, G = counts.shape
+    pairs = jnp.pad(counts.astype(jnp.uint8), ((0, 0), (0, G % 2))).reshape(S, -1, 2)
+    return jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def _counts_of_words(words, bags: int, count_bytes: int):
+    """Inverse of `_count_words`: int32 [S, bags]."""
+    if count_bytes == 1:
+        words = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], -1)
+    return words[:, :bags].astype(jnp.int32)
+
+
+def unpack_pairs(recv, route: PairRoute, bags: int, shard=None):
+    """Received pairs -> (rows, bags) per sender slot [S, C]; -1 rows (and bag 0) for empty slots.
+
+    `shard`: this owner's shard index (`jax.lax.axis_index` of the shard axes), needed by 'narrow'.
+    """
+    codec = route.codec
+    if codec.kind == "packed":
         return jnp.where(recv >= 0, recv // bags, -1), jnp.where(recv >= 0, recv % bags, 0)
-    return recv[..., 0], recv[..., 1]
+    if codec.kind == "wide":
+        return recv[..., 0], recv[..., 1]
+    capacity = recv.shape[1] - -(-bags * codec.count_bytes // 2)
+    offsets, counts = recv[:, :capacity], _counts_of_words(recv[:, capacity:], bags, codec.count_bytes)
+    ends = jnp.cumsum(counts, axis=1)  # [S, G]: a sender's pairs of bag g end at slot ends[g]
+    # bag of a slot = how many bags end at or before it: a scatter of the ends + a running sum, no search
+    S = recv.shape[0]
+    marks = jnp.zeros((S, capacity + 1), jnp.int32).at[jnp.arange(S)[:, None], jnp.minimum(ends, capacity)].add(1)
+    bag = jnp.minimum(jnp.cumsum(marks[:, :capacity], axis=1), bags - 1)
+    valid = jnp.arange(capacity)[None, :] < ends[:, -1:]
+    base = jnp.asarray(codec.piece_base)[shard][bag]
+    return jnp.where(valid, offsets.astype(jnp.int32) + base, -1), jnp.where(valid, bag, 0)
