@@ -277,7 +277,8 @@ def count_capacities(
 ) -> Capacities:
     """Exact per-batch capacities from host ids (this process's rows: devices first_device...).
 
-    `exchange(keys) -> keys of every process` (multi-process runs) merges what the processes saw, so
+    `exchange(keys, same_size=False) -> keys of every process` (multi-process runs; `same_size`: every
+    process sends as many) merges what the processes saw, so
     they all compute the same capacities; None in a single process. `sync_strategy` 'auto' picks the
     cheaper of 'gather' and 'owner' for this batch from the counts, with `wire_bytes(width)` the bytes
     of one gradient row on the wire. Counts are capped by the worst case (`static_capacities`).
@@ -289,7 +290,7 @@ def count_capacities(
     feats = tuple(sorted(ids))
     partial = pair_features(layout, feature_table, feats, {f: s[1] for f, s in shapes.items()}, pooled_comm)
     row_feats = [f for f in feats if f not in partial]
-    gather_all = exchange or (lambda a: a)
+    gather_all = exchange or (lambda a, same_size=False: a)
     local_shapes = {f: (s[0] // devices, s[1]) for f, s in shapes.items()}
     worst = static_capacities(layout, feature_table, topology, local_shapes, pooled_comm, None, sync)
     local_max: dict[str, tuple[int, int]] = {}  # stack -> (rows, pairs) slots this process needs
@@ -358,7 +359,7 @@ def count_capacities(
     if not stacks:
         return Capacities((), counted=True)
     mine = np.array([local_max[k] for k in stacks], np.int64).reshape(-1)
-    every = gather_all(mine).reshape(-1, len(stacks), 2).max(axis=0)
+    every = gather_all(mine, same_size=True).reshape(-1, len(stacks), 2).max(axis=0)
     for key, (rows_cap, pairs_cap) in zip(stacks, every):
         bound = worst[key]
         cap = StackCapacity(

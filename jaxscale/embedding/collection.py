@@ -815,13 +815,38 @@ def _spans(req: routing.RowRequests) -> tuple[tuple[str, int, int], ...]:
     return tuple((seg.feature, seg.start, seg.size) for seg in req.segments)
 
 
-def _exchange_across_processes(keys: np.ndarray) -> np.ndarray:
-    """Every process's int64 keys, concatenated (same result on every process)."""
-    from jax.experimental import multihost_utils
+def _exchange_across_processes(keys: np.ndarray, same_size: bool = False) -> np.ndarray:
+    """Every process's int64 keys, concatenated in process order (same result on every process).
 
-    keys = np.asarray(keys, np.int64)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([keys.size], np.int64))).reshape(-1)
+    `same_size`: every process sends as many keys (the capacity maxima), so one all-gather does; otherwise
+    the sizes go first. Each all-gather is one cached executable over every device (a host round trip
+    through `multihost_utils.process_allgather` costs about twice as much per call)."""
+    keys = np.asarray(keys, np.int64).reshape(-1)
+    if same_size:
+        return _process_allgather(keys).reshape(-1)
+    sizes = _process_allgather(np.array([keys.size], np.int64)).reshape(-1)
     padded = np.full(int(sizes.max()) if sizes.size else 0, -1, np.int64)
     padded[: keys.size] = keys
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    every = _process_allgather(padded)
     return np.concatenate([every[i, : sizes[i]] for i in range(len(sizes))])
+
+
+def _process_allgather(x: np.ndarray) -> np.ndarray:
+    """[processes, n]: row p = process p's int64 vector x (the same n on every process)."""
+    mesh, gather = _process_gather_executable()
+    sharding = NamedSharding(mesh, P("process"))
+    rows = jax.make_array_from_process_local_data(sharding, x[None], (mesh.shape["process"], x.size))
+    return np.asarray(gather(rows).addressable_data(0))
+
+
+@functools.cache
+def _process_gather_executable():
+    """A (process, device) mesh of every device and a jitted identity whose result is replicated."""
+    from jax.sharding import Mesh
+
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    grid = np.array([sorted(v, key=lambda d: d.id) for _, v in sorted(by_process.items())])
+    mesh = Mesh(grid, ("process", "device"))
+    return mesh, jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
