@@ -54,10 +54,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape,topology,sharding,length", CASES)
-def test_narrow_pairs_decode_to_the_same_pairs_as_int32(shape, topology, sharding, length):
+SORT_CASES = [  # positions from the stable sort (many owners x requests); one case per sharding
+    pytest.param((2, 4), "1d", sh, 7, "sort", id=f"2x4-1d-{sh}-L7-sort")
+    for sh in ("table_wise", "row_wise", "column_wise")
+]
+
+
+@pytest.mark.parametrize(
+    "shape,topology,sharding,length,rank", [pytest.param(*c.values, "one_hot", id=c.id) for c in CASES] + SORT_CASES
+)
+def test_narrow_pairs_decode_to_the_same_pairs_as_int32(shape, topology, sharding, length, rank, monkeypatch):
     """Every owner decodes the same multiset of (row, bag) pairs from the narrow buffer as from the int32
-    one, at the exact capacity and at a capacity that overflows (the same pairs are left out of both)."""
+    one, at the exact capacity and at a capacity that overflows (the same pairs are left out of both);
+    with positions from the one-hot running count and from the stable sort."""
+    if rank == "sort":
+        monkeypatch.setattr(routing, "ONE_HOT_RANK_LIMIT", 0)
     rng = np.random.default_rng(length + len(sharding))
     tables = [
         jaxscale.TableConfig("a", rows=3000, dim=8, pooling="sum", features=("fa", "fb")),
@@ -80,6 +91,20 @@ def test_narrow_pairs_decode_to_the_same_pairs_as_int32(shape, topology, shardin
         sent = sum(sum(c.values()) for c in got["narrow"][0].values())
         assert sent + got["narrow"][1] == int((np.asarray(req.dest) < S).sum())  # nothing dropped silently
         assert (got["narrow"][1] > 0) == (capacity < full)
+
+
+def test_positions_are_ranks_within_each_owner_by_both_methods(monkeypatch):
+    rng = np.random.default_rng(3)
+    for S, n in ((1, 50), (3, 1000), (8, 4000)):
+        dest = rng.integers(0, S + 1, n).astype(np.int32)  # S: padding
+        want = np.array([(dest[:i] == dest[i]).sum() for i in range(n)])
+        ok = dest < S
+        got_one_hot = np.asarray(routing._rank_within_owner(jnp.asarray(dest), S))
+        monkeypatch.setattr(routing, "ONE_HOT_RANK_LIMIT", 0)
+        got_sort = np.asarray(routing._rank_within_owner(jnp.asarray(dest), S))
+        monkeypatch.undo()
+        np.testing.assert_array_equal(got_one_hot[ok], want[ok])
+        np.testing.assert_array_equal(got_sort[ok], want[ok])
 
 
 def test_narrow_buffer_is_two_bytes_per_pair_plus_one_per_bag():
