@@ -109,9 +109,9 @@ def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = No
     if replica_groups and groups == replica_groups:  # the owner sync's all-to-all included
         return "replica_sync"
     if c.kind in ("all-to-all", "ragged-all-to-all"):
-        # ids: signed ints, or u16 buffers without a row axis (narrow pairs); rows always have [.., .., width]
+        # ids: signed ints, or u16 buffers without a row axis (narrow pairs); rows are [.., .., width]
         integer = all(dt.startswith("s") or dt == "pred" for dt in c.dtypes)
-        flat = all(len(s) <= 2 for s in c.shapes)
+        flat = all(dt == "u16" and len(s) <= 2 for dt, s in zip(c.dtypes, c.shapes))
         return "emb_ids" if integer or flat else "emb_rows"
     if c.kind == "all-reduce" and c.name == largest_all_reduce and c.result_bytes >= SCALAR_BYTES:
         return "dense_grad"

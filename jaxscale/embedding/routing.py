@@ -103,7 +103,7 @@ class PairCodec:
 class PairRoute:
     """The (row, bag) pairs' send buffer, encoded as `codec` says; empty slots carry no pair."""
 
-    send: jax.Array  # narrow: u16 [S, C + count words]; packed: int32 [S, C]; wide: int32 [S, C, 2]; -1 = empty
+    send: jax.Array  # narrow: u16 [S, C + count words]; packed: int32 [S, C] / wide: [S, C, 2], -1 = empty
     overflow: jax.Array
     codec: PairCodec
     dest: jax.Array  # int32 [n] (request order): owner, or S when no position
@@ -306,6 +306,8 @@ def unpack_pairs(recv, route: PairRoute, bags: int, shard=None):
         return jnp.where(recv >= 0, recv // bags, -1), jnp.where(recv >= 0, recv % bags, 0)
     if codec.kind == "wide":
         return recv[..., 0], recv[..., 1]
+    if shard is None:
+        raise ValueError("unpack_pairs: narrow pairs need this owner's shard index (shard=axis_index)")
     capacity = recv.shape[1] - -(-bags * codec.count_bytes // 2)
     offsets, counts = recv[:, :capacity], _counts_of_words(recv[:, capacity:], bags, codec.count_bytes)
     ends = jnp.cumsum(counts, axis=1)  # [S, G]: a sender's pairs of bag g end at slot ends[g]
