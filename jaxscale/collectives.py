@@ -7,6 +7,11 @@ row (last axis), bitcast to unsigned ints and moved by ONE collective (fp8 scale
 
 `all_to_all` / `all_gather` are forward-only for precisions other than 'fp32' (their bitcasts have no
 gradient); use `quantized_all_to_all` where gradients must flow.
+
+Small control values (counts, capacity maxima) are gathered with `gather_small`, and `sum_counts` adds up
+per-device counts outside `shard_map`: on CPU as ONE all-to-all, since gloo (XLA:CPU between processes)
+runs all-reduce and all-gather as rings of dependent rounds and an all-to-all as one round of pairwise
+exchanges (`experiments/bench/collective_latency.py` measures the three side by side).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.quantization import check_fp8_format, check_precision, decode, encode
 
@@ -109,3 +116,46 @@ def _qa2a_bwd(axis_name, forward, backward, fp8_forward_format, fp8_backward_for
 
 
 _qa2a.defvjp(_qa2a_fwd, _qa2a_bwd)
+
+
+# ------------------------------------------------------------------------- small control values
+
+
+def gather_small(x: jax.Array, axis_name: str | Sequence[str], size: int, as_all_to_all: bool) -> jax.Array:
+    """Every peer's block of a small array, stacked: [k, ...] -> [size * k, ...] (block i from peer i).
+
+    `as_all_to_all`: the block is repeated once per peer and moved by one tiled all-to-all, so peer i's
+    copy lands in slot i on every device; else a plain all-gather. Same result; the all-to-all is one
+    round of pairwise exchanges where gloo's all-gather is a ring of size - 1 dependent rounds.
+    """
+    axis = _axis(axis_name)
+    if not as_all_to_all:
+        return jax.lax.all_gather(x, axis, axis=0, tiled=True)
+    return jax.lax.all_to_all(jnp.concatenate([x] * size, axis=0), axis, 0, 0, tiled=True)
+
+
+def prefers_all_to_all(mesh) -> bool:
+    """Small control values travel by all-to-all on CPU meshes (gloo), by the platform's all-reduce /
+    all-gather elsewhere (NCCL's are latency-optimised; an all-to-all of a scalar is S - 1 messages)."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def sum_counts(counts: dict[str, jax.Array], mesh, axes: Sequence[str]) -> dict[str, jax.Array]:
+    """Totals of per-device counts, outside `shard_map`: {name: int [devices] sharded over `axes`} ->
+    {name: int32 scalar, replicated}, all of them in one small collective (see `prefers_all_to_all`)."""
+    names = sorted(counts)
+    axes = tuple(axes)
+    if not prefers_all_to_all(mesh):
+        totals = jnp.sum(jnp.stack([counts[n].astype(jnp.int32) for n in names], axis=-1), axis=0)
+    else:
+        # u32 on the wire: counts are never negative, and `comm_report` tells control counts from ids by it
+        packed = jnp.stack([counts[n].astype(jnp.uint32) for n in names], axis=-1)  # [devices, k]
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+
+        def body(block):  # [1, k]: this device's counts -> [k]: the sum over every device's
+            return jnp.sum(gather_small(block, axes, size, as_all_to_all=True), axis=0)
+
+        # check_vma=False: after the all-to-all every device holds the same sums; JAX types the result
+        # as varying over `axes` (only psum/all_gather yield invariant values), so P() is asserted here.
+        totals = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)(packed)
+    return {n: totals[i].astype(jnp.int32) for i, n in enumerate(names)}

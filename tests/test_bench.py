@@ -205,6 +205,22 @@ def test_comparisons_match_precisions_and_compute_ratios():
     assert fp8["torchrec_precision"] == "fp16" and "FP8 QComms fail on CPU" in fp8["match"]
     assert fp8["time_ratio_sim"] == pytest.approx(2.0) and fp8["bytes_ratio"] == pytest.approx(0.4)
     assert fp8["bytes_target"] == 0.5 and fp8["time_ratio_mp"] is None
+    assert equal_devices.JAXSCALE_PRECISIONS["fp8"] == ("fp8", "fp8")  # fp8 both ways, as TorchRec's FP8 QComms
+
+
+def test_the_ladders_fp8_bf16_row_holds_each_direction_to_its_target():
+    engines = _engines()
+    engines["jaxscale_sim"]["2"]["configs"]["row_wise/fp8/bf16"] = {
+        "sharding": "row_wise",
+        "precision": "fp8/bf16",
+        "median_ms": 25.0,
+        "bytes_per_device": 370,
+    }
+    rows = {r["precision"]: r for r in equal_devices.comparisons(engines, ["2"])}
+    mixed = rows["fp8/bf16"]
+    assert equal_devices.JAXSCALE_PRECISIONS["fp8/bf16"] == ("fp8", "bf16")
+    assert mixed["torchrec_precision"] == "fp16" and mixed["bytes_target"] == 0.75
+    assert mixed["bytes_ratio"] == pytest.approx(0.74)
 
 
 def test_merge_sessions_pools_steps_and_keeps_only_the_error_of_a_failed_config():
@@ -335,3 +351,21 @@ def test_one_device_session_end_to_end(tmp_path):
         assert e["max_abs_diff_rows"] <= 1e-6
     assert out["order"] == ["jaxscale", "numpy"]
     assert sys.executable  # the sessions ran under this interpreter (child_env keeps the environment)
+
+
+def test_collective_latency_runs_checks_every_result_and_renders_its_json(tmp_path):
+    """The collective latency script end to end on 2 processes (--quick): every kind's result is checked
+    inside the workers (a wrong sum or gather raises), and the Markdown is computed from the JSON."""
+    import collective_latency
+
+    out = tmp_path / "latency"
+    assert collective_latency.main(["--quick", "--out", str(out)]) == 0
+    r = json.loads(out.with_suffix(".json").read_text())
+    assert r["worlds"] == [2] and r["sizes"] == [2, 24]
+    for n in ("2", "24"):
+        for kind in collective_latency.KINDS:
+            assert r["results"]["2"][n][kind]["median_ms"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert md == collective_latency.render(r)
+    m = r["results"]["2"]["2"]
+    assert f"| 2 | 2 | {m['all_reduce']['median_ms']:.3f} |" in md

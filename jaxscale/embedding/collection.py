@@ -44,7 +44,7 @@ from jaxscale.tables import TableConfig, check_tables
 REPLICA_SYNC_MODES = ("exact", "periodic", "periodic_sparse")
 SYNC_STRATEGIES = ("auto",) + capacity_lib.SYNC_STRATEGIES
 POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
-_NO_STATS = {"overflow": P(), "invalid_ids": P()}
+_DEVICE_STATS = {"overflow": P(BATCH_AXES), "invalid_ids": P(BATCH_AXES)}  # [devices] counts
 
 
 class EmbeddingCollection:
@@ -356,9 +356,10 @@ class EmbeddingCollection:
         fn = self._shard_map(
             functools.partial(self._lookup_body, feats, caps),
             in_specs=({k: spec for k in self.layout.stacks}, {f: P(BATCH_AXES) for f in feats}),
-            out_specs=({f: P(BATCH_AXES) for f in feats}, _NO_STATS),
+            out_specs=({f: P(BATCH_AXES) for f in feats}, _DEVICE_STATS),
         )
-        return fn(state["weights"], {f: ids[f] for f in feats})
+        out, counts = fn(state["weights"], {f: ids[f] for f in feats})
+        return out, self._totals(counts)
 
     def _partial(self, feats, ids) -> frozenset:
         return capacity_lib.pair_features(
@@ -409,10 +410,15 @@ class EmbeddingCollection:
         offset = int(self.layout.routes[t_idx].offset[0, 0])
         return jnp.where((x >= 0) & (x < t.stored_rows), x + offset, -1)
 
-    def _stats(self, overflow, invalid):
+    @staticmethod
+    def _stats(overflow, invalid):
+        """This device's counts, as [1] blocks of [devices] arrays (added up by `_totals`)."""
+        return {"overflow": overflow[None], "invalid_ids": invalid[None]}
+
+    def _totals(self, counts):
         # Each device counts its own requests (and its own sync rows), so the sums over every device are the
-        # totals: nothing is divided by the replica count.
-        return {"overflow": jax.lax.psum(overflow, BATCH_AXES), "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
+        # totals: nothing is divided by the replica count. One small collective for both counts.
+        return collectives.sum_counts(counts, self.mesh, BATCH_AXES)
 
     def _lookup_rows(self, key, table, feats, ids, capacity, parts):
         """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
@@ -476,9 +482,9 @@ class EmbeddingCollection:
         fn = self._shard_map(
             functools.partial(self._update_body, feats, caps),
             in_specs=(stacks, {s: stacks for s in slots}, batch, batch, P(), P(), [P(BATCH_AXES)] * len(after)),
-            out_specs=(stacks, {s: stacks for s in slots}, _NO_STATS),
+            out_specs=(stacks, {s: stacks for s in slots}, _DEVICE_STATS),
         )
-        weights, slot_state, stats = fn(
+        weights, slot_state, counts = fn(
             state["weights"],
             {s: state[s] for s in slots},
             {f: ids[f] for f in feats},
@@ -487,7 +493,7 @@ class EmbeddingCollection:
             state["step"],
             after,
         )
-        return dict(state, weights=weights, step=state["step"] + 1, **slot_state), stats
+        return dict(state, weights=weights, step=state["step"] + 1, **slot_state), self._totals(counts)
 
     def _order_inputs(self, after) -> list:
         """The leaves of `after` as a list of batch-sharded arrays (checked: each splits over the devices)."""
@@ -818,9 +824,10 @@ def _spans(req: routing.RowRequests) -> tuple[tuple[str, int, int], ...]:
 def _exchange_across_processes(keys: np.ndarray, same_size: bool = False) -> np.ndarray:
     """Every process's int64 keys, concatenated in process order (same result on every process).
 
-    `same_size`: every process sends as many keys (the capacity maxima), so one all-gather does; otherwise
-    the sizes go first. Each all-gather is one cached executable over every device (a host round trip
-    through `multihost_utils.process_allgather` costs about twice as much per call)."""
+    `same_size`: every process sends as many keys (the capacity maxima), so one exchange does; otherwise
+    the sizes go first. Each exchange is one cached executable over every device (a host round trip
+    through `multihost_utils.process_allgather` costs about twice as much per call), an all-to-all on CPU
+    (`collectives.prefers_all_to_all`)."""
     keys = np.asarray(keys, np.int64).reshape(-1)
     if same_size:
         return _process_allgather(keys).reshape(-1)
@@ -841,7 +848,7 @@ def _process_allgather(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _process_gather_executable():
-    """A (process, device) mesh of every device and a jitted identity whose result is replicated."""
+    """A (process, device) mesh of every device and a jitted gather of each process's row, replicated."""
     from jax.sharding import Mesh
 
     by_process: dict[int, list] = {}
@@ -849,4 +856,8 @@ def _process_gather_executable():
         by_process.setdefault(d.process_index, []).append(d)
     grid = np.array([sorted(v, key=lambda d: d.id) for _, v in sorted(by_process.items())])
     mesh = Mesh(grid, ("process", "device"))
-    return mesh, jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+    a2a = collectives.prefers_all_to_all(mesh)
+    body = functools.partial(collectives.gather_small, axis_name="process", size=grid.shape[0], as_all_to_all=a2a)
+    # check_vma=False: every device ends with the same rows (JAX types an all-to-all's result as varying)
+    gather = jax.shard_map(body, mesh=mesh, in_specs=P("process"), out_specs=P(), check_vma=False)
+    return mesh, jax.jit(gather)
