@@ -8,10 +8,10 @@ row (last axis), bitcast to unsigned ints and moved by ONE collective (fp8 scale
 `all_to_all` / `all_gather` are forward-only for precisions other than 'fp32' (their bitcasts have no
 gradient); use `quantized_all_to_all` where gradients must flow.
 
-Small control values (counts, capacity maxima) are gathered with `gather_small`, and `sum_counts` adds up
-per-device counts outside `shard_map`: on CPU as ONE all-to-all, since gloo (XLA:CPU between processes)
-runs all-reduce and all-gather as rings of dependent rounds and an all-to-all as one round of pairwise
-exchanges (`experiments/bench/collective_latency.py` measures the three side by side).
+`gather_small` gathers small control values (the host capacity exchange's maxima): on CPU as ONE
+all-to-all, which gloo (XLA:CPU between processes) runs as one round of pairwise exchanges, where its
+all-gather is a ring of dependent rounds (`experiments/bench/collective_latency.py` measures both, and
+the all-reduce the step's counters use).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jaxscale.quantization import check_fp8_format, check_precision, decode, encode
 
@@ -135,27 +133,6 @@ def gather_small(x: jax.Array, axis_name: str | Sequence[str], size: int, as_all
 
 
 def prefers_all_to_all(mesh) -> bool:
-    """Small control values travel by all-to-all on CPU meshes (gloo), by the platform's all-reduce /
-    all-gather elsewhere (NCCL's are latency-optimised; an all-to-all of a scalar is S - 1 messages)."""
+    """Small gathers travel by all-to-all on CPU meshes (gloo), by the platform's all-gather elsewhere
+    (NCCL's is latency-optimised; an all-to-all of a few values is S - 1 messages)."""
     return mesh.devices.flat[0].platform == "cpu"
-
-
-def sum_counts(counts: dict[str, jax.Array], mesh, axes: Sequence[str]) -> dict[str, jax.Array]:
-    """Totals of per-device counts, outside `shard_map`: {name: int [devices] sharded over `axes`} ->
-    {name: int32 scalar, replicated}, all of them in one small collective (see `prefers_all_to_all`)."""
-    names = sorted(counts)
-    axes = tuple(axes)
-    if not prefers_all_to_all(mesh):
-        totals = jnp.sum(jnp.stack([counts[n].astype(jnp.int32) for n in names], axis=-1), axis=0)
-    else:
-        # u32 on the wire: counts are never negative, and `comm_report` tells control counts from ids by it
-        packed = jnp.stack([counts[n].astype(jnp.uint32) for n in names], axis=-1)  # [devices, k]
-        size = int(np.prod([mesh.shape[a] for a in axes]))
-
-        def body(block):  # [1, k]: this device's counts -> [k]: the sum over every device's
-            return jnp.sum(gather_small(block, axes, size, as_all_to_all=True), axis=0)
-
-        # check_vma=False: after the all-to-all every device holds the same sums; JAX types the result
-        # as varying over `axes` (only psum/all_gather yield invariant values), so P() is asserted here.
-        totals = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(), check_vma=False)(packed)
-    return {n: totals[i].astype(jnp.int32) for i, n in enumerate(names)}

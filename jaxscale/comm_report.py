@@ -26,8 +26,7 @@ row axis: row ids / narrow (row, bag) pairs to the owners), 'emb_rows' (float/bi
 'replica_sync' (collectives over the replica axes of a 2D topology: exact sparse sync or periodic
 averaging), 'dense_grad' (the largest all-reduce: data-parallel dense gradients; XLA combines into it whatever else
 is all-reduced in the backward pass), 'model_gather' (other all-gathers/all-reduces of float arrays the
-model needs, e.g. the in-batch negative pool), 'scalars' (metrics and counters; on CPU also the small
-u32 all-to-all of `collectives.sum_counts`).
+model needs, e.g. the in-batch negative pool), 'scalars' (metrics and counters).
 """
 
 from __future__ import annotations
@@ -107,8 +106,6 @@ def split_bytes(c, mesh_shape) -> tuple[float, float]:
 def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = None) -> str:
     """The category of a collective (see module doc). `largest_all_reduce` names the dense-gradient one."""
     groups = frozenset(frozenset(g) for g in c.groups)
-    if c.kind == "all-to-all" and all(dt == "u32" for dt in c.dtypes) and c.result_bytes < SCALAR_BYTES:
-        return "scalars"  # counts added up by `collectives.sum_counts` (u32 all-to-all on CPU)
     if replica_groups and groups == replica_groups:  # the owner sync's all-to-all included
         return "replica_sync"
     if c.kind in ("all-to-all", "ragged-all-to-all"):

@@ -85,11 +85,7 @@ def test_cli_json_2d_a2a_keeps_all_to_all_inside_the_node():
     rep = json.loads(out.stdout)
     assert rep["config"]["topology"] == "2d_a2a" and rep["config"]["devices"] == 8
     a2a = [r for r in rep["collectives"] if r["kind"] == "all-to-all"]
-    emb = [r for r in a2a if r["category"] in ("emb_ids", "emb_rows")]
-    assert emb and all(r["inter_node"] == 0 and r["intra_node"] > 0 for r in emb)
-    # the only other all-to-alls: the step's counters (overflow, invalid ids), a few bytes, over every device
-    others = [r for r in a2a if r not in emb]
-    assert all(r["category"] == "scalars" and r["bytes_per_device"] < 64 for r in others), others
+    assert a2a and all(r["inter_node"] == 0 and r["intra_node"] > 0 for r in a2a)
     assert rep["per_step"]["by_category"]["replica_sync"]["inter_node"] > 0  # replicas live on other nodes
 
 

@@ -44,7 +44,7 @@ from jaxscale.tables import TableConfig, check_tables
 REPLICA_SYNC_MODES = ("exact", "periodic", "periodic_sparse")
 SYNC_STRATEGIES = ("auto",) + capacity_lib.SYNC_STRATEGIES
 POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
-_DEVICE_STATS = {"overflow": P(BATCH_AXES), "invalid_ids": P(BATCH_AXES)}  # [devices] counts
+_NO_STATS = {"overflow": P(), "invalid_ids": P()}
 
 
 class EmbeddingCollection:
@@ -356,10 +356,9 @@ class EmbeddingCollection:
         fn = self._shard_map(
             functools.partial(self._lookup_body, feats, caps),
             in_specs=({k: spec for k in self.layout.stacks}, {f: P(BATCH_AXES) for f in feats}),
-            out_specs=({f: P(BATCH_AXES) for f in feats}, _DEVICE_STATS),
+            out_specs=({f: P(BATCH_AXES) for f in feats}, _NO_STATS),
         )
-        out, counts = fn(state["weights"], {f: ids[f] for f in feats})
-        return out, self._totals(counts)
+        return fn(state["weights"], {f: ids[f] for f in feats})
 
     def _partial(self, feats, ids) -> frozenset:
         return capacity_lib.pair_features(
@@ -410,15 +409,11 @@ class EmbeddingCollection:
         offset = int(self.layout.routes[t_idx].offset[0, 0])
         return jnp.where((x >= 0) & (x < t.stored_rows), x + offset, -1)
 
-    @staticmethod
-    def _stats(overflow, invalid):
-        """This device's counts, as [1] blocks of [devices] arrays (added up by `_totals`)."""
-        return {"overflow": overflow[None], "invalid_ids": invalid[None]}
-
-    def _totals(self, counts):
+    def _stats(self, overflow, invalid):
         # Each device counts its own requests (and its own sync rows), so the sums over every device are the
-        # totals: nothing is divided by the replica count. One small collective for both counts.
-        return collectives.sum_counts(counts, self.mesh, BATCH_AXES)
+        # totals: nothing is divided by the replica count. An all-reduce: for a couple of counters gloo's
+        # is faster than an all-to-all (experiments/results/collective_latency.md).
+        return {"overflow": jax.lax.psum(overflow, BATCH_AXES), "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
 
     def _lookup_rows(self, key, table, feats, ids, capacity, parts):
         """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
@@ -482,9 +477,9 @@ class EmbeddingCollection:
         fn = self._shard_map(
             functools.partial(self._update_body, feats, caps),
             in_specs=(stacks, {s: stacks for s in slots}, batch, batch, P(), P(), [P(BATCH_AXES)] * len(after)),
-            out_specs=(stacks, {s: stacks for s in slots}, _DEVICE_STATS),
+            out_specs=(stacks, {s: stacks for s in slots}, _NO_STATS),
         )
-        weights, slot_state, counts = fn(
+        weights, slot_state, stats = fn(
             state["weights"],
             {s: state[s] for s in slots},
             {f: ids[f] for f in feats},
@@ -493,7 +488,7 @@ class EmbeddingCollection:
             state["step"],
             after,
         )
-        return dict(state, weights=weights, step=state["step"] + 1, **slot_state), self._totals(counts)
+        return dict(state, weights=weights, step=state["step"] + 1, **slot_state), stats
 
     def _order_inputs(self, after) -> list:
         """The leaves of `after` as a list of batch-sharded arrays (checked: each splits over the devices)."""
