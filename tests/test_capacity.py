@@ -260,3 +260,43 @@ def test_pair_counts_without_building_pairs_equal_the_request_path(shape, topolo
         ok = req.dest < ec.layout.num_shards
         slow = max(1, C._max_count(dev[ok].astype(np.int64) * ec.layout.num_shards + req.dest[ok]))
         assert fast == slow
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_per_process_counts_combine_to_the_single_process_capacities(shape, sharding):
+    """What a multi-process run does, emulated: each 'process' (one node's devices) counts its own rows
+    with `count_local`; the capacities from every process's maxima equal those one process counts from
+    the whole batch. (The exchange itself runs between real processes in tests/test_multiprocess.py.)"""
+    mesh = jaxscale.make_mesh(*shape)
+    tables = [
+        jaxscale.TableConfig("seq", rows=400, dim=16, pooling=None),
+        jaxscale.TableConfig("bag", rows=150, dim=16, pooling="sum"),
+    ]
+    ec = jaxscale.EmbeddingCollection(tables, mesh, topology="1d", sharding=sharding)
+    rng = np.random.default_rng(zlib.crc32(f"{shape}{sharding}".encode()))
+    ids = {
+        "seq": zipf_ids(rng, 400, (64, 5)),
+        "bag": np.where(rng.random((64, 6)) < 0.2, -1, zipf_ids(rng, 150, (64, 6))),
+    }
+    args = (ec.layout, ec.feature_table, ec.topology)
+    rest = (ec.pooled_comm, False, "gather", lambda w: 4 * w)
+    whole = capacity.count_capacities(*args, ids, *rest)
+    nodes, local = shape
+    rows = 64 // nodes
+    parts = [
+        capacity.count_local(
+            *args,
+            {f: x[p * rows : (p + 1) * rows] for f, x in ids.items()},
+            *rest,
+            first_device=p * local,
+            num_devices=local,
+        )
+        for p in range(nodes)
+    ]
+    assert all(p.stacks == parts[0].stacks for p in parts)
+    combined = parts[0].capacities(np.stack([p.maxima for p in parts]))
+    assert combined == whole and whole.counted
+    # a single process's own maxima alone never ask for more than the combined batch
+    for p in parts:
+        assert combined.covers(p.capacities(p.maxima[None]))

@@ -261,6 +261,33 @@ def _max_count(keys: np.ndarray) -> int:
     return int(np.bincount(keys).max()) if keys.size else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalCounts:
+    """What one process counted: per stack the (rows, pairs) slots it needs (`maxima`, flat int64, the
+    vector every process exchanges), the exact sync's capacities, and the worst-case bounds."""
+
+    stacks: tuple[str, ...]
+    maxima: np.ndarray  # [2 * len(stacks)]: rows, pairs per stack
+    sync_caps: Mapping[str, dict]
+    worst: Capacities
+
+    def capacities(self, every: np.ndarray) -> Capacities:
+        """The batch's capacities from every process's `maxima` ([processes, 2 * stacks]; one row in a
+        single process): the maxima over processes, rounded up the ladder, capped by the worst case."""
+        if not self.stacks:
+            return Capacities((), counted=True)
+        top = np.asarray(every, np.int64).reshape(-1, len(self.stacks), 2).max(axis=0)
+        out = []
+        for key, (rows_cap, pairs_cap) in zip(self.stacks, top):
+            bound = self.worst[key]
+            cap = StackCapacity(
+                rows=min(ladder_up(int(rows_cap)), bound.rows) if rows_cap else 0,
+                pairs=min(ladder_up(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
+            )
+            out.append((key, dataclasses.replace(cap, **self.sync_caps.get(key, {}))))
+        return Capacities(tuple(out), counted=True)
+
+
 def count_capacities(
     layout: Layout,
     feature_table,
@@ -283,6 +310,42 @@ def count_capacities(
     cheaper of 'gather' and 'owner' for this batch from the counts, with `wire_bytes(width)` the bytes
     of one gradient row on the wire. Counts are capped by the worst case (`static_capacities`).
     """
+    local = count_local(
+        layout,
+        feature_table,
+        topology,
+        ids,
+        pooled_comm,
+        sync,
+        sync_strategy,
+        wire_bytes,
+        first_device=first_device,
+        num_devices=num_devices,
+        exchange=exchange,
+    )
+    if exchange is None or not local.stacks:
+        return local.capacities(local.maxima[None])
+    # Every stack's maxima over every process in one exchange (each process sends one value per count).
+    return local.capacities(exchange(local.maxima, same_size=True))
+
+
+def count_local(
+    layout: Layout,
+    feature_table,
+    topology: Topology,
+    ids: Mapping[str, np.ndarray],
+    pooled_comm: str,
+    sync: bool,
+    sync_strategy: str,
+    wire_bytes,
+    *,
+    first_device: int = 0,
+    num_devices: int | None = None,
+    exchange=None,
+) -> LocalCounts:
+    """`count_capacities` up to the final exchange of the maxima (which the caller may overlap with other
+    work: `EmbeddingCollection.shard_batch` places the ids meanwhile). `exchange` is still used for the
+    exact sync's row keys, which every process needs before it can count its sync capacities."""
     S, R = layout.num_shards, {k: st.rows for k, st in layout.stacks.items()}
     rep_count = topology.num_replicas
     devices = num_devices or (topology.nodes * topology.local)
@@ -353,18 +416,6 @@ def count_capacities(
                 sync_caps[key] = dict(sync=min(o, st.rows), owned=min(u, st.rows), sync_strategy="owner")
             else:
                 sync_caps[key] = dict(sync=min(g, st.rows), sync_strategy="gather")
-    # Every stack's maxima over every process in one exchange (each process sends one value per count).
-    stacks = list(local_max)
-    out = []
-    if not stacks:
-        return Capacities((), counted=True)
+    stacks = tuple(local_max)
     mine = np.array([local_max[k] for k in stacks], np.int64).reshape(-1)
-    every = gather_all(mine, same_size=True).reshape(-1, len(stacks), 2).max(axis=0)
-    for key, (rows_cap, pairs_cap) in zip(stacks, every):
-        bound = worst[key]
-        cap = StackCapacity(
-            rows=min(ladder_up(int(rows_cap)), bound.rows) if rows_cap else 0,
-            pairs=min(ladder_up(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
-        )
-        out.append((key, dataclasses.replace(cap, **sync_caps.get(key, {}))))
-    return Capacities(tuple(out), counted=True)
+    return LocalCounts(stacks, mine, sync_caps, worst)

@@ -254,6 +254,11 @@ class EmbeddingCollection:
         capacity_factor is None (the smallest already-compiled set that fits them, see
         `capacity.CapacityCache`), else None (the fixed shapes). None too when there is one shard and no
         exact replica sync: every row is local and nothing is exchanged, so there is nothing to count."""
+        return self._finish_capacities(self._start_capacities(ids))
+
+    def _start_capacities(self, ids: Mapping[str, np.ndarray]):
+        """Counts this process's needs and, in a multi-process run, starts the exchange of the maxima
+        (dispatched, not awaited): (local counts, the exchange in flight or None, the worst case)."""
         if self.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
             return None
         exchange = None
@@ -261,7 +266,7 @@ class EmbeddingCollection:
         if jax.process_count() > 1:
             exchange = _exchange_across_processes
             first, devices = jax.process_index() * self.local, self.local
-        need = capacity_lib.count_capacities(
+        local = capacity_lib.count_local(
             self.layout,
             self.feature_table,
             self.topology,
@@ -274,32 +279,44 @@ class EmbeddingCollection:
             num_devices=devices,
             exchange=exchange,
         )
+        in_flight = _start_process_allgather(local.maxima) if exchange is not None and local.stacks else None
         shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
         worst = capacity_lib.static_capacities(
             self.layout, self.feature_table, self.topology, shapes, self.pooled_comm, None, self._exact_sync
         )
-        return self._capacity_cache.choose(need, worst)
+        return local, in_flight, worst
+
+    def _finish_capacities(self, pending):
+        if pending is None:
+            return None
+        local, in_flight, worst = pending
+        every = local.maxima[None] if in_flight is None else _read_process_allgather(in_flight)
+        return self._capacity_cache.choose(local.capacities(every), worst)
 
     def shard_batch(self, batch: Mapping[str, np.ndarray]):
         """Host arrays (this process's slice of the global batch) -> global arrays sharded by batch.
 
         Ids (int32 [B, L] of the collection's features) come back as a `ShardedIds` carrying this batch's
         exchange capacities (see `capacities`); anything else (e.g. per-example targets) as a plain dict.
+        In a multi-process run the ids are placed while the processes exchange their counts.
         """
-        arrays = {}
         host = {name: np.asarray(x) for name, x in batch.items()}
+        is_ids = bool(host) and all(
+            n in self.feature_table and x.ndim == 2 and np.issubdtype(x.dtype, np.integer) for n, x in host.items()
+        )
+        pending = (
+            self._start_capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}) if is_ids else None
+        )
+        arrays = {}
         for name, x in host.items():
             if jax.process_count() == 1:
                 arrays[name] = jax.device_put(x, self.batch_sharding)
             else:
                 shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
                 arrays[name] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
-        is_ids = bool(host) and all(
-            n in self.feature_table and x.ndim == 2 and np.issubdtype(x.dtype, np.integer) for n, x in host.items()
-        )
         if not is_ids:
             return arrays
-        return ShardedIds(arrays, self.capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}))
+        return ShardedIds(arrays, self._finish_capacities(pending))
 
     def _prepare(self, ids):
         """Host inputs are validated and sharded; traced/global arrays pass through (policy inside jit)."""
@@ -835,10 +852,19 @@ def _exchange_across_processes(keys: np.ndarray, same_size: bool = False) -> np.
 
 def _process_allgather(x: np.ndarray) -> np.ndarray:
     """[processes, n]: row p = process p's int64 vector x (the same n on every process)."""
+    return _read_process_allgather(_start_process_allgather(x))
+
+
+def _start_process_allgather(x: np.ndarray) -> jax.Array:
+    """Dispatches the gather of every process's x (asynchronously: nothing waits for the peers yet)."""
     mesh, gather = _process_gather_executable()
     sharding = NamedSharding(mesh, P("process"))
     rows = jax.make_array_from_process_local_data(sharding, x[None], (mesh.shape["process"], x.size))
-    return np.asarray(gather(rows).addressable_data(0))
+    return gather(rows)
+
+
+def _read_process_allgather(in_flight: jax.Array) -> np.ndarray:
+    return np.asarray(in_flight.addressable_data(0))
 
 
 @functools.cache
