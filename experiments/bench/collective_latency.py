@@ -3,18 +3,19 @@
     python experiments/bench/collective_latency.py            # W = 2, 4; writes experiments/results/
                                                               #   collective_latency.{md,json}
     python experiments/bench/collective_latency.py --quick    # fewer repetitions, W = 2 only
+    python experiments/bench/collective_latency.py --render experiments/results/collective_latency.json
 
 Why it exists: the embedding step and the host capacity exchange move a few counters between all
-processes each step (overflow and invalid-id counts, per-destination capacity maxima). XLA:CPU runs
-cross-process collectives through gloo, whose all-reduce and all-gather are rings of W - 1 dependent
-rounds, while an all-to-all is one round of pairwise exchanges. When processes share cores, each dependent
-round waits for a peer to be scheduled. This measures, for one int32 vector of 2 (the step's counters) and
-of 24 elements (capacity maxima), the median wall time per call of:
-  all_reduce     `jax.lax.psum` over every device (the counters' sum before `collectives.sum_counts`)
-  all_gather     `jax.lax.all_gather` (the capacity exchange before `collectives.gather_small`)
+processes each step (overflow and invalid-id counts; per-destination capacity maxima). XLA:CPU runs
+cross-process collectives through gloo, whose all-gather is a ring of W - 1 dependent rounds, while an
+all-to-all is one round of pairwise exchanges; when processes share cores, each dependent round waits for
+a peer to be scheduled. This measures, for one int32 vector of 2 (the step's counters) and of 24 elements
+(capacity maxima), the median wall time per call of:
+  all_reduce     `jax.lax.psum` over every device (how the step adds up its two counters)
+  all_gather     `jax.lax.all_gather` (the capacity exchange on other platforms)
   all_to_all     `collectives.gather_small(..., as_all_to_all=True)`: the block repeated per peer, one
-                 all-to-all (what jaxscale uses on CPU for both)
-  exchange       `jaxscale`'s host capacity exchange as the engine calls it (host -> devices -> host)
+                 all-to-all (the capacity exchange on CPU)
+  exchange       jaxscale's host capacity exchange as the engine calls it (host -> devices -> host)
 Each W runs in its own W processes of one CPU device each; the four kinds are interleaved call by call.
 """
 
@@ -137,6 +138,17 @@ def render(r: dict) -> str:
             times = " | ".join(f"{m[k]:.3f}" for k in KINDS)
             lines.append(f"| {w} | {n} | {times} | {ratios} |")
     lines += ["", "Medians; p90 in the JSON. CPU wall-clock: compare within this run only.", ""]
+    lines += ["Findings (computed from the table):", ""]
+    for w in r["worlds"]:
+        big = {k: r["results"][str(w)]["24"][k]["median_ms"] for k in KINDS}
+        two = {k: r["results"][str(w)]["2"][k]["median_ms"] for k in KINDS}
+        lines.append(
+            f"- W = {w}: gathering 24 values, the all-to-all takes {big['all_to_all']:.3f} ms and the all-gather "
+            f"{big['all_gather']:.3f} ms ({big['all_gather'] / big['all_to_all']:.2f}x); adding up 2 counters, the "
+            f"all-reduce takes {two['all_reduce']:.3f} ms and an all-to-all {two['all_to_all']:.3f} ms "
+            f"({two['all_reduce'] / two['all_to_all']:.2f}x)."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -144,7 +156,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "collective_latency"), help="results path without suffix")
+    ap.add_argument("--render", metavar="RESULT.json", help="only rewrite the Markdown of a recorded JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        write_atomic(path.with_suffix(".md"), render(json.loads(path.read_text())))
+        return 0
     worlds, reps, warmup = ((2,), 20, 5) if args.quick else ((2, 4), 200, 20)
     sizes = (2, 24)
     r = {
