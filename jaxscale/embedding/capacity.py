@@ -288,47 +288,6 @@ class LocalCounts:
         return Capacities(tuple(out), counted=True)
 
 
-def count_capacities(
-    layout: Layout,
-    feature_table,
-    topology: Topology,
-    ids: Mapping[str, np.ndarray],
-    pooled_comm: str,
-    sync: bool,
-    sync_strategy: str,
-    wire_bytes,
-    *,
-    first_device: int = 0,
-    num_devices: int | None = None,
-    exchange=None,
-) -> Capacities:
-    """Exact per-batch capacities from host ids (this process's rows: devices first_device...).
-
-    `exchange(keys, same_size=False) -> keys of every process` (multi-process runs; `same_size`: every
-    process sends as many) merges what the processes saw, so
-    they all compute the same capacities; None in a single process. `sync_strategy` 'auto' picks the
-    cheaper of 'gather' and 'owner' for this batch from the counts, with `wire_bytes(width)` the bytes
-    of one gradient row on the wire. Counts are capped by the worst case (`static_capacities`).
-    """
-    local = count_local(
-        layout,
-        feature_table,
-        topology,
-        ids,
-        pooled_comm,
-        sync,
-        sync_strategy,
-        wire_bytes,
-        first_device=first_device,
-        num_devices=num_devices,
-        exchange=exchange,
-    )
-    if exchange is None or not local.stacks:
-        return local.capacities(local.maxima[None])
-    # Every stack's maxima over every process in one exchange (each process sends one value per count).
-    return local.capacities(exchange(local.maxima, same_size=True))
-
-
 def count_local(
     layout: Layout,
     feature_table,
@@ -343,9 +302,18 @@ def count_local(
     num_devices: int | None = None,
     exchange=None,
 ) -> LocalCounts:
-    """`count_capacities` up to the final exchange of the maxima (which the caller may overlap with other
-    work: `EmbeddingCollection.shard_batch` places the ids meanwhile). `exchange` is still used for the
-    exact sync's row keys, which every process needs before it can count its sync capacities."""
+    """What this process's host ids (devices first_device...) need from every exchange, before the
+    processes combine their counts: `LocalCounts.capacities(every process's maxima)` gives the batch's
+    exact capacities (`local.capacities(local.maxima[None])` in a single process). The caller exchanges
+    the maxima and may overlap that with other work (`EmbeddingCollection.shard_batch` places the ids
+    meanwhile).
+
+    `exchange(keys, same_size=False) -> keys of every process` (multi-process runs) merges the exact
+    sync's row keys, which every process needs before it can count its sync capacities; None in a
+    single process. `sync_strategy` 'auto' picks the cheaper of 'gather' and 'owner' for this batch from
+    the counts, with `wire_bytes(width)` the bytes of one gradient row on the wire. Counts are capped by
+    the worst case (`static_capacities`).
+    """
     S, R = layout.num_shards, {k: st.rows for k, st in layout.stacks.items()}
     rep_count = topology.num_replicas
     devices = num_devices or (topology.nodes * topology.local)
