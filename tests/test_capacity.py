@@ -301,3 +301,56 @@ def test_per_process_counts_combine_to_the_single_process_capacities(shape, shar
     # a single process's own maxima alone never ask for more than the combined batch
     for p in parts:
         assert combined.covers(p.capacities(p.maxima[None]))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+@pytest.mark.parametrize("topology", jaxscale.TOPOLOGIES)
+def test_per_process_counts_with_exact_sync_equal_one_process_on_every_topology(shape, topology):
+    """As above with the exact replica sync's row keys exchanged too (2D topologies): each 'process' (one
+    node) counts its rows; its exchange hands back every process's keys in process order. The capacities
+    (sync included) must equal what one process counts from the whole batch: a row touched by one
+    replica on two processes is one row, not two."""
+    mesh = jaxscale.make_mesh(*shape)
+    tables = [
+        jaxscale.TableConfig("seq", rows=300, dim=16, pooling=None),
+        jaxscale.TableConfig("bag", rows=120, dim=16, pooling="sum"),
+    ]
+    ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding="row_wise")
+    rng = np.random.default_rng(zlib.crc32(f"{shape}{topology}".encode()))
+    ids = {"seq": zipf_ids(rng, 300, (64, 5)), "bag": zipf_ids(rng, 120, (64, 4))}
+    args = (ec.layout, ec.feature_table, ec.topology)
+    rest = (ec.pooled_comm, ec._exact_sync, ec.sync_strategy, lambda w: 4 * w)
+    alone = capacity.count_local(*args, ids, *rest)
+    nodes, local = shape
+    rows = 64 // nodes
+    mine = [{f: x[p * rows : (p + 1) * rows] for f, x in ids.items()} for p in range(nodes)]
+    sent = [[] for _ in range(nodes)]  # pass 1: what each process sends, call by call
+
+    def recorder(p):
+        def exchange(keys, same_size=False):
+            sent[p].append(np.asarray(keys, np.int64))
+            return keys
+
+        return exchange
+
+    def replay(p):
+        calls = iter(range(len(sent[p])))
+
+        def exchange(keys, same_size=False):
+            i = next(calls)
+            np.testing.assert_array_equal(keys, sent[p][i])  # the keys sent do not depend on what came back
+            return np.concatenate([sent[q][i] for q in range(nodes)])
+
+        return exchange
+
+    for p in range(nodes):
+        capacity.count_local(*args, mine[p], *rest, first_device=p * local, num_devices=local, exchange=recorder(p))
+    parts = [
+        capacity.count_local(*args, mine[p], *rest, first_device=p * local, num_devices=local, exchange=replay(p))
+        for p in range(nodes)
+    ]
+    if ec.num_replicas > 1:
+        assert all(sent[p] for p in range(nodes))  # the sync keys were exchanged
+    combined = [p.capacities(np.stack([q.maxima for q in parts])) for p in parts]
+    assert all(c == combined[0] for c in combined)  # every process agrees
+    assert combined[0] == alone.capacities(alone.maxima[None])

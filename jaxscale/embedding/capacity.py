@@ -321,7 +321,6 @@ def count_local(
     feats = tuple(sorted(ids))
     partial = pair_features(layout, feature_table, feats, {f: s[1] for f, s in shapes.items()}, pooled_comm)
     row_feats = [f for f in feats if f not in partial]
-    gather_all = exchange or (lambda a, same_size=False: a)
     local_shapes = {f: (s[0] // devices, s[1]) for f, s in shapes.items()}
     worst = static_capacities(layout, feature_table, topology, local_shapes, pooled_comm, None, sync)
     local_max: dict[str, tuple[int, int]] = {}  # stack -> (rows, pairs) slots this process needs
@@ -363,8 +362,11 @@ def count_local(
         if sync and rep_count > 1:
             dev, dest, row = np.concatenate(touched, axis=1) if touched else np.zeros((3, 0), np.int64)
             rep = topology.replica_of(dev).astype(np.int64)
-            # unique (replica, shard, row): what each replica's owner shards aggregate
-            keys = gather_all(np.unique((rep * S + dest) * R[key] + row))
+            # unique (replica, shard, row): what each replica's owner shards aggregate. A replica's devices
+            # can sit on several processes (2d_ar), which then send the same key: unique again after merging.
+            keys = np.unique((rep * S + dest) * R[key] + row)
+            if exchange is not None:
+                keys = np.unique(exchange(keys))
             rep_k, rest = np.divmod(keys, S * R[key])
             dest_k, row_k = np.divmod(rest, R[key])
             gather_cap = _max_count(rep_k * S + dest_k)
