@@ -258,7 +258,7 @@ class EmbeddingCollection:
 
     def _start_capacities(self, ids: Mapping[str, np.ndarray]):
         """Counts this process's needs and, in a multi-process run, starts the exchange of the maxima
-        (dispatched, not awaited): (local counts, the exchange in flight or None, the worst case)."""
+        (dispatched, not awaited): (local counts, the exchange in flight or None)."""
         if self.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
             return None
         exchange = None
@@ -280,18 +280,14 @@ class EmbeddingCollection:
             exchange=exchange,
         )
         in_flight = _start_process_allgather(local.maxima) if exchange is not None and local.stacks else None
-        shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
-        worst = capacity_lib.static_capacities(
-            self.layout, self.feature_table, self.topology, shapes, self.pooled_comm, None, self._exact_sync
-        )
-        return local, in_flight, worst
+        return local, in_flight
 
     def _finish_capacities(self, pending):
         if pending is None:
             return None
-        local, in_flight, worst = pending
+        local, in_flight = pending
         every = local.maxima[None] if in_flight is None else _read_process_allgather(in_flight)
-        return self._capacity_cache.choose(local.capacities(every), worst)
+        return self._capacity_cache.choose(local.capacities(every), local.worst)
 
     def shard_batch(self, batch: Mapping[str, np.ndarray]):
         """Host arrays (this process's slice of the global batch) -> global arrays sharded by batch.
