@@ -114,6 +114,9 @@ class EmbeddingConfig:
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
     capacity_factor: float | None = None
     """None = every exchange sized for the batch it carries (counted on the host; never overflows)."""
+    reuse_capacities: bool = False
+    """True: count only the first batch and reuse the largest counted capacities (no host counting, no
+    exchange before the step); a batch that does not fit is skipped and re-run counted."""
     replica_sync: Literal[REPLICA_SYNC_MODES] = "exact"
     sync_every: int = 1
     sync_strategy: Literal[("auto",) + SYNC_STRATEGIES] = "auto"

@@ -254,6 +254,7 @@ class Trainer:
             self.workdir, cfg.train.keep_checkpoints, self.process_index, self.process_count, self.is_writer
         )
         self._executables: dict = {}  # capacities -> (compiled step, its comm bytes)
+        self.reruns = 0  # steps re-run counted after reused capacities overflowed (embedding.reuse_capacities)
         self._eval = None
         self.comm = None
         self.collectives = None
@@ -329,15 +330,16 @@ class Trainer:
 
     # -------------------------------------------------------------- batches
 
-    def batch(self, step: int, split: str = "train") -> Batch:
+    def batch(self, step: int, split: str = "train", *, recount: bool = False) -> Batch:
         """This process's rows of step `step`, checked and sized on the host, as global arrays."""
         source = self.data if split == "train" else self.eval_data
-        return self.prepare(source.batch(step), source=source, step=step)
+        return self.prepare(source.batch(step), source=source, step=step, recount=recount)
 
-    def prepare(self, host_batch, *, source=None, step: int | None = None) -> Batch:
+    def prepare(self, host_batch, *, source=None, step: int | None = None, recount: bool = False) -> Batch:
         """Host batch -> `Batch`: engine ids computed (`ModelSpec.ids`), checked against the tables
         (`data.invalid_ids`: raise naming the feature, table, id and where it came from, or count and pad),
-        and sized for the exchanges (`EmbeddingCollection.shard_batch`)."""
+        and sized for the exchanges (`EmbeddingCollection.shard_batch`; `recount`: counted even under
+        `embedding.reuse_capacities`)."""
         host_batch = {k: np.asarray(v) for k, v in host_batch.items()}
         raw = self.spec.ids(self.model_cfg, host_batch)
         ids, invalid = check_ids(raw, self.ec.tables, self.ec.feature_table)
@@ -351,7 +353,7 @@ class Trainer:
                     "and treat them as padding"
                 )
             ids = pad_invalid(ids, self.ec.tables, self.ec.feature_table)
-        return Batch(to_global(host_batch, self.mesh), self.ec.shard_batch(ids), count, info)
+        return Batch(to_global(host_batch, self.mesh), self.ec.shard_batch(ids, recount=recount), count, info)
 
     def _as_batch(self, batch) -> Batch:
         """A `Batch`, or a dict of global arrays (read back to the host and prepared)."""
@@ -489,16 +491,22 @@ class Trainer:
         bar = _progress(total, start, enabled=self.progress)
         step = start
         last_saved = None
+        recount = False
         try:
             while step < total:
-                batch = self.batch(step)
+                batch = self.batch(step, recount=recount)
                 self.compile(state, batch)  # outside the timed region: step_time_s is the step alone
                 t0 = time.perf_counter()
                 new_state, metrics = self.train_step(state, batch)
                 metrics = {k: float(_host(v)) for k, v in metrics.items()}
                 dt = time.perf_counter() - t0
+                recount = False
                 if metrics["overflow"] > 0:
                     state = new_state  # the update was skipped: same tables, step counter advanced
+                    if self.ec.reuse_capacities and self.ec.capacity_factor is None:
+                        state, recount = self._rewind(state), True  # re-run the batch, counted
+                        self.reruns += 1
+                        continue
                     state = self._handle_overflow(state, metrics, step)
                     continue
                 state = new_state
@@ -547,6 +555,7 @@ class Trainer:
         history["final_state"] = state
         history["stopped_early"] = step < total
         history["final_step"] = step
+        history["reruns"] = self.reruns
         return history
 
     def _handle_overflow(self, state, metrics, step):
@@ -567,8 +576,12 @@ class Trainer:
         self.ec = make_collection(self.cfg, self.mesh, self.tables, capacity_factor=new_cf)
         self._executables.clear()
         self._eval = None
-        # the skipped attempt advanced both step counters (the engine's drives periodic replica sync):
-        # rewind both, so the re-run step is exactly the step an exact-capacity run takes
+        return self._rewind(state)
+
+    @staticmethod
+    def _rewind(state):
+        """The state before a skipped attempt: that attempt advanced both step counters (the engine's
+        drives periodic replica sync), so the re-run step is exactly the step an exact-capacity run takes."""
         return dict(state, step=state["step"] - 1, emb=dict(state["emb"], step=state["emb"]["step"] - 1))
 
 

@@ -15,7 +15,8 @@ import numpy as np
 B, L = 16, 5  # global batch
 STEPS = 3
 LOCAL_DEVICES = 4
-CONFIGS = [(topo, sh) for topo in ("1d", "2d_a2a") for sh in ("row_wise", "table_wise")]
+CONFIGS = [(topo, sh) for topo in ("1d", "2d_a2a") for sh in ("row_wise", "table_wise")] + [("1d", "reuse")]
+# "reuse": row-wise tables under reuse_capacities (only the first batch and re-runs are counted and exchanged)
 LR, EPS = 0.05, 1e-8
 
 
@@ -79,19 +80,32 @@ def run_scenario(mesh) -> dict[str, np.ndarray]:
     for topology, sharding in CONFIGS:
         k = key(topology, sharding)
         print(f"[process {pid}] {k} start at {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        reuse = sharding == "reuse"
         ec = jaxscale.EmbeddingCollection(
-            tables(), mesh, topology=topology, sharding=sharding, optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS)
+            tables(),
+            mesh,
+            topology=topology,
+            sharding="row_wise" if reuse else sharding,
+            optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+            reuse_capacities=reuse,
         )
         state = ec.from_dense(dense_tables())
+        reruns = 0
         for step, (ids, targets) in enumerate(global_batches()):
             local_ids = ec.shard_batch({f: x[mine] for f, x in ids.items()})
             local_tgt = ec.shard_batch({f: x[mine] for f, x in targets.items()})
             assert all(x.shape[0] == B for x in local_ids.values())
-            emb = ec.lookup(state, local_ids)
+            emb, stats = ec.lookup(state, local_ids, return_stats=True)
+            if int(np.asarray(stats["overflow"].addressable_data(0))):  # the same total on every process
+                reruns += 1
+                local_ids = ec.shard_batch({f: x[mine] for f, x in ids.items()}, recount=True)
+                emb, stats = ec.lookup(state, local_ids, return_stats=True)
+            assert int(np.asarray(stats["overflow"].addressable_data(0))) == 0
             for f in sorted(emb):
                 results[f"{k}/out/{step}/{f}"] = gather(emb[f])
             state = ec.update(state, local_ids, grad_fn(emb, local_tgt))
             print(f"[process {pid}] {k} step {step} done at {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        results[f"{k}/reruns"] = np.asarray(reruns)
         for name, w in ec.to_dense(state).items():
             results[f"{k}/table/{name}"] = w
         for name, a in ec.slots_to_dense(state)["accumulator"].items():

@@ -354,3 +354,91 @@ def test_per_process_counts_with_exact_sync_equal_one_process_on_every_topology(
     combined = [p.capacities(np.stack([q.maxima for q in parts])) for p in parts]
     assert all(c == combined[0] for c in combined)  # every process agrees
     assert combined[0] == alone.capacities(alone.maxima[None])
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=MESH_IDS)
+@pytest.mark.parametrize("topology", jaxscale.TOPOLOGIES)
+def test_reused_capacities_skip_an_overflowing_batch_and_the_counted_rerun_is_exact(shape, topology, monkeypatch):
+    """reuse_capacities: only the first batch and the re-run of a batch that overflowed are counted; an
+    overflowing attempt changes no weight or accumulator of any replica, and every output and the final
+    state equal a run that counts every batch (and the single-device reference where one replica holds
+    the whole batch's update). A row-wise sequence table: the row exchange; a column-wise pooled table:
+    partial sums. Where replicas exist, the exact sync is refused and the periodic one runs."""
+    from embedding_reference import adagrad_step
+
+    counted = []
+    real_count = capacity.count_local
+    monkeypatch.setattr(capacity, "count_local", lambda *a, **k: counted.append(1) or real_count(*a, **k))
+    mesh = jaxscale.make_mesh(*shape)
+    tables = [jaxscale.TableConfig("a", rows=64, dim=8, pooling=None), jaxscale.TableConfig("b", rows=48, dim=8)]
+    kwargs = dict(topology=topology, sharding={"a": "row_wise", "b": "column_wise"})
+    replicas = Topology.of(topology, mesh).num_replicas
+    if replicas > 1:
+        with pytest.raises(ValueError, match="reuse_capacities=True cannot run the exact replica sync"):
+            jaxscale.EmbeddingCollection(tables, mesh, **kwargs, reuse_capacities=True)
+        kwargs.update(replica_sync="periodic", sync_every=2)
+    reuse, every = (
+        jaxscale.EmbeddingCollection(tables, mesh, **kwargs, optimizer=jaxscale.RowWiseAdagrad(0.1), reuse_capacities=r)
+        for r in (True, False)
+    )
+    rng = np.random.default_rng(11)
+    w0 = {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in tables}
+    state, base = reuse.from_dense(w0), every.from_dense(w0)
+    ref_w, ref_acc = dict(w0), {t.name: np.zeros(t.rows, np.float32) for t in tables}
+
+    def dense(ec, st):
+        return [(ec.to_dense(st, r), ec.slots_to_dense(st, r)["accumulator"]) for r in range(ec.num_replicas)]
+
+    def batch(spread):  # spread 1: every id the same row (tiny needs); 64: many distinct rows
+        return {
+            "a": rng.integers(0, spread, (16, 5)).astype(np.int32),
+            "b": rng.integers(0, min(spread, 48), (16, 3)).astype(np.int32),
+        }
+
+    reruns, reused_fits = 0, 0
+    for step, ids in enumerate([batch(1), batch(64), batch(64), batch(1)]):
+        grads = {"a": rng.normal(size=(16, 5, 8)).astype(np.float32), "b": rng.normal(size=(16, 8)).astype(np.float32)}
+        before = len(counted)
+        sharded = reuse.shard_batch(ids)
+        emb, stats = reuse.lookup(state, sharded, return_stats=True)
+        if step > 0:
+            assert len(counted) == before, "a reused batch was counted"
+        if int(stats["overflow"]):
+            kept = dense(reuse, state)
+            state = reuse.update(state, sharded, grads, apply=stats["overflow"] == 0)
+            for r, (w, a) in enumerate(dense(reuse, state)):
+                for n in w:
+                    np.testing.assert_array_equal(w[n], kept[r][0][n], err_msg=f"skipped attempt: replica {r} {n}")
+                    np.testing.assert_array_equal(a[n], kept[r][1][n], err_msg=f"skipped attempt: replica {r} {n}")
+            state = dict(state, step=state["step"] - 1)  # the attempt advanced the counter (as the trainer rewinds)
+            reruns += 1
+            sharded = reuse.shard_batch(ids, recount=True)
+            assert len(counted) == before + 1
+            emb, stats = reuse.lookup(state, sharded, return_stats=True)
+            assert int(stats["overflow"]) == 0
+        else:
+            reused_fits += step > 0
+        want = every.lookup(base, ids)
+        for f in want:
+            np.testing.assert_allclose(np.asarray(emb[f]), np.asarray(want[f]), rtol=1e-6, atol=1e-6, err_msg=f)
+        state = reuse.update(state, sharded, grads)
+        base = every.update(base, ids, grads)
+        ref_w, ref_acc = adagrad_step(ref_w, ref_acc, tables, ids, grads, 0.1, 1e-8)
+    if reuse.num_shards > 1:
+        assert reruns >= 1 and reused_fits >= 1, (reruns, reused_fits)
+    else:  # one shard (2d_ar on 1 node): every row is local, nothing is exchanged or counted
+        assert not counted and reruns == 0
+    for r, ((w, a), (bw, ba)) in enumerate(zip(dense(reuse, state), dense(every, base))):
+        for n in w:
+            np.testing.assert_allclose(w[n], bw[n], rtol=1e-6, atol=1e-6, err_msg=f"replica {r} {n}")
+            np.testing.assert_allclose(a[n], ba[n], rtol=1e-6, atol=1e-6, err_msg=f"replica {r} {n}")
+            if replicas == 1:
+                np.testing.assert_allclose(w[n], ref_w[n], rtol=1e-5, atol=1e-6, err_msg=n)
+                np.testing.assert_allclose(a[n], ref_acc[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_reuse_capacities_must_be_a_bool():
+    with pytest.raises(TypeError, match="reuse_capacities"):
+        jaxscale.EmbeddingCollection(
+            [jaxscale.TableConfig("t", rows=8, dim=4)], jaxscale.make_mesh(1, 8), reuse_capacities="yes"
+        )

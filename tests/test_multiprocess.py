@@ -103,6 +103,11 @@ def test_two_processes_match_single_process_and_reference(tmp_path):
     assert int(multi.pop("meta/process_count")) == 2 and int(multi.pop("meta/device_count")) == 8
 
     single = scenario.run_scenario(jaxscale.make_mesh(2, 4))
+    # every process takes the same reuse / re-run decisions, and as many as one process does
+    reruns = {k: (int(multi.pop(k)), int(single.pop(k))) for k in list(single) if k.endswith("/reruns")}
+    assert sorted(reruns) == sorted(f"{scenario.key(*c)}/reruns" for c in scenario.CONFIGS)
+    assert all(m == s for m, s in reruns.values()), reruns
+    assert reruns[f"{scenario.key('1d', 'reuse')}/reruns"][0] >= 1, reruns  # the re-run path ran
     assert sorted(multi) == sorted(single)
     expected_keys = {f"{scenario.key(*c)}/{kind}" for c in scenario.CONFIGS for kind in ("out", "table", "acc")}
     assert {k.rsplit("/", 2)[0] if "/out/" in k else k.rsplit("/", 1)[0] for k in single} == expected_keys

@@ -317,6 +317,42 @@ def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(layout_pair, t
     assert_trees_equal(host_tree(grown["final_state"]), host_tree(exact["final_state"]))
 
 
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["mesh.nodes=1", "mesh.local=8", "embedding.topology=1d"],
+        ["mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_a2a", "embedding.replica_sync=periodic"],
+    ],
+    ids=["1x8-1d", "2x4-2d_a2a-periodic"],
+)
+def test_reused_capacities_rerun_an_overflowing_step_counted_and_match_counting_every_batch(over, tmp_path):
+    """embedding.reuse_capacities: step 1's batch (every id on one shard) does not fit the capacities
+    counted for step 0, so its attempt is skipped and re-run counted; losses and the whole final state equal
+    a run that counts every batch. Step 2 reuses the grown capacities without counting."""
+    trainers = {
+        r: Trainer(
+            load_config(None, DLRM + over + [f"embedding.reuse_capacities={r}", f"train.workdir={tmp_path / r}"]),
+            progress=False,
+        )
+        for r in ("true", "false")
+    }
+    for tr in trainers.values():
+        tr.data = Patched(tr.data, {1: skewed})
+    reused, counted = (trainers[r].run(steps=3) for r in ("true", "false"))
+    assert trainers["true"].reruns == 1 and trainers["false"].reruns == 0
+    assert reused["steps"] == [1, 2, 3] and reused["losses"] == counted["losses"]
+    assert all(m["overflow"] == 0 for m in read_metrics(tmp_path / "true") if "loss" in m)
+    assert_trees_equal(host_tree(reused["final_state"]), host_tree(counted["final_state"]))
+
+
+def test_reused_capacities_refuse_the_exact_replica_sync(tmp_path):
+    over = ["mesh.nodes=2", "mesh.local=4", "embedding.topology=2d_a2a", "embedding.reuse_capacities=true"]
+    with pytest.raises(
+        ValueError, match="reuse_capacities=True cannot run the exact replica sync of topology '2d_a2a'"
+    ):
+        Trainer(load_config(None, DLRM + over + [f"train.workdir={tmp_path}"]), progress=False)
+
+
 # ------------------------------------------------------------------------------------------------ subprocesses
 
 

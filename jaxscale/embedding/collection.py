@@ -63,6 +63,16 @@ class EmbeddingCollection:
         host (exact: nothing can overflow), or for the worst case when the ids are only known inside jit. A
         float f fixes the shape instead: each row-wise piece gets f times its uniform share of a device's
         requests (smaller messages; overflow is then possible, counted and reported).
+      reuse_capacities: False (default): `shard_batch` counts every batch. True: it counts the first batch
+        of each shape (and any batch it is asked to `recount`) and gives later ones the largest set counted
+        for that shape (one ladder step above every earlier need once two were counted): no host counting
+        and, in multi-process runs, no exchange before the step (not with an exact replica sync, whose
+        buffers are counted per batch: 2D topologies need replica_sync='periodic'/'periodic_sparse').
+        A batch that does not fit overflows: the
+        rows that did not fit are counted in stats['overflow'] (the same on every device), the caller
+        skips the update (`update(..., apply=stats['overflow'] == 0)`) and re-runs the step on
+        `shard_batch(batch, recount=True)`, which counts it exactly and grows the reused set. The trainer
+        (`embedding.reuse_capacities`) does both.
       replica_sync: 'exact' (default: replicas apply the same combined update every step) or 'periodic'
         (replicas update independently; weights and optimizer state are averaged every `sync_every`
         steps, TorchRec DMPCollection semantics). 'periodic_sparse' averages the same way but only the rows
@@ -88,6 +98,7 @@ class EmbeddingCollection:
         optimizer=None,
         comm: CommConfig | None = None,
         capacity_factor: float | None = None,
+        reuse_capacities: bool = False,
         replica_sync: str = "exact",
         sync_every: int = 1,
         sync_strategy: str = "auto",
@@ -112,6 +123,9 @@ class EmbeddingCollection:
         ):
             raise ValueError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
         self.capacity_factor = capacity_factor
+        if not isinstance(reuse_capacities, bool):
+            raise TypeError(f"reuse_capacities must be True or False, got {reuse_capacities!r}")
+        self.reuse_capacities = reuse_capacities
         if replica_sync not in REPLICA_SYNC_MODES:
             raise ValueError(f"replica_sync must be one of {REPLICA_SYNC_MODES}, got {replica_sync!r}")
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
@@ -125,12 +139,21 @@ class EmbeddingCollection:
         self.replica_sync, self.sync_every, self.sparse_sync_rows = replica_sync, sync_every, sparse_sync_rows
         self.sync_strategy, self.pooled_comm = sync_strategy, pooled_comm
 
+        if reuse_capacities and self.topology.num_replicas > 1 and replica_sync == "exact":
+            raise ValueError(
+                f"reuse_capacities=True cannot run the exact replica sync of topology {topology!r} on this "
+                f"{self.nodes}x{self.local} mesh ({self.topology.num_replicas} replicas): its buffers are sized "
+                "from the touched rows counted and exchanged for every batch, and the lookup cannot see their "
+                "overflow. Use replica_sync='periodic' or 'periodic_sparse', topology='1d', or "
+                "reuse_capacities=False"
+            )
         self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
         self.layout = build_layout(self.tables, self.plan)
         markers = ("touched",) if replica_sync == "periodic_sparse" and self.topology.num_replicas > 1 else ()
         self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer, markers)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self._capacity_cache = capacity_lib.CapacityCache()
+        self._reusable: dict = {}  # batch signature (features, shapes) -> largest counted capacities
         self._pair_codecs: dict = {}  # (stack, segments, bag length) -> routing.PairCodec
         self._lookup_jit = jax.jit(self._lookup)
         self._update_jit = jax.jit(self._update, donate_argnums=0)
@@ -146,6 +169,7 @@ class EmbeddingCollection:
             optimizer=config.optimizer.build(),
             comm=config.comm,
             capacity_factor=config.capacity_factor if capacity_factor == "config" else capacity_factor,
+            reuse_capacities=config.reuse_capacities,
             replica_sync=config.replica_sync,
             sync_every=config.sync_every,
             sync_strategy=config.sync_strategy,
@@ -249,18 +273,25 @@ class EmbeddingCollection:
                 raise ValueError(f"batch size {b} is not divisible by the {devices} devices of the mesh")
         return out
 
-    def capacities(self, ids: Mapping[str, np.ndarray]):
+    def capacities(self, ids: Mapping[str, np.ndarray], *, recount: bool = False):
         """Exchange capacities for host ids (this process's rows): counted from the ids when
         capacity_factor is None (the smallest already-compiled set that fits them, see
         `capacity.CapacityCache`), else None (the fixed shapes). None too when there is one shard and no
-        exact replica sync: every row is local and nothing is exchanged, so there is nothing to count."""
-        return self._finish_capacities(self._start_capacities(ids))
+        exact replica sync: every row is local and nothing is exchanged, so there is nothing to count.
+        Under `reuse_capacities` the largest counted set is reused without counting, unless `recount`
+        or nothing was counted yet."""
+        return self._finish_capacities(self._start_capacities(ids, recount))
 
-    def _start_capacities(self, ids: Mapping[str, np.ndarray]):
+    def _start_capacities(self, ids: Mapping[str, np.ndarray], recount: bool = False):
         """Counts this process's needs and, in a multi-process run, starts the exchange of the maxima
-        (dispatched, not awaited): (local counts, the exchange in flight or None)."""
+        (dispatched, not awaited): (local counts, the exchange in flight or None). Under
+        `reuse_capacities`: the reused set itself, nothing counted."""
         if self.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
             return None
+        signature = tuple(sorted((n, x.shape) for n, x in ids.items()))
+        reused = self._reusable.get(signature) if self.reuse_capacities and not recount else None
+        if reused is not None:
+            return reused  # the same on every process: it changes only with exchanged counts
         exchange = None
         first, devices = 0, self.nodes * self.local
         if jax.process_count() > 1:
@@ -280,28 +311,36 @@ class EmbeddingCollection:
             exchange=exchange,
         )
         in_flight = _start_process_allgather(local.maxima) if exchange is not None and local.stacks else None
-        return local, in_flight
+        return signature, local, in_flight
 
     def _finish_capacities(self, pending):
-        if pending is None:
-            return None
-        local, in_flight = pending
+        if pending is None or isinstance(pending, capacity_lib.Capacities):
+            return pending
+        signature, local, in_flight = pending
         every = local.maxima[None] if in_flight is None else _read_process_allgather(in_flight)
-        return self._capacity_cache.choose(local.capacities(every), local.worst)
+        chosen = self._capacity_cache.choose(local.capacities(every), local.worst)
+        known = self._reusable.get(signature)
+        if known is None or chosen.slots() > known.slots():
+            self._reusable[signature] = chosen
+        return chosen
 
-    def shard_batch(self, batch: Mapping[str, np.ndarray]):
+    def shard_batch(self, batch: Mapping[str, np.ndarray], *, recount: bool = False):
         """Host arrays (this process's slice of the global batch) -> global arrays sharded by batch.
 
         Ids (int32 [B, L] of the collection's features) come back as a `ShardedIds` carrying this batch's
         exchange capacities (see `capacities`); anything else (e.g. per-example targets) as a plain dict.
         In a multi-process run the ids are placed while the processes exchange their counts.
+        `recount`: count this batch even under `reuse_capacities` (the re-run of a batch that overflowed);
+        every process must pass the same value.
         """
         host = {name: np.asarray(x) for name, x in batch.items()}
         is_ids = bool(host) and all(
             n in self.feature_table and x.ndim == 2 and np.issubdtype(x.dtype, np.integer) for n, x in host.items()
         )
         pending = (
-            self._start_capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}) if is_ids else None
+            self._start_capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}, recount)
+            if is_ids
+            else None
         )
         arrays = {}
         for name, x in host.items():
@@ -574,7 +613,8 @@ class EmbeddingCollection:
                 slot_state[s][key] = v
             self._mark_touched(slot_state, key, st, rows, apply)
         if self.num_replicas > 1 and self.replica_sync in ("periodic", "periodic_sparse"):
-            do_sync = (step + 1) % self.sync_every == 0
+            # apply=False leaves every replica as it was: a skipped attempt does not average either
+            do_sync = apply & ((step + 1) % self.sync_every == 0)
             if self.replica_sync == "periodic":
                 average = functools.partial(
                     sync.average, replica_axes=self.replica_axes, num_replicas=self.num_replicas
