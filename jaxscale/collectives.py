@@ -65,6 +65,24 @@ def all_to_all_ids(x: jax.Array, axis_name: str | Sequence[str]) -> jax.Array:
     return _a2a(x, _axis(axis_name))
 
 
+def all_to_all_ids_and_sum(x: jax.Array, counters: jax.Array, axis_name: str | Sequence[str]):
+    """`all_to_all_ids(x)` that also sums small non-negative int32 `counters` [k] over the axis group:
+    (received ids, the sums [k], the same on every device). The counters ride as extra words at the end of
+    every block of the same all-to-all, so the sum costs no collective of its own (between processes each
+    collective is a round of messages; an all-reduce of two counters costs about as much as the ids'
+    exchange itself, experiments/results/collective_latency.md)."""
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype.itemsize > 4:
+        raise TypeError(f"all_to_all_ids_and_sum moves integer ids of at most 32 bits; got {x.dtype}")
+    size, k, per = x.shape[0], counters.size, 4 // x.dtype.itemsize  # per: words of one counter
+    words = jax.lax.bitcast_convert_type(counters.astype(jnp.uint32), x.dtype).reshape(k * per)
+    blocks = jnp.concatenate([x.reshape(size, -1), jnp.broadcast_to(words, (size, k * per))], axis=1)
+    recv = _a2a(blocks, _axis(axis_name))
+    n = recv.shape[1] - k * per
+    got = recv[:, n:].reshape((size, k, per) if per > 1 else (size, k))
+    sums = jax.lax.bitcast_convert_type(got, jnp.uint32).astype(jnp.int32).sum(0)
+    return recv[:, :n].reshape(x.shape), sums
+
+
 def all_gather(
     x: jax.Array, axis_name: str | Sequence[str], precision: str = "fp32", fp8_format: str = "e4m3"
 ) -> jax.Array:

@@ -53,3 +53,42 @@ def test_the_capacity_exchange_executable_is_one_all_to_all_on_cpu():
     text = gather.lower(rows).compile().as_text()
     assert "all-gather" not in text
     assert collectives.prefers_all_to_all(mesh)
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=MESH_IDS)
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8, np.uint32])
+def test_ids_all_to_all_carries_the_sum_of_the_counters(shape, axis, dtype):
+    """all_to_all_ids_and_sum = all_to_all_ids + psum of the counters, in one all-to-all and nothing else."""
+    mesh = jaxscale.make_mesh(*shape)
+    axes = (axis,) if isinstance(axis, str) else axis
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    rng = np.random.default_rng(1)
+    ids = jax.device_put(
+        rng.integers(0, np.iinfo(dtype).max, size=(8 * size, 3, 2)).astype(dtype), NamedSharding(mesh, P(BATCH_AXES))
+    )
+    counters = jax.device_put(rng.integers(0, 2**26, size=(8, 3)).astype(np.int32), NamedSharding(mesh, P(BATCH_AXES)))
+    spec = (P(BATCH_AXES), P(BATCH_AXES))
+
+    def fused(x, c):
+        got, sums = collectives.all_to_all_ids_and_sum(x, c[0], axes)
+        return got, sums[None]
+
+    def separate(x, c):
+        return collectives.all_to_all_ids(x, axes), jax.lax.psum(c[0], axes)[None]
+
+    f = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    g = jax.jit(jax.shard_map(separate, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    (got, sums), (want, want_sums) = f(ids, counters), g(ids, counters)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(want_sums))
+    assert [c.kind for c in list_collectives(f, ids, counters, mesh=mesh)] == ["all-to-all"]
+
+
+def test_ids_all_to_all_and_sum_refuses_wide_or_float_ids():
+    mesh = jaxscale.make_mesh(1, 8)
+    for bad in (np.zeros((8, 2), np.int64), np.zeros((8, 2), np.float32)):
+        body = lambda x: collectives.all_to_all_ids_and_sum(x, jax.numpy.zeros(2, jax.numpy.int32), BATCH_AXES)  # noqa: E731
+        f = jax.shard_map(body, mesh=mesh, in_specs=P(BATCH_AXES), out_specs=P(BATCH_AXES), check_vma=False)
+        with pytest.raises(TypeError, match="all_to_all_ids_and_sum moves integer ids of at most 32 bits"):
+            jax.eval_shape(f, jax.ShapeDtypeStruct(bad.shape, bad.dtype))

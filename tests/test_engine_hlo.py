@@ -4,6 +4,8 @@ Deterministic checks (no wall clock): the collectives of the compiled HLO, class
 cross-node by `jaxscale.comm_inspect`, and `compiled.memory_analysis()` (per-device sizes).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -233,3 +235,50 @@ def test_update_after_must_be_sharded_by_batch():
     grads = {"items": jnp.zeros((B, DIM)), "seq": jnp.zeros((B, L, DIM))}
     with pytest.raises(ValueError, match="after takes arrays sharded by batch"):
         ec.update(ec.init(jax.random.key(0)), ids, grads, after=jnp.zeros((3,)))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=["1x8", "2x4", "4x2"])
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
+def test_1d_step_counters_ride_the_ids_all_to_all(shape, sharding):
+    """1d lookup + update: the counters (overflow, invalid ids) travel inside the one ids all-to-all the
+    lookup and update share (no all-reduce), and still count exactly: a forced capacity drops rows, and
+    ids made invalid inside jit are counted. With replicas (2d_a2a) the all-reduce stays."""
+    import numpy as np
+
+    from jaxscale.embedding import ids as ids_lib
+
+    mesh = jaxscale.make_mesh(*shape)
+    tables = [jaxscale.TableConfig("a", rows=300, dim=8), jaxscale.TableConfig("s", rows=200, dim=8, pooling=None)]
+    rng = np.random.default_rng(3)
+    host = {"a": rng.integers(0, 300, (32, 4)).astype(np.int32), "s": rng.integers(0, 200, (32, 3)).astype(np.int32)}
+    grads = {"a": np.ones((32, 8), np.float32), "s": np.ones((32, 3, 8), np.float32)}
+    for topology, factor in (("1d", None), ("1d", 0.5), ("2d_a2a", None)):
+        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, capacity_factor=factor)
+        state = ec.from_dense({t.name: np.zeros((t.rows, t.dim), np.float32) for t in tables})
+
+        def step(state, ids, g, ec=ec):
+            bad = ids_lib.ShardedIds({"a": ids["a"].at[:, 0].set(300), "s": ids["s"]}, ids.capacities)  # 32 invalid
+            emb, stats = ec.lookup(state, bad, return_stats=True)
+            return ec.update(state, bad, g, after=emb), stats
+
+        step = jax.jit(step, donate_argnums=0)
+        batch = ec.shard_batch(host)
+        g = {f: jax.device_put(v, ec.batch_sharding) for f, v in grads.items()}
+        in_step = list_collectives(step, state, batch, g, mesh=mesh)
+        in_lookup = list_collectives(functools.partial(ec.lookup, return_stats=True), state, batch, mesh=mesh)
+        kinds = [c.kind for c in in_step]
+        if ec.num_shards > 1 and ec.num_replicas == 1:
+            assert "all-reduce" not in kinds + [c.kind for c in in_lookup], (topology, kinds)
+
+            def ids_moves(cs):  # fp32 payloads: every integer all-to-all moves ids
+                return sum(c.kind == "all-to-all" and not c.dtypes[0].startswith("f") for c in cs)
+
+            assert ids_moves(in_step) == ids_moves(in_lookup) > 0  # the update's ids exchange is the lookup's
+        else:
+            assert "all-reduce" in kinds, (topology, kinds)
+        _, stats = step(state, batch, g)
+        assert int(stats["invalid_ids"]) == 32, (topology, factor)
+        if factor is None:
+            assert int(stats["overflow"]) == 0
+        elif ec.num_shards > 1 and sharding == "row_wise":
+            assert int(stats["overflow"]) > 0, (topology, factor)

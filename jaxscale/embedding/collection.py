@@ -383,9 +383,9 @@ class EmbeddingCollection:
             self._exact_sync,
         )
 
-    def _shard_map(self, body, in_specs, out_specs):
+    def _shard_map(self, body, in_specs, out_specs, check_vma: bool = True):
         """The one place the collection enters `shard_map` (bodies see one device's blocks)."""
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
     # ------------------------------------------------------------------ lookup
 
@@ -409,6 +409,8 @@ class EmbeddingCollection:
             functools.partial(self._lookup_body, feats, caps),
             in_specs=({k: spec for k in self.layout.stacks}, {f: P(BATCH_AXES) for f in feats}),
             out_specs=({f: P(BATCH_AXES) for f in feats}, _NO_STATS),
+            # sums carried by an all-to-all are equal on every device; the checker only knows psum's are
+            check_vma=not self._counters_ride_ids,
         )
         return fn(state["weights"], {f: ids[f] for f in feats})
 
@@ -420,28 +422,25 @@ class EmbeddingCollection:
     def _lookup_body(self, feats, caps, weights, ids):
         partial = self._partial(feats, ids)
         parts: dict[str, dict[int, jax.Array]] = {}  # feature -> column block -> [b, (L,) w]
-        overflow = jnp.zeros((), jnp.int32)
         fused = {}  # single-shard features, gathered and pooled in one kernel
-        for key in self.layout.stacks:
-            table = weights[key][0, 0]
-            if self.num_shards == 1:  # every row is local: no routing, no all-to-all
-                for f in feats:
-                    if self.layout.routes[self.feature_table[f]].stack == key:
-                        t = self.tables[self.feature_table[f]]
-                        fused[f] = kernels.gather_pool(table, self._local_rows(f, ids[f]), pooling=t.pooling)
-                continue
-            pair_feats = [f for f in sorted(partial) if self.layout.routes[self.feature_table[f]].stack == key]
-            row_feats = [f for f in feats if f not in partial]
-            if pair_feats:
-                overflow += self._lookup_pairs(key, table, pair_feats, ids, caps[key].pairs, parts)
-            if any(self.layout.routes[self.feature_table[f]].stack == key for f in row_feats):
-                overflow += self._lookup_rows(key, table, row_feats, ids, caps[key].rows, parts)
-        outputs, invalid = {}, jnp.zeros((), jnp.int32)
+        if self.num_shards == 1:  # every row is local: no routing, no all-to-all
+            for f in feats:
+                t = self.tables[self.feature_table[f]]
+                table = weights[self.layout.routes[self.feature_table[f]].stack][0, 0]
+                fused[f] = kernels.gather_pool(table, self._local_rows(f, ids[f]), pooling=t.pooling)
+        routed = self._route(feats, ids, caps, partial)
+        counters = self._counters(feats, ids, [r[-1] for r in routed])
+        totals = None if self._counters_ride_ids and routed else self._sum_counters(counters)
+        for mode, key, req, route in routed:
+            exchange = self._exchange_pairs if mode == "pairs" else self._exchange_rows
+            # the first exchange of ids also carries every device's counters (see _counters_ride_ids)
+            got = exchange(key, weights[key][0, 0], req, route, parts, counters if totals is None else None)
+            totals = got if totals is None else totals
+        outputs = {}
         for f in feats:
             t = self.tables[self.feature_table[f]]
             x = ids[f]
             valid = (x >= 0) & (x < t.stored_rows)
-            invalid += jnp.sum((x != PADDING_ID) & ~valid, dtype=jnp.int32)
             if f in fused:
                 outputs[f] = fused[f]
                 continue
@@ -452,7 +451,7 @@ class EmbeddingCollection:
                 outputs[f] = blocks
             else:
                 outputs[f] = kernels.pool(blocks.reshape(x.shape + (t.stored_dim,)), valid, t.pooling)
-        return outputs, self._stats(overflow, invalid)
+        return outputs, {"overflow": totals[0], "invalid_ids": totals[1]}
 
     def _local_rows(self, feature, x):
         """Single shard: a feature's ids as rows of the (only) block; padding and invalid ids -> -1."""
@@ -461,31 +460,73 @@ class EmbeddingCollection:
         offset = int(self.layout.routes[t_idx].offset[0, 0])
         return jnp.where((x >= 0) & (x < t.stored_rows), x + offset, -1)
 
-    def _stats(self, overflow, invalid):
-        # Each device counts its own requests (and its own sync rows), so the sums over every device are the
-        # totals: nothing is divided by the replica count. An all-reduce: for two counters gloo's beats an
-        # all-to-all between 4 processes (experiments/results/collective_latency.md).
-        return {"overflow": jax.lax.psum(overflow, BATCH_AXES), "invalid_ids": jax.lax.psum(invalid, BATCH_AXES)}
+    def _route(self, feats, ids, caps, partial) -> list:
+        """[(mode, stack, request, route)] of every exchange, 'pairs' before 'rows' in each stack. The
+        lookup and the update build them alike: XLA then merges their identical ids all-to-alls into one."""
+        if self.num_shards == 1:
+            return []
+        out = []
+        for key in self.layout.stacks:
+            mine = [f for f in feats if self.layout.routes[self.feature_table[f]].stack == key]
+            pair_feats = [f for f in sorted(partial) if f in mine]
+            row_feats = [f for f in mine if f not in partial]
+            if pair_feats:
+                req = routing.pair_requests(self.layout, self.feature_table, key, pair_feats, ids)
+                route = routing.route_pairs(req, self.num_shards, self._pair_codec(key, req), caps[key].pairs)
+                out.append(("pairs", key, req, route))
+            if row_feats:
+                req = routing.row_requests(self.layout, self.feature_table, key, row_feats, ids)
+                route = routing.route_rows(req, self.num_shards, self.layout.stacks[key].rows, caps[key].rows)
+                out.append(("rows", key, req, route))
+        return out
 
-    def _lookup_rows(self, key, table, feats, ids, capacity, parts):
+    def _counters(self, feats, ids, routes) -> jax.Array:
+        """This device's [overflow, invalid ids] of a batch (the same computation in lookup and update)."""
+        invalid = jnp.zeros((), jnp.int32)
+        for f in feats:
+            x, t = ids[f], self.tables[self.feature_table[f]]
+            invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
+        overflow = functools.reduce(jnp.add, [r.overflow for r in routes], jnp.zeros((), jnp.int32))
+        return jnp.stack([overflow, invalid])
+
+    @property
+    def _counters_ride_ids(self) -> bool:
+        """The lookup's counters travel inside its first ids all-to-all, as extra words of every block,
+        when that all-to-all spans every device (no replicas): one collective round fewer per step than
+        an all-reduce of its own. With replicas, the shard group's sums would still need adding up over
+        the replicas, so the all-reduce stays."""
+        return self.num_shards > 1 and self.num_shards == self.nodes * self.local
+
+    def _sum_counters(self, counters):
+        # Each device counts its own requests (and its own sync rows), so the sums over every device are the
+        # totals: nothing is divided by the replica count. One all-reduce (gloo's beats an all-to-all for
+        # two values between 4 processes: experiments/results/collective_latency.md).
+        return jax.lax.psum(counters, BATCH_AXES)
+
+    def _stats(self, overflow, invalid):
+        totals = self._sum_counters(jnp.stack([overflow, invalid]))
+        return {"overflow": totals[0], "invalid_ids": totals[1]}
+
+    def _send_ids(self, send, counters):
+        """The ids' all-to-all; with `counters`, also their sums over every device (None without)."""
+        if counters is None:
+            return collectives.all_to_all_ids(send, self.shard_axes), None
+        return collectives.all_to_all_ids_and_sum(send, counters, self.shard_axes)
+
+    def _exchange_rows(self, key, table, req, route, parts, counters=None):
         """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
-        st = self.layout.stacks[key]
-        req = routing.row_requests(self.layout, self.feature_table, key, feats, ids)
-        route = routing.route_rows(req, self.num_shards, st.rows, capacity)
-        wanted = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C] rows asked of me
+        wanted, totals = self._send_ids(route.send_rows, counters)  # [S, C] rows asked of me
         rows = kernels.gather_rows(table, wanted)
         back = collectives.all_to_all(rows, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
         vals = back.at[route.dest, route.position].get(mode="fill", fill_value=0.0) * route.keep[:, None]
         for seg in req.segments:
             parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
-        return route.overflow
+        return totals
 
-    def _lookup_pairs(self, key, table, feats, ids, capacity, parts):
+    def _exchange_pairs(self, key, table, req, route, parts, counters=None):
         """Pair strategy: (row, bag) pairs to the owners, one partial sum per bag back from each holder."""
         st = self.layout.stacks[key]
-        req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
-        route = routing.route_pairs(req, self.num_shards, self._pair_codec(key, req), capacity)
-        recv = collectives.all_to_all_ids(route.send, self.shard_axes)  # (row, bag) pairs for me
+        recv, totals = self._send_ids(route.send, counters)  # (row, bag) pairs for me
         rrow, rbag = routing.unpack_pairs(recv, route, req.bags, jax.lax.axis_index(self.shard_axes))
         S, G = self.num_shards, req.bags
         segment = jnp.where(rrow >= 0, jnp.arange(S)[:, None] * G + rbag, -1)  # the bag's partial sum, per owner
@@ -495,7 +536,7 @@ class EmbeddingCollection:
         for seg in req.segments:  # add the partial sums of every owner holding a piece of this block
             partial_sums = [back[d, seg.offsets[d] : seg.offsets[d] + seg.bags] for d in seg.holders]
             parts.setdefault(seg.feature, {})[seg.col_block] = functools.reduce(jnp.add, partial_sums)
-        return route.overflow
+        return totals
 
     # ------------------------------------------------------------------ update
 
@@ -556,12 +597,12 @@ class EmbeddingCollection:
 
     def _update_body(self, feats, caps, weights, slot_state, ids, grads, apply, step, after):
         weights, slot_state = dict(weights), {s: dict(v) for s, v in slot_state.items()}
-        overflow, invalid = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-        for f in feats:
-            t = self.tables[self.feature_table[f]]
-            x = ids[f]
-            invalid += jnp.sum((x != PADDING_ID) & ((x < 0) | (x >= t.stored_rows)), dtype=jnp.int32)
         partial = self._partial(feats, ids)
+        routed = {(mode, key): (req, route) for mode, key, req, route in self._route(feats, ids, caps, partial)}
+        counters = self._counters(feats, ids, [r for _, r in routed.values()])
+        # the first ids exchange carries the counters exactly as the lookup's does: the two are then one
+        first = next(iter(routed), None) if self._counters_ride_ids else None
+        overflow, invalid = jnp.zeros((), jnp.int32), counters[1]
         for key, st in self.layout.stacks.items():
             reads = [f for f in feats if self.layout.routes[self.feature_table[f]].stack == key]
             if self._fused_update(reads):
@@ -589,11 +630,13 @@ class EmbeddingCollection:
             row_feats = [f for f in feats if f not in partial]
             received = []  # (exchange, rows i32[S, C], grads f32[S, C, w]) that reached this owner
             if pair_feats:
-                ex, ov = self._pair_grads_to_owner(key, pair_feats, ids, grads, caps[key].pairs)
+                carry = counters if first == ("pairs", key) else None
+                ex, ov = self._pair_grads_to_owner(key, ids, grads, *routed["pairs", key], carry)
                 received.append(ex)
                 overflow += ov
             if any(self.layout.routes[self.feature_table[f]].stack == key for f in row_feats):
-                ex, ov = self._row_grads_to_owner(key, row_feats, ids, grads, caps[key].rows)
+                carry = counters if first == ("rows", key) else None
+                ex, ov = self._row_grads_to_owner(key, row_feats, ids, grads, routed.get(("rows", key)), carry)
                 received.append(ex)
                 overflow += ov
             if not received:
@@ -656,25 +699,27 @@ class EmbeddingCollection:
             after=after or None,
         )
 
-    def _row_grads_to_owner(self, key, feats, ids, grads, capacity):
+    def _row_grads_to_owner(self, key, feats, ids, grads, routed=None, counters=None):
         """Reverse path of the row strategy: per-request gradients summed per unique row on the requester,
-        sent to the owners (backward precision)."""
+        sent to the owners (backward precision). `routed`: (request, route) from `_route` (None: one shard)."""
         st = self.layout.stacks[key]
-        req = routing.row_requests(self.layout, self.feature_table, key, feats, ids)
+        req = (
+            routed[0] if routed is not None else routing.row_requests(self.layout, self.feature_table, key, feats, ids)
+        )
         g = jnp.concatenate(
             [self._request_grads(seg, st.width, ids[seg.feature], grads[seg.feature]) for seg in req.segments], axis=0
         )  # [n, w], request order
         if self.num_shards == 1:  # every row is local: the owner sums duplicates when applying
             rows = jnp.where(req.dest < 1, req.row, -1)
             return _Exchange(rows[None], g[None], _spans(req), None), jnp.zeros((), jnp.int32)
-        route = routing.route_rows(req, self.num_shards, st.rows, capacity)
+        route = routed[1]
         S, C = route.send_rows.shape
         send_g = (
             jnp.zeros((S, C, st.width), jnp.float32)
             .at[route.dest, route.position]
             .add(g * route.keep[:, None], mode="drop")
         )
-        recv_rows = collectives.all_to_all_ids(route.send_rows, self.shard_axes)  # [S, C]
+        recv_rows, _ = self._send_ids(route.send_rows, counters)  # [S, C]
         recv_g = collectives.all_to_all(
             send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
         )
@@ -687,12 +732,10 @@ class EmbeddingCollection:
             self._pair_codecs[cache_key] = routing.pair_codec(self.layout, self.feature_table, key, req)
         return self._pair_codecs[cache_key]
 
-    def _pair_grads_to_owner(self, key, feats, ids, grads, capacity):
+    def _pair_grads_to_owner(self, key, ids, grads, req, route, counters=None):
         """Reverse path of the pair strategy: each owner gets the bag gradients of the segments it holds
         and the (row, bag) pairs, and credits every pair's row with its bag's gradient."""
         st = self.layout.stacks[key]
-        req = routing.pair_requests(self.layout, self.feature_table, key, feats, ids)
-        route = routing.route_pairs(req, self.num_shards, self._pair_codec(key, req), capacity)
         S, G = self.num_shards, req.bags
         per_owner = [[] for _ in range(S)]
         for seg in req.segments:
@@ -708,7 +751,7 @@ class EmbeddingCollection:
         recv_g = collectives.all_to_all(
             send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
         )  # [S, G, w]
-        recv = collectives.all_to_all_ids(route.send, self.shard_axes)
+        recv, _ = self._send_ids(route.send, counters)
         rrow, rbag = routing.unpack_pairs(recv, route, G, jax.lax.axis_index(self.shard_axes))
         pair_g = recv_g[jnp.arange(S)[:, None], jnp.clip(rbag, 0, G - 1)] * (rrow >= 0)[..., None]
         sizes = [ids[seg.feature].size for seg in req.segments]
