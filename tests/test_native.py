@@ -228,13 +228,15 @@ def test_gather_is_differentiable_in_the_table(impl):
 # -------------------------------------------------------------------------------------------- updates
 
 
+@pytest.mark.parametrize("order", ["as_drawn", "sorted"])  # sorted: the kernel skips its radix sort
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_update_rows(impl, case, optimizer):
+def test_update_rows(impl, case, optimizer, order):
     seed, rows, w, b, L, kind = case
     rng = np.random.default_rng(100 + seed)
     table, acc = state(rng, rows, w)
     r = make_ids(rng, kind, rows, (b * L,))
+    r = np.sort(r) if order == "sorted" else r
     g = rng.normal(size=(b * L, w)).astype(np.float32)
     acc_in = acc if optimizer == "rowwise_adagrad" else None
     fn = jax.jit(
@@ -393,13 +395,17 @@ def ref_segment_sum(table, rows, segments, num_segments):
     return out
 
 
+@pytest.mark.parametrize("order", ["as_drawn", "sorted"])  # sorted (the engine's usual input): no sort
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_gather_segment_sum(impl, case):
+def test_gather_segment_sum(impl, case, order):
     seed, rows, w, b, L, kind = case
     rng = np.random.default_rng(300 + seed)
     table, _ = state(rng, rows, w)
     r = make_ids(rng, kind, rows, (b * L,))
     segs = rng.integers(-2, b + 2, b * L).astype(np.int32)  # out-of-range slots contribute nothing
+    if order == "sorted":  # in-range segments in order, the out-of-range ones left where they fall
+        ok = (segs >= 0) & (segs < b)
+        segs[ok] = np.sort(segs[ok])
     out = jax.jit(lambda t, r, s: native.gather_segment_sum(t, r, s, num_segments=b))(table, r, segs)
     assert out.shape == (b, w)
     close(out, ref_segment_sum(table, r, segs, b))

@@ -297,9 +297,13 @@ struct Groups {
 Groups GroupPairs(ffi::ThreadPool* pool, Scratch& s, int64_t n, int64_t R) {
   Groups g;
   if (n == 0) return g;
-  s.pairs_tmp.resize(static_cast<size_t>(n));
-  const uint64_t* sorted =
-      SortByRow(pool, s.pairs.data(), s.pairs_tmp.data(), n, static_cast<uint32_t>(R - 1), s.histogram);
+  // Pairs that arrive in order (a gather-segment-sum's segments usually do: each sender lists its bags in
+  // order) need no sort; the check stops at the first pair out of order, so unsorted input costs ~nothing.
+  const uint64_t* sorted = s.pairs.data();
+  if (!std::is_sorted(s.pairs.data(), s.pairs.data() + n)) {
+    s.pairs_tmp.resize(static_cast<size_t>(n));
+    sorted = SortByRow(pool, s.pairs.data(), s.pairs_tmp.data(), n, static_cast<uint32_t>(R - 1), s.histogram);
+  }
   s.starts.resize(static_cast<size_t>(n) + 1);
   int64_t* starts = s.starts.data();
   int64_t u = 0;
