@@ -641,6 +641,26 @@ class EmbeddingCollection:
                 overflow += ov
             if not received:
                 continue
+            if (
+                len(received) == 1
+                and received[0].indexed is not None
+                and not self._exact_sync
+                and not (self._invariant_adagrad and st.has_column_pieces)
+            ):  # pairs alone: each row's gradients read straight from the received bags
+                rows = received[0].rows.reshape(-1)
+                weights[key], new_slots = kernels.apply_rows_indexed(
+                    weights[key],
+                    {s: slot_state[s][key] for s in self.optimizer.slots},
+                    rows,
+                    *received[0].indexed,
+                    optimizer=self.optimizer,
+                    apply=apply,
+                    after=after or None,
+                )
+                for s, v in new_slots.items():
+                    slot_state[s][key] = v
+                self._mark_touched(slot_state, key, st, rows, apply)
+                continue
             rows = jnp.concatenate([ex.rows.reshape(-1) for ex in received])
             g = jnp.concatenate([ex.grads.reshape(-1, st.width) for ex in received])
             if self._exact_sync:
@@ -757,7 +777,10 @@ class EmbeddingCollection:
         sizes = [ids[seg.feature].size for seg in req.segments]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
         spans = tuple((seg.feature, int(a), n) for seg, a, n in zip(req.segments, starts, sizes))
-        return _Exchange(rrow, pair_g, spans, route), route.overflow
+        # the same gradients as an index into the received bags: the kernel reads them in place
+        bag_index = jnp.where((rrow >= 0) & (rbag >= 0) & (rbag < G), jnp.arange(S)[:, None] * G + rbag, -1)
+        indexed = (bag_index.reshape(-1), recv_g.reshape(S * G, st.width))
+        return _Exchange(rrow, pair_g, spans, route, indexed), route.overflow
 
     def _bag_grads(self, seg, width, x, g):
         """Per-bag gradient [b, width] of one column block of a partial-sum feature (mean: / ids per bag)."""
@@ -906,6 +929,8 @@ class _Exchange:
     grads: jax.Array  # f32[S, C, w]: its gradient
     spans: tuple[tuple[str, int, int], ...]  # (feature, start, size) of the request list's segments
     route: object  # the requester's RowRoute / PairRoute (None: a single shard, positions are requests)
+    # pairs: (i32[S*C] index into f32[S*G, w], the received bag gradients) = `grads` without materialising it
+    indexed: tuple[jax.Array, jax.Array] | None = None
 
 
 def _spans(req: routing.RowRequests) -> tuple[tuple[str, int, int], ...]:

@@ -97,6 +97,17 @@ def apply_rows(table, slots: dict, rows, grads, *, optimizer, apply, grad_sq_mea
     return table, ({"accumulator": acc} if acc is not None else {})
 
 
+def apply_rows_indexed(table, slots: dict, rows, grad_index, grads, *, optimizer, apply, after=None):
+    """`apply_rows` with row rows[i]'s gradient grads[grad_index[i]] (grad_index outside [0, len(grads)):
+    ignored): the backward of the partial-sums exchange, where a pair's gradient is its bag's, without
+    materialising one gradient row per pair."""
+    acc = slots.get("accumulator")
+    table, acc = native.update_rows_indexed(
+        table, acc, rows, grad_index, grads, apply=apply, after=after, **_optimizer_args(optimizer)
+    )
+    return table, ({"accumulator": acc} if acc is not None else {})
+
+
 def apply_pooled(table, slots: dict, rows, grad, *, pooling, optimizer, apply, after=None):
     """The fused backward of `gather_pool`: rows i32[b, L] (< 0: padding), grad f32[b, w] (pooled) or
     f32[b, L, w] (sequence): per-row gradients summed and the optimizer applied, never materialising
