@@ -183,7 +183,9 @@ def _engines():
                 }
             },
         },
-        "jaxscale_mp": {"2": {"configs": {"row_wise/fp32": cfg("row_wise", "fp32", 15.0, 1000)}}},
+        "jaxscale_mp": {
+            "2": {"configs": {"row_wise/fp32": cfg("row_wise", "fp32", 15.0, 1000) | {"reruns": 1, "reruns_warmup": 2}}}
+        },
         "torchrec": {
             "2": {
                 "configs": {
@@ -237,6 +239,9 @@ def test_merge_sessions_pools_steps_and_keeps_only_the_error_of_a_failed_config(
     merged = equal_devices.merge_sessions([session([0.010, 0.030], ok_b), session([0.020], bad_b)])
     a = merged["row_wise/fp32"]
     assert a["n"] == 3 and a["median_ms"] == pytest.approx(20.0)
+    counted = {"reruns": 1, "reruns_warmup": 2, "overflow_rows": 0}
+    twice = equal_devices.merge_sessions([{"configs": {"t": ok_b | counted}}, {"configs": {"t": ok_b | counted}}])
+    assert (twice["t"]["reruns"], twice["t"]["reruns_warmup"], twice["t"]["overflow_rows"]) == (2, 4, 0)
     assert a["session_medians_ms"] == pytest.approx([20.0, 20.0])
     assert merged["table_wise/fp8"] == bad_b  # no timings or bytes from the session that worked
 
@@ -281,6 +286,7 @@ def _recorded():
                 "shape": {"tables": 2, "rows": 100, "dim": 8, "batch": 16, "hotness": 4, "zipf": 1.1, "warmup": 1}
                 | {"steps": 2, "lr": 0.01, "eps": 1e-8},
                 "rounds": 1,
+                "reuse_capacities": True,
                 "engines": _engines(),
                 "comparisons": comparisons,
                 "load_average_before": [0.1, 0.1, 0.1],
@@ -303,6 +309,8 @@ def test_render_is_computed_from_the_recorded_result(tmp_path):
     )
     assert "Load average (1 min) 0.10 before, 0.70 after; other processes' CPU before each session: max 3%" in text
     assert "time ratio 1.50x to 2.00x TorchRec; 0 of 2 rows meet" in text
+    assert "jaxscale: `reuse_capacities=True`: the host counts the first batch's capacities" in text
+    assert "| jaxscale_mp | 2 | row_wise/fp32 | 15.0 | - | - | all-to-all[u8] 1,000 | - | 1 (+2 warm-up) | - |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
     assert suite.main(["--render", str(path)]) == 0

@@ -188,15 +188,25 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
         optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS, per_column_shard=sharding == "column_wise"),
         comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
         capacity_factor=spec.get("capacity_factor"),
+        reuse_capacities=bool(spec.get("reuse_capacities")),
     )
     state = ec.from_dense(weights)
 
     def step(state, ids, g, ec=ec):
         emb, stats = ec.lookup(state, ids, return_stats=True)
-        return ec.update(state, ids, g, after=emb), (emb, stats["overflow"])  # after: no table copy
+        # a batch that overflowed reused capacities changes nothing; it is re-run counted below
+        new = ec.update(state, ids, g, apply=stats["overflow"] == 0, after=emb)  # after: no table copy
+        return new, (emb, stats["overflow"])
 
     step = jax.jit(step, donate_argnums=0)
-    times, overflow, bytes_by_exe, step_bytes = [], 0, {}, []
+    times, overflow, reran, bytes_by_exe, step_bytes = [], 0, [], {}, []
+
+    def bytes_of(ids_dev, g_dev):
+        key = str(jax.tree.structure(ids_dev))  # the batch's static metadata selects the executable
+        if key not in bytes_by_exe:
+            bytes_by_exe[key] = _collective_bytes(comm_inspect.list_collectives(step, state, ids_dev, g_dev, mesh=mesh))
+        return bytes_by_exe[key]
+
     for s, (ids, g) in enumerate(zip(batches, grads)):
         g_dev = {f: jax.make_array_from_process_local_data(ec.batch_sharding, v[mine], v.shape) for f, v in g.items()}
         jax.block_until_ready(g_dev)
@@ -205,13 +215,25 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
         t = time.perf_counter()
         ids_dev = ec.shard_batch({f: v[mine] for f, v in ids.items()})
         state, (emb, ovf) = step(state, ids_dev, g_dev)
+        attempts = [ids_dev]
+        if int(np.asarray(ovf.addressable_data(0))):  # reused capacities did not fit: re-run, counted
+            ids_dev = ec.shard_batch({f: v[mine] for f, v in ids.items()}, recount=True)
+            state, (emb, ovf) = step(state, ids_dev, g_dev)
+            attempts.append(ids_dev)
         jax.block_until_ready((state, emb, ovf))
-        times.append(time.perf_counter() - t)
-        overflow += int(np.asarray(ovf.addressable_data(0)).sum())
-        key = str(jax.tree.structure(ids_dev))  # the batch's static metadata selects the executable
-        if key not in bytes_by_exe:
-            bytes_by_exe[key] = _collective_bytes(comm_inspect.list_collectives(step, state, ids_dev, g_dev, mesh=mesh))
-        step_bytes.append(bytes_by_exe[key])
+        times.append(time.perf_counter() - t)  # a re-run step's time includes both attempts
+        reran.append(len(attempts) > 1)
+        overflow += int(np.asarray(ovf.addressable_data(0)))
+        per_attempt = [bytes_of(a, g_dev) for a in attempts]  # a re-run step sends both attempts' bytes
+        step_bytes.append(
+            {
+                "per_device": sum(b["per_device"] for b in per_attempt),
+                "per_kind": {
+                    k: sum(b["per_kind"].get(k, 0.0) for b in per_attempt)
+                    for k in {k for b in per_attempt for k in b["per_kind"]}
+                },
+            }
+        )
     dense = ec.to_dense(state)
     acc = ec.slots_to_dense(state)["accumulator"]
     cp = {a.shape[1] if a.ndim == 2 else 1 for a in acc.values()}
@@ -235,6 +257,8 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
         "times_s": times[timed],
         "warmup_s": times[: spec["warmup"]],
         "overflow_rows": overflow,
+        "reruns": int(sum(reran[timed])),  # timed steps re-run after reused capacities overflowed
+        "reruns_warmup": int(sum(reran[: spec["warmup"]])),
         "bytes_per_device": float(np.mean([b["per_device"] for b in step_bytes[timed]])),
         "bytes_cluster_per_kind": {k: v * devices for k, v in per_kind.items()},
         "executables": len(bytes_by_exe),
@@ -263,6 +287,7 @@ def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiproc
         "num_processes": nproc,
         "local_devices": local,
         "capacity_factor": cfg.get("capacity_factor"),
+        "reuse_capacities": cfg.get("reuse_capacities", False),
         "coordinator": f"127.0.0.1:{free_port()}",
     }
     results = run_session(
@@ -432,6 +457,8 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
     if cfg.get("torchrec_fp8_probe") and cfg.get("torchrec", True):
         engines["torchrec_fp8_probe"] = _fp8_probe(d, tmp, cfg, timeout_s)
     return {
+        "capacity_factor": cfg.get("capacity_factor"),
+        "reuse_capacities": cfg.get("reuse_capacities", False),
         "shape": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "hotness", "zipf", "warmup", "steps")}
         | {"lr": LR, "eps": EPS},
         "worlds": sorted(todo, key=int),
@@ -454,7 +481,11 @@ def merge_sessions(results: list[dict]) -> dict:
             if "error" in c:
                 m["error"] = c["error"]
                 continue
-            m.update({k: v for k, v in c.items() if k not in ("times_s", "warmup_s")})
+            summed = ("overflow_rows", "reruns", "reruns_warmup")  # counts add up over the sessions
+            m.update({k: v for k, v in c.items() if k not in ("times_s", "warmup_s", *summed)})
+            for k in summed:
+                if k in c:
+                    m[k] = m.get(k, 0) + c[k]
             m["times_s"] += c["times_s"]
             m["session_medians_ms"].append(spread(c["times_s"])["median_ms"])
     for m in merged.values():

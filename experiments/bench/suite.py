@@ -128,6 +128,8 @@ def run(args) -> dict:
                     cfg["rounds"] = args.rounds
                 if part == "equal_devices" and args.capacity_factor:
                     cfg["capacity_factor"] = args.capacity_factor
+                if part == "equal_devices":
+                    cfg["reuse_capacities"] = not args.count_every_batch
                 if not have_torchrec:  # FBGEMM and TorchRec columns stay empty; the report says why
                     cfg["engines"] = tuple(e for e in one_device.ENGINES if e != "fbgemm")
                     cfg["torchrec"] = False
@@ -236,6 +238,26 @@ def render_one_device(p: dict) -> list[str]:
     return L
 
 
+def _capacity_line(p: dict) -> str:
+    """How jaxscale sized its exchanges in this run."""
+    if p.get("capacity_factor"):
+        return f"jaxscale: fixed capacities (capacity_factor {p['capacity_factor']})."
+    if p.get("reuse_capacities"):
+        return (
+            "jaxscale: `reuse_capacities=True`: the host counts the first batch's capacities (and those of a "
+            "batch that overflowed them); every other batch reuses the largest counted set, with no host "
+            "counting and no exchange between the processes before the step; a batch that does not fit is "
+            "skipped and re-run counted, and that step's time includes both attempts (re-runs: table below)."
+        )
+    return "jaxscale: capacities counted on the host for every batch (exchanged between the processes)."
+
+
+def _reruns(c: dict) -> str:
+    if "reruns" not in c:
+        return "-"
+    return f"{c['reruns']} (+{c['reruns_warmup']} warm-up)" if c.get("reruns_warmup") else str(c["reruns"])
+
+
 def render_equal_devices(p: dict) -> list[str]:
     s = p["shape"]
     L = [
@@ -246,7 +268,8 @@ def render_equal_devices(p: dict) -> list[str]:
         f"session(s) per engine and device count, alternated; each session: {s['warmup']} warm-up + {s['steps']} "
         f"timed steps per configuration. jaxscale 1 proc: W simulated CPU devices in one process (mesh 1 x W); "
         f"jaxscale W procs: W processes of one device, gloo on 127.0.0.1 (mesh W x 1); TorchRec: DMP on W gloo "
-        f"ranks, fused TBE. Step time: median over timed steps, each step's slowest process. Bytes: what leaves "
+        f"ranks, fused TBE. {_capacity_line(p)} Step time: median over timed steps, each step's slowest process. "
+        f"Bytes: what leaves "
         f"the devices per step, summed over the W devices, one byte model for both (jaxscale from the compiled "
         f"HLO). Time ratio = jaxscale / TorchRec (< 1: jaxscale faster); targets: time <= 1.0x, bytes <= 1.0x "
         f"(fp8 <= 0.5x, fp8/bf16 <= 0.75x: its fp8 forward at 0.5x, its bf16 backward at 1.0x). "
@@ -295,8 +318,8 @@ def render_equal_devices(p: dict) -> list[str]:
         "Per engine and configuration (bytes per step summed over devices, by collective; check: max |table - "
         "reference| after the last step, fp32 must be <= " + f"{FP32_TOLERANCE:g}):",
         "",
-        "| engine | devices | config | median ms | p10 | p90 | bytes by collective | overflow | check |",
-        "|---|---:|---|---:|---:|---:|---|---:|---|",
+        "| engine | devices | config | median ms | p10 | p90 | bytes by collective | overflow | re-runs | check |",
+        "|---|---:|---|---:|---:|---:|---|---:|---:|---|",
     ]
     for engine, worlds in p["engines"].items():
         if engine == "torchrec_fp8_probe":
@@ -304,14 +327,14 @@ def render_equal_devices(p: dict) -> list[str]:
         for w, x in worlds.items():
             for name, c in x["configs"].items():
                 if "error" in c:
-                    L.append(f"| {engine} | {w} | {name} | failed | | | `{c['error'].splitlines()[0][:120]}` | | |")
+                    L.append(f"| {engine} | {w} | {name} | failed | | | `{c['error'].splitlines()[0][:120]}` | | | |")
                     continue
                 kinds = "; ".join(f"{k} {v:,.0f}" for k, v in sorted(c["bytes_cluster_per_kind"].items())) or "none"
                 chk = c.get("check")
                 chk = f"{chk['max_abs_diff']:.1e} (acc/row {chk['col_parts']})" if chk else "-"
                 L.append(
                     f"| {engine} | {w} | {name} | {_ms(c.get('median_ms'))} | {_ms(c.get('p10_ms'))} | "
-                    f"{_ms(c.get('p90_ms'))} | {kinds} | {c.get('overflow_rows', '-')} | {chk} |"
+                    f"{_ms(c.get('p90_ms'))} | {kinds} | {c.get('overflow_rows', '-')} | {_reruns(c)} | {chk} |"
                 )
     L.append("")
     return L
@@ -421,6 +444,11 @@ def parse(argv):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--rounds", type=int, default=None, help="sessions per engine (default: 3/2 full, 2/1 quick)")
     ap.add_argument("--capacity-factor", type=float, default=None, help="jaxscale capacity_factor (default: engine's)")
+    ap.add_argument(
+        "--count-every-batch",
+        action="store_true",
+        help="equal devices: jaxscale counts every batch's capacities on the host (default: reuse_capacities=True)",
+    )
     ap.add_argument("--out", default=None, help="results path without suffix (default experiments/results/bench_suite)")
     ap.add_argument("--max-load", type=float, default=cores / 4, help="refuse above this 1-min load average")
     ap.add_argument("--max-busy", type=float, default=0.15, help="mark tables when others use more of the CPU")
