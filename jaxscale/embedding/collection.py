@@ -394,8 +394,8 @@ class EmbeddingCollection:
 
         Inside jit, an id out of range (>= rows, or negative other than -1) is treated as padding and
         counted in stats['invalid_ids']; outside jit, host ids are validated and such an id raises.
-        With return_stats, also returns {'overflow': unique rows that did not fit a fixed capacity (always
-        0 unless capacity_factor is set), 'invalid_ids': count}, summed over every device.
+        With return_stats, also returns {'overflow': unique rows that did not fit a fixed or reused capacity
+        (always 0 for a batch counted by `shard_batch`), 'invalid_ids': count}, summed over every device.
         """
         ids = self._prepare(ids)
         out, stats = self._lookup_jit(state, ids)
