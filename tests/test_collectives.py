@@ -82,13 +82,12 @@ def test_ids_all_to_all_carries_the_sum_of_the_counters(shape, axis, dtype):
     (got, sums), (want, want_sums) = f(ids, counters), g(ids, counters)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(want_sums))
-    assert [c.kind for c in list_collectives(f, ids, counters, mesh=mesh)] == ["all-to-all"]
+    assert [c.kind for c in list_collectives(f, ids, counters, mesh=mesh)] == (["all-to-all"] if size > 1 else [])
 
 
-def test_ids_all_to_all_and_sum_refuses_wide_or_float_ids():
+def test_ids_all_to_all_and_sum_refuses_float_ids():
     mesh = jaxscale.make_mesh(1, 8)
-    for bad in (np.zeros((8, 2), np.int64), np.zeros((8, 2), np.float32)):
-        body = lambda x: collectives.all_to_all_ids_and_sum(x, jax.numpy.zeros(2, jax.numpy.int32), BATCH_AXES)  # noqa: E731
-        f = jax.shard_map(body, mesh=mesh, in_specs=P(BATCH_AXES), out_specs=P(BATCH_AXES), check_vma=False)
-        with pytest.raises(TypeError, match="all_to_all_ids_and_sum moves integer ids of at most 32 bits"):
-            jax.eval_shape(f, jax.ShapeDtypeStruct(bad.shape, bad.dtype))
+    body = lambda x: collectives.all_to_all_ids_and_sum(x, jax.numpy.zeros(2, jax.numpy.int32), BATCH_AXES)  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=P(BATCH_AXES), out_specs=P(BATCH_AXES), check_vma=False)
+    with pytest.raises(TypeError, match="all_to_all_ids_and_sum moves integer ids of at most 32 bits; got float32"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((64, 2), np.float32))
