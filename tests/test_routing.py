@@ -13,8 +13,10 @@ from embedding_reference import adagrad_step
 from embedding_reference import lookup as ref_lookup
 
 import jaxscale
+from jaxscale import native
 from jaxscale.comm_inspect import list_collectives
 from jaxscale.embedding import routing
+from jaxscale.native import jax_kernels
 
 
 def _collection(shape, topology, sharding, tables):
@@ -54,21 +56,30 @@ CASES = [
 ]
 
 
-SORT_CASES = [  # positions from the stable sort (many owners x requests); one case per sharding
-    pytest.param((2, 4), "1d", sh, 7, "sort", id=f"2x4-1d-{sh}-L7-sort")
+PURE_JAX_CASES = [  # the pure-JAX routing kernels: positions from the one-hot running count and the stable sort
+    pytest.param((2, 4), "1d", sh, 7, rank, id=f"2x4-1d-{sh}-L7-{rank}")
     for sh in ("table_wise", "row_wise", "column_wise")
+    for rank in ("one_hot", "sort")
 ]
 
 
+def _routing_kernels(rank, monkeypatch):
+    """'native': the default dispatch; 'one_hot' / 'sort': the pure-JAX kernels (JAXSCALE_NATIVE=0)."""
+    if rank != "native":
+        monkeypatch.setenv("JAXSCALE_NATIVE", "0")
+    if rank == "sort":
+        monkeypatch.setattr(jax_kernels, "ONE_HOT_RANK_LIMIT", 0)
+
+
 @pytest.mark.parametrize(
-    "shape,topology,sharding,length,rank", [pytest.param(*c.values, "one_hot", id=c.id) for c in CASES] + SORT_CASES
+    "shape,topology,sharding,length,rank",
+    [pytest.param(*c.values, "native", id=c.id) for c in CASES] + PURE_JAX_CASES,
 )
 def test_narrow_pairs_decode_to_the_same_pairs_as_int32(shape, topology, sharding, length, rank, monkeypatch):
     """Every owner decodes the same multiset of (row, bag) pairs from the narrow buffer as from the int32
     one, at the exact capacity and at a capacity that overflows (the same pairs are left out of both);
-    with positions from the one-hot running count and from the stable sort."""
-    if rank == "sort":
-        monkeypatch.setattr(routing, "ONE_HOT_RANK_LIMIT", 0)
+    with the native routing kernels and with both pure-JAX ones."""
+    _routing_kernels(rank, monkeypatch)
     rng = np.random.default_rng(length + len(sharding))
     tables = [
         jaxscale.TableConfig("a", rows=3000, dim=8, pooling="sum", features=("fa", "fb")),
@@ -93,18 +104,33 @@ def test_narrow_pairs_decode_to_the_same_pairs_as_int32(shape, topology, shardin
         assert (got["narrow"][1] > 0) == (capacity < full)
 
 
-def test_positions_are_ranks_within_each_owner_by_both_methods(monkeypatch):
+@pytest.mark.parametrize("rank", ["native", "one_hot", "sort"])
+def test_positions_are_ranks_within_each_owner(rank, monkeypatch):
+    """rank_within_owner against a brute-force count, owners outside [0, S) (padding, negative) -> -1."""
+    _routing_kernels(rank, monkeypatch)
+    fn = jax.jit(native.rank_within_owner, static_argnames="owners")
     rng = np.random.default_rng(3)
-    for S, n in ((1, 50), (3, 1000), (8, 4000)):
-        dest = rng.integers(0, S + 1, n).astype(np.int32)  # S: padding
-        want = np.array([(dest[:i] == dest[i]).sum() for i in range(n)])
-        ok = dest < S
-        got_one_hot = np.asarray(routing._rank_within_owner(jnp.asarray(dest), S))
-        monkeypatch.setattr(routing, "ONE_HOT_RANK_LIMIT", 0)
-        got_sort = np.asarray(routing._rank_within_owner(jnp.asarray(dest), S))
-        monkeypatch.undo()
-        np.testing.assert_array_equal(got_one_hot[ok], want[ok])
-        np.testing.assert_array_equal(got_sort[ok], want[ok])
+    for S, n in ((1, 50), (3, 1000), (8, 4000), (5, 0), (0, 7)):
+        dest = rng.integers(-1, S + 2, n).astype(np.int32)  # -1 and >= S: no owner
+        want = np.array([(dest[:i] == dest[i]).sum() if 0 <= dest[i] < S else -1 for i in range(n)], np.int32)
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(dest), owners=S)), want)
+
+
+@pytest.mark.parametrize("rank", ["native", "one_hot"])
+def test_slot_bags_label_each_senders_slots_in_bag_order(rank, monkeypatch):
+    """slot_bags against a brute-force expansion, with empty bags, senders that overflow the capacity,
+    negative counts (as zero), and no bags at all."""
+    _routing_kernels(rank, monkeypatch)
+    fn = jax.jit(native.slot_bags, static_argnames="capacity")
+    rng = np.random.default_rng(4)
+    for S, G, capacity in ((1, 1, 5), (3, 40, 64), (4, 17, 10), (2, 0, 6), (3, 5, 0)):
+        counts = rng.integers(-1, 6, (S, G)).astype(np.int32)
+        counts[rng.random((S, G)) < 0.3] = 0
+        want = np.full((S, capacity), -1, np.int32)
+        for s in range(S):
+            labels = [g for g in range(G) for _ in range(max(counts[s, g], 0))][:capacity]
+            want[s, : len(labels)] = labels
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(counts), capacity=capacity)), want)
 
 
 def test_narrow_buffer_is_two_bytes_per_pair_plus_one_per_bag():

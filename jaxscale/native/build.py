@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "jaxscale_native.cc"
-ABI_VERSION = 3  # must match kAbiVersion in the source
+ABI_VERSION = 4  # must match kAbiVersion in the source
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-w")
 COMPILE_TIMEOUT_S = 600
 _X86_64_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}  # abm: lzcnt

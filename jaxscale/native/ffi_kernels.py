@@ -119,3 +119,17 @@ def update_rows_indexed(table, acc, rows, grad_index, grads, *, optimizer, learn
         eps=np.float32(eps),
     )
     return new_table, (new_acc if acc is not None else None)
+
+
+def rank_within_owner(owner, *, owners):
+    call = jax.ffi.ffi_call(
+        "jaxscale_rank_within_owner", jax.ShapeDtypeStruct(owner.shape, jnp.int32), vmap_method="sequential"
+    )
+    return call(owner, owners=np.int32(owners))
+
+
+def slot_bags(counts, *, capacity):
+    call = jax.ffi.ffi_call(
+        "jaxscale_slot_bags", jax.ShapeDtypeStruct((counts.shape[0], capacity), jnp.int32), vmap_method="sequential"
+    )
+    return call(counts)

@@ -110,3 +110,39 @@ def update_rows_indexed(table, acc, rows, grad_index, grads, *, optimizer, learn
         apply=apply,
         after=after,
     )
+
+
+ONE_HOT_RANK_LIMIT = 2**23  # requests x owners up to which ranks come from a one-hot running count
+
+
+def rank_within_owner(owner, *, owners: int):
+    """i32[n]: how many earlier entries have the same owner; -1 where owner is outside [0, owners).
+
+    With few owners a running count over a one-hot [n, owners] (about 7x faster than sorting 80k entries
+    on a CPU); otherwise a stable sort by owner."""
+    S, n = owners, owner.shape[0]
+    valid = valid_rows(owner, S)
+    if S == 0 or n == 0:
+        return jnp.full((n,), -1, jnp.int32)
+    if n * S <= ONE_HOT_RANK_LIMIT:
+        ranks = jnp.cumsum((owner[:, None] == jnp.arange(S, dtype=owner.dtype)[None, :]).astype(jnp.int32), axis=0)
+        rank = jnp.take_along_axis(ranks, jnp.clip(owner, 0, S - 1)[:, None], axis=1)[:, 0] - 1
+        return jnp.where(valid, rank, -1)
+    iota = jnp.arange(n, dtype=jnp.int32)
+    key, perm = jax.lax.sort((jnp.where(valid, owner, S), iota), num_keys=1, is_stable=True)
+    counts = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), key, num_segments=S + 1, indices_are_sorted=True)
+    sorted_rank = iota - (jnp.cumsum(counts) - counts)[key]
+    return jnp.where(valid, jnp.zeros((n,), jnp.int32).at[perm].set(sorted_rank), -1)
+
+
+def slot_bags(counts, *, capacity: int):
+    """i32[S, capacity]: the bag of each slot when sender s lists counts[s, g] slots of bag g in bag order;
+    -1 past its last slot. Negative counts count as zero; slots past capacity are cut."""
+    S, G = counts.shape
+    if G == 0 or capacity == 0:
+        return jnp.full((S, capacity), -1, jnp.int32)
+    ends = jnp.cumsum(jnp.maximum(counts, 0), axis=1)  # [S, G]: a sender's slots of bag g end at ends[g]
+    # bag of a slot = how many bags end at or before it: a scatter of the ends + a running sum, no search
+    marks = jnp.zeros((S, capacity + 1), jnp.int32).at[jnp.arange(S)[:, None], jnp.minimum(ends, capacity)].add(1)
+    bag = jnp.minimum(jnp.cumsum(marks[:, :capacity], axis=1), G - 1)
+    return jnp.where(jnp.arange(capacity)[None, :] < ends[:, -1:], bag, -1)

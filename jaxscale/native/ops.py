@@ -436,3 +436,40 @@ def update_rows_indexed(
         apply,
         token,
     )
+
+
+# ------------------------------------------------------------------------------------------ routing
+
+
+def rank_within_owner(owner, *, owners: int):
+    """Each request's rank among the earlier requests with the same owner: owner i32[n] -> i32[n].
+
+    rank[i] = #{j < i : owner[j] == owner[i]}; -1 where owner[i] is outside [0, owners). This is a
+    request's position in its owner's block of a send buffer that keeps request order.
+    """
+    op = "rank_within_owner"
+    owner = _ints(op, "owner", owner, 1)
+    if not isinstance(owners, int) or isinstance(owners, bool) or owners < 0:
+        raise TypeError(f"{op}: owners must be a static non-negative int, got {owners!r}")
+    return _dispatch(
+        functools.partial(_ffi.rank_within_owner, owners=owners),
+        functools.partial(_jk.rank_within_owner, owners=owners),
+        owner,
+    )
+
+
+def slot_bags(counts, *, capacity: int):
+    """The bag of every received slot: counts i32[S, G] -> i32[S, capacity].
+
+    Sender s listed counts[s, g] slots of bag g, in bag order; bag[s, j] is the bag of its slot j, and -1
+    past its last slot. Negative counts count as zero; slots past `capacity` are cut.
+    """
+    op = "slot_bags"
+    counts = _ints(op, "counts", counts, 2)
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise TypeError(f"{op}: capacity must be a static non-negative int, got {capacity!r}")
+    return _dispatch(
+        functools.partial(_ffi.slot_bags, capacity=capacity),
+        functools.partial(_jk.slot_bags, capacity=capacity),
+        counts,
+    )

@@ -23,6 +23,8 @@ TARGETS = {
     "jaxscale_update_pooled": "JaxscaleUpdatePooled",
     "jaxscale_gather_segment_sum": "JaxscaleGatherSegmentSum",
     "jaxscale_update_rows_indexed": "JaxscaleUpdateRowsIndexed",
+    "jaxscale_rank_within_owner": "JaxscaleRankWithinOwner",
+    "jaxscale_slot_bags": "JaxscaleSlotBags",
 }
 
 

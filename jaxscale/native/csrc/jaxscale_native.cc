@@ -1,5 +1,8 @@
 // jaxscale native CPU kernels: embedding gathers and fused sparse optimizers, called through XLA's FFI.
 //
+// Routing: each request's rank among the earlier requests bound for the same owner, and the bag of each
+// received pair slot from the senders' per-bag counts: one sequential pass each (O(n), where XLA on CPU
+// needs a running sum over a one-hot [n, owners] and a scatter + running sum).
 // Forward: gather rows (zeros for invalid rows) and gather + pool bags (sum / mean over the valid ids),
 // parallel over the batch with software prefetch of the rows a few ids ahead.
 // Backward: (row, source) pairs are sorted by row with a stable LSD radix sort, grouped into unique rows,
@@ -33,7 +36,7 @@ namespace ffi = xla::ffi;
 namespace jaxscale_native {
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int64_t kPrefetchIds = 8;     // ids ahead whose rows are prefetched in the gathers
 constexpr int64_t kPrefetchUniques = 8;  // unique rows ahead prefetched in the update
 constexpr int kMaxDigitBits = 11;       // radix sort digit: two passes up to 4M rows (2048 buckets)
@@ -397,6 +400,8 @@ using S32R2 = ffi::Buffer<ffi::S32, 2>;
 using PredR0 = ffi::Buffer<ffi::PRED, 0>;
 using F32R1Out = ffi::ResultBuffer<ffi::F32, 1>;
 using F32R2Out = ffi::ResultBuffer<ffi::F32, 2>;
+using S32R1Out = ffi::ResultBuffer<ffi::S32, 1>;
+using S32R2Out = ffi::ResultBuffer<ffi::S32, 2>;
 // The table and accumulator of the update ops: any rank (the engine passes its [1, 1, R, w] / [1, 1, R]
 // state blocks as they are: a reshape before an in-place custom call makes XLA copy the donated buffer).
 using F32State = ffi::Buffer<ffi::F32>;
@@ -634,6 +639,46 @@ ffi::Error UpdateRowsIndexedImpl(ffi::ThreadPool pool, F32State table, F32State 
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------ routing
+
+// rank[i] = how many j < i have owner[j] == owner[i]; -1 where owner[i] is outside [0, owners).
+ffi::Error RankWithinOwnerImpl(S32R1 owner, S32R1Out rank, int32_t owners) {
+  const int64_t n = owner.dimensions()[0];
+  if (rank->dimensions()[0] != n) return ffi::Error::InvalidArgument("jaxscale_rank_within_owner: rank must be [n]");
+  if (owners < 0) return ffi::Error::InvalidArgument("jaxscale_rank_within_owner: owners must be >= 0");
+  if (n > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_rank_within_owner: more than 2**31 requests");
+  std::vector<int32_t> seen(static_cast<size_t>(owners), 0);
+  const int32_t* d = owner.typed_data();
+  int32_t* r = rank->typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t o = d[i];
+    r[i] = (o >= 0 && o < owners) ? seen[static_cast<size_t>(o)]++ : -1;
+  }
+  return ffi::Error::Success();
+}
+
+// counts [S, G]: pairs sender s sent of each bag, listed in bag order. bag[s, j] = the bag of slot j of
+// sender s; -1 past the sender's last pair (or past capacity). Negative counts count as zero.
+ffi::Error SlotBagsImpl(S32R2 counts, S32R2Out bag) {
+  const int64_t S = counts.dimensions()[0], G = counts.dimensions()[1];
+  const int64_t C = bag->dimensions()[1];
+  if (bag->dimensions()[0] != S) return ffi::Error::InvalidArgument("jaxscale_slot_bags: bag must be [S, capacity]");
+  if (G > INT32_MAX) return ffi::Error::InvalidArgument("jaxscale_slot_bags: more than 2**31 bags");
+  const int32_t* c = counts.typed_data();
+  int32_t* out = bag->typed_data();
+  for (int64_t s = 0; s < S; ++s) {
+    int32_t* o = out + s * C;
+    int64_t j = 0;
+    for (int64_t g = 0; g < G && j < C; ++g) {
+      const int64_t k = std::min<int64_t>(std::max<int32_t>(c[s * G + g], 0), C - j);
+      std::fill(o + j, o + j + k, static_cast<int32_t>(g));
+      j += k;
+    }
+    std::fill(o + j, o + C, -1);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxscale_native
 
@@ -645,6 +690,12 @@ using jaxscale_native::F32State;
 using jaxscale_native::PredR0;
 using jaxscale_native::S32R1;
 using jaxscale_native::S32R2;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleRankWithinOwner, jaxscale_native::RankWithinOwnerImpl,
+                              ffi::Ffi::Bind().Arg<S32R1>().Ret<S32R1>().Attr<int32_t>("owners"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleSlotBags, jaxscale_native::SlotBagsImpl,
+                              ffi::Ffi::Bind().Arg<S32R2>().Ret<S32R2>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxscaleGatherRows, jaxscale_native::GatherRowsImpl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<F32R2>().Arg<S32R1>().Ret<F32R2>());
