@@ -150,6 +150,7 @@ def _train_losses(tmp_path, name, *overrides):
     return Trainer(cfg, progress=False).run()["losses"]
 
 
+@pytest.mark.slow  # two full training runs (~45 s)
 def test_fp8_training_ends_within_one_percent_of_fp32(tmp_path):
     """200 steps on the synthetic task: fp8 comms (e4m3 forward, e5m2 backward) vs fp32 comms."""
     fp32 = _train_losses(tmp_path, "fp32")

@@ -488,6 +488,7 @@ def _losses(workdir) -> dict:
 CRASH_STEPS = 40
 
 
+@pytest.mark.slow  # three CLI runs killed and resumed (~75 s)
 def test_sigkill_mid_save_then_sigterm_then_resume_is_bit_exact(cli_env, tmp_path):
     """SIGKILL at a random step, aimed at a moment a checkpoint is being written; resume (the partial
     checkpoint is ignored, the last complete one used); SIGTERM the resumed run (it saves and exits 0);
@@ -553,6 +554,7 @@ def _two_processes(args, env, tmp_path, tag):
     return port, [Cli(args + mp + ["--process-id", i], env, tmp_path / f"{tag}{i}.log") for i in range(2)]
 
 
+@pytest.mark.slow  # two 2-process CLI runs (~65 s)
 def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp_path):
     """2 processes x 4 devices; SIGKILL process 1 mid-run: process 0 (the coordinator) exits non-zero within
     DEAD_PEER_BOUND_S, not hanging in a collective or a checkpoint barrier (JAXSCALE_HEARTBEAT_TIMEOUT_S=10

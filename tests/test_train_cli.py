@@ -138,6 +138,7 @@ def test_config_errors_exit_2_naming_the_key(env, tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_resume_on_empty_workdir_starts_from_scratch(straight):
     wd, r = straight
     assert "no checkpoint" in r.out and "starting from scratch" in r.out, r.out
@@ -171,6 +172,7 @@ def test_checkpoint_every_keeps_the_last_ones(straight):
     assert ckpt_steps(wd) == [15, 20]  # checkpoint_every=5, keep_checkpoints=2, final save at 20
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_stop_and_resume_is_bit_exact(straight, split):
     wd_s, _ = straight
     wd, at10, first, second = split
@@ -196,6 +198,7 @@ def test_stop_and_resume_is_bit_exact(straight, split):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_resume_onto_other_meshes_and_topologies(env, straight, split, tmp_path):
     wd_s, _ = straight
     _, at10, _, _ = split
@@ -218,6 +221,7 @@ def test_resume_onto_other_meshes_and_topologies(env, straight, split, tmp_path)
         assert ckpt_steps(wd)[-1] == 20
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_two_processes_match_one(env, straight, tmp_path):
     wd_s, _ = straight
     port = free_port()
@@ -267,6 +271,7 @@ def test_two_processes_match_one(env, straight, tmp_path):
     )
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_corrupt_and_mismatched_checkpoints_exit_3_and_are_kept(env, straight, tmp_path):
     wd_s, _ = straight
     wd = tmp_path / "w"
@@ -307,6 +312,7 @@ def test_corrupt_and_mismatched_checkpoints_exit_3_and_are_kept(env, straight, t
     assert list((wd / "abandoned_checkpoints").iterdir())
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_sigterm_saves_and_exits_0_then_resumes(env, tmp_path):
     args = [
         "--config",
@@ -340,6 +346,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(env, tmp_path):
     assert resumed[-3:] == [k + 1, k + 2, k + 3]
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_dlrm_end_to_end_learns(env, tmp_path):
     """DLRM (2x4, 2d_a2a) on synthetic clicks with a planted signal: held-out AUC is logged and rises well
     above chance. A model that learned nothing scores 0.5 +- ~0.03 on these 512 held-out examples; this one
@@ -367,6 +374,7 @@ def test_dlrm_end_to_end_learns(env, tmp_path):
     assert ckpt_steps(tmp_path) == [10, 20]
 
 
+@pytest.mark.slow  # end-to-end CLI runs
 def test_default_command_trains(env, tmp_path):
     """`python -m jaxscale.train` with only a workdir: the smoke foundation config, 100 steps."""
     r = Run(["--workdir", tmp_path, "--no-progress"], env, timeout=480).wait().check()

@@ -270,6 +270,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # a training run through the trainer (~20 s)
 def test_trains_from_the_store_through_the_trainer(built, tmp_path):
     store, defs_path, _ = built
     cfg = load_config(
