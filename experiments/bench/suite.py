@@ -83,7 +83,7 @@ def sizes(quick: bool) -> dict:
             hotness=10,
             zipf=1.1,
             warmup=2,
-            steps=8,
+            steps=16,
             rounds=2,
             worlds=(2, 4),
             shardings=equal_devices.SHARDINGS,

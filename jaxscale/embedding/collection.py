@@ -342,13 +342,13 @@ class EmbeddingCollection:
             if is_ids
             else None
         )
-        arrays = {}
-        for name, x in host.items():
-            if jax.process_count() == 1:
-                arrays[name] = jax.device_put(x, self.batch_sharding)
-            else:
-                shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-                arrays[name] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
+        # one batched transfer of every array (a call per array costs ~0.1 ms of Python each)
+        if jax.process_count() == 1:
+            arrays = jax.device_put(host, self.batch_sharding)
+        else:
+            shapes = {n: (x.shape[0] * jax.process_count(),) + x.shape[1:] for n, x in host.items()}
+            shardings = dict.fromkeys(host, self.batch_sharding)
+            arrays = jax.make_array_from_process_local_data(shardings, host, shapes)
         if not is_ids:
             return arrays
         return ShardedIds(arrays, self._finish_capacities(pending))
