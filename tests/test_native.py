@@ -516,6 +516,16 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         native.gather_segment_sum(t, r, r[:2], num_segments=4)
     with pytest.raises(TypeError, match="num_segments must be a static non-negative int"):
         native.gather_segment_sum(t, r, r, num_segments=-1)
+    with pytest.raises(TypeError, match="owners must be a static non-negative int"):
+        native.rank_within_owner(r, owners=-1)
+    with pytest.raises(TypeError, match="owners must be a static non-negative int below"):
+        native.rank_within_owner(r, owners=2**31)
+    with pytest.raises(TypeError, match="owner must be an int32"):
+        native.rank_within_owner(r.astype(jnp.float32), owners=2)
+    with pytest.raises(TypeError, match="capacity must be a static non-negative int"):
+        native.slot_bags(r.reshape(1, 3), capacity=True)
+    with pytest.raises(TypeError, match="counts must be an int32"):
+        native.slot_bags(r, capacity=4)
     with pytest.raises(TypeError, match="grad_index must have the shape of rows"):
         native.update_rows_indexed(t, a, r, r[:1], g, optimizer="sgd", learning_rate=0.1)
     with pytest.raises(TypeError, match=r"grads must be a float32 array of shape \[3, 4\]"):

@@ -297,6 +297,6 @@ def unpack_pairs(recv, route: PairRoute, bags: int, shard=None):
     offsets, counts = recv[:, :capacity], _counts_of_words(recv[:, capacity:], bags, codec.count_bytes)
     bag = native.slot_bags(counts, capacity=capacity)  # -1 past a sender's last pair
     valid = bag >= 0
-    bag = jnp.maximum(bag, 0)
+    bag = jnp.maximum(bag, 0)  # empty slots: bag 0
     base = jnp.asarray(codec.piece_base)[shard][bag]
-    return jnp.where(valid, offsets.astype(jnp.int32) + base, -1), jnp.where(valid, bag, 0)
+    return jnp.where(valid, offsets.astype(jnp.int32) + base, -1), bag

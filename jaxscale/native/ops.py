@@ -78,6 +78,13 @@ def _apply(op: str, apply):
     return a.astype(jnp.bool_)
 
 
+def _static_count(op: str, name: str, value, limit: int = 2**31) -> int:
+    """A static shape argument: a Python int in [0, limit) (it sizes an output or an attribute)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+        raise TypeError(f"{op}: {name} must be a static non-negative int below {limit}, got {value!r}")
+    return value
+
+
 def _state_block(op: str, table):
     """An update op's table: f32[R, w], or a state block with leading axes of size 1 ([1, ..., 1, R, w]),
     which the kernel updates in place as it is (reshaping it first would make XLA copy the donated buffer)."""
@@ -245,8 +252,7 @@ def gather_segment_sum(table, rows, segments, *, num_segments: int):
     segments = _ints(op, "segments", segments, 1)
     if segments.shape != rows.shape:
         raise TypeError(f"{op}: segments must have the shape of rows {list(rows.shape)}, got {list(segments.shape)}")
-    if not isinstance(num_segments, int) or isinstance(num_segments, bool) or num_segments < 0:
-        raise TypeError(f"{op}: num_segments must be a static non-negative int, got {num_segments!r}")
+    _static_count(op, "num_segments", num_segments)
     return _gather_segment_sum(table.shape[0], num_segments, table, rows, segments)
 
 
@@ -449,8 +455,7 @@ def rank_within_owner(owner, *, owners: int):
     """
     op = "rank_within_owner"
     owner = _ints(op, "owner", owner, 1)
-    if not isinstance(owners, int) or isinstance(owners, bool) or owners < 0:
-        raise TypeError(f"{op}: owners must be a static non-negative int, got {owners!r}")
+    _static_count(op, "owners", owners)
     return _dispatch(
         functools.partial(_ffi.rank_within_owner, owners=owners),
         functools.partial(_jk.rank_within_owner, owners=owners),
@@ -466,8 +471,7 @@ def slot_bags(counts, *, capacity: int):
     """
     op = "slot_bags"
     counts = _ints(op, "counts", counts, 2)
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-        raise TypeError(f"{op}: capacity must be a static non-negative int, got {capacity!r}")
+    _static_count(op, "capacity", capacity)
     return _dispatch(
         functools.partial(_ffi.slot_bags, capacity=capacity),
         functools.partial(_jk.slot_bags, capacity=capacity),
