@@ -1,0 +1,328 @@
+"""The MovieLens importer: every layout -> exact raw events / items rows; malformed input names file and line."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from jaxscale.sequences import movielens as ml
+from jaxscale.sequences.cli import main
+
+WHEEL = Path("/tmp/recbole/recbole-1.2.1-py3-none-any.whl")
+DEFS = Path(__file__).resolve().parents[1] / "experiments" / "movielens" / "movielens_defs.py"
+
+# (user, item, rating, ts seconds), in file order; rows 1 and 2 tie on (user 1, ts 200) in this order.
+RATINGS = [(2, 10, "5", 100), (1, 20, "3", 200), (1, 10, "4", 200), (1, 30, "1", 150)]
+INT_EVENTS = [
+    (2, 100_000, "rate_5", 10, "rating", 5.0),
+    (1, 200_000, "rate_3", 20, "rating", 3.0),
+    (1, 200_000, "rate_4", 10, "rating", 4.0),
+    (1, 150_000, "rate_1", 30, "rating", 1.0),
+]
+G = ml.GENRES.index
+
+
+def events_rows(out: Path) -> list[tuple]:
+    t = pq.read_table(out / ml.EVENTS_FILE)
+    assert t.schema.names == ["user_id", "ts", "event_type", "item_id", "surface", "rating"]
+    assert [str(t.schema.field(n).type) for n in t.schema.names] == [
+        "int64",
+        "int64",
+        "string",
+        "int64",
+        "string",
+        "double",
+    ]
+    return list(zip(*(t[n].to_pylist() for n in t.schema.names), strict=True))
+
+
+def items_rows(out: Path) -> list[tuple]:
+    t = pq.read_table(out / ml.ITEMS_FILE)
+    assert t.schema.names == ["item_id", "category", "genres", "year", "title"]
+    assert [str(t.schema.field(n).type) for n in t.schema.names] == ["int64", "int64", "string", "int64", "string"]
+    return list(zip(*(t[n].to_pylist() for n in t.schema.names), strict=True))
+
+
+def recbole_files(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    inter = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+    inter += [f"{u}\t{i}\t{r}\t{t}" for u, i, r, t in RATINGS]
+    (folder / "ml-100k.inter").write_text("\n".join(inter) + "\n")
+    (folder / "ml-100k.item").write_text(
+        "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+        "10\tToy Story\t1995\tAnimation Children's Comedy\n"
+        "20\tMisérables, Les\t1995\tDrama Musical\n"
+        "30\tunkonwn\tunkonwn\tunknown\n"
+    )
+    (folder / "ml-100k.user").write_text("user_id:token\tage:token\n1\t24\n2\t53\n")
+
+
+RECBOLE_ITEMS = [
+    (10, G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story"),
+    (20, G("Drama"), "Drama|Musical", 1995, "Misérables, Les"),
+    (30, -1, "", -1, "unkonwn"),
+]
+
+
+def test_recbole_atomic_dir(tmp_path):
+    recbole_files(tmp_path / "src")
+    manifest = ml.import_movielens(tmp_path / "src", tmp_path / "out")
+    assert events_rows(tmp_path / "out") == INT_EVENTS
+    assert items_rows(tmp_path / "out") == RECBOLE_ITEMS
+    on_disk = json.loads((tmp_path / "out" / ml.MANIFEST).read_text())
+    assert on_disk == manifest
+    assert manifest["dataset"] == "ml-100k" and manifest["layout"] == "recbole"
+    assert manifest["counts"]["users"] == 2 and manifest["counts"]["items"] == 3 and manifest["counts"]["events"] == 4
+    assert manifest["genres"] == list(ml.GENRES)
+    assert manifest["rating_to_event_type"]["table"]["4.5"] == "rate_5"
+    assert len(manifest["source"]["sha256"]) == 64
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp sibling left
+
+
+def test_zip_like_the_wheel(tmp_path):
+    recbole_files(tmp_path / "x" / "recbole" / "dataset_example" / "ml-100k")
+    wheel = tmp_path / "fake-recbole.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for f in sorted((tmp_path / "x").rglob("*")):
+            if f.is_file():
+                z.write(f, f.relative_to(tmp_path / "x").as_posix())
+        z.writestr("recbole/__init__.py", "")
+    manifest = ml.import_movielens(wheel, tmp_path / "out")
+    assert events_rows(tmp_path / "out") == INT_EVENTS
+    assert items_rows(tmp_path / "out") == RECBOLE_ITEMS
+    assert manifest["source"]["ratings"] == "recbole/dataset_example/ml-100k/ml-100k.inter"
+    # the unpacked wheel (a directory three folders above the files) is found too
+    ml.import_movielens(tmp_path / "x", tmp_path / "out2")
+    assert events_rows(tmp_path / "out2") == INT_EVENTS
+
+
+def test_ml100k_u_data_u_item(tmp_path):
+    src = tmp_path / "ml-100k"
+    src.mkdir()
+    (src / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in RATINGS))
+    flags = {10: {"Animation", "Children's", "Comedy"}, 20: {"Drama", "Musical"}, 30: {"unknown"}}
+    lines = []
+    for item, title, date in [(10, "Toy Story (1995)", "01-Jan-1995"), (20, "Misérables, Les (1995)", "")]:
+        bits = "|".join("1" if g in flags[item] else "0" for g in ml.ML100K_GENRE_FLAGS)
+        lines.append(f"{item}|{title}|{date}||http://x|{bits}")
+    bits = "|".join("1" if g in flags[30] else "0" for g in ml.ML100K_GENRE_FLAGS)
+    lines.append(f"30|unknown|||http://x|{bits}")
+    (src / "u.item").write_bytes(("\n".join(lines) + "\n").encode("latin-1"))
+    manifest = ml.import_movielens(src, tmp_path / "out")
+    assert manifest["dataset"] == "ml-100k" and manifest["layout"] == "ml-100k"
+    assert events_rows(tmp_path / "out") == INT_EVENTS
+    assert items_rows(tmp_path / "out") == [
+        (10, G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story (1995)"),
+        (20, G("Drama"), "Drama|Musical", -1, "Misérables, Les (1995)"),
+        (30, -1, "", -1, "unknown"),
+    ]
+
+
+def test_ml1m_dat_latin1_and_half_stars(tmp_path):
+    src = tmp_path / "ml-10M100K"
+    src.mkdir()
+    rows = [(7, 1, "4.5", 978300760), (7, 2, "0.5", 978300760), (3, 1, "3", 978300000), (7, 3, "2.5", 978300760)]
+    (src / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows))
+    movies = (
+        "1::Toy Story (1995)::Animation|Children's|Comedy\n2::Misérables, Les (1998)::Drama\n3::Zed (1990)::Horror\n"
+    )
+    (src / "movies.dat").write_bytes(movies.encode("latin-1"))
+    manifest = ml.import_movielens(src, tmp_path / "out")
+    assert manifest["dataset"] == "ml-10m" and manifest["layout"] == "dat"
+    assert events_rows(tmp_path / "out") == [
+        (7, 978300760000, "rate_5", 1, "rating", 4.5),
+        (7, 978300760000, "rate_1", 2, "rating", 0.5),
+        (3, 978300000000, "rate_3", 1, "rating", 3.0),
+        (7, 978300760000, "rate_3", 3, "rating", 2.5),
+    ]
+    assert items_rows(tmp_path / "out") == [
+        (1, G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story (1995)"),
+        (2, G("Drama"), "Drama", 1998, "Misérables, Les (1998)"),
+        (3, G("Horror"), "Horror", 1990, "Zed (1990)"),
+    ]
+    (src / "users.dat").write_text("1::F::1::10::48067\n")  # ml-1m has users.dat; the folder name wins
+    assert ml.import_movielens(src, tmp_path / "out")["dataset"] == "ml-10m"
+
+
+def test_ml_latest_csv(tmp_path):
+    src = tmp_path / "plain"
+    src.mkdir()
+    (src / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\r\n5,100,3.5,1500000000\r\n5,200,1.0,1500000000\r\n6,300,5.0,1400000000\r\n"
+    )
+    (src / "movies.csv").write_text(
+        "movieId,title,genres\n"
+        '100,"American President, The (1995)",Comedy|Drama|Romance\n'
+        "200,Some Film,(no genres listed)\n"
+        '300,"Kids, Inc. (2006–2007)",Children|IMAX\n'
+    )
+    manifest = ml.import_movielens(src, tmp_path / "out", dataset="ml-latest-small")
+    assert manifest["dataset"] == "ml-latest-small" and manifest["layout"] == "csv"
+    assert events_rows(tmp_path / "out") == [
+        (5, 1_500_000_000_000, "rate_4", 100, "rating", 3.5),
+        (5, 1_500_000_000_000, "rate_1", 200, "rating", 1.0),
+        (6, 1_400_000_000_000, "rate_5", 300, "rating", 5.0),
+    ]
+    assert items_rows(tmp_path / "out") == [
+        (100, G("Comedy"), "Comedy|Drama|Romance", 1995, "American President, The (1995)"),
+        (200, -1, "", -1, "Some Film"),
+        (300, G("Children's"), "Children's|IMAX", 2006, "Kids, Inc. (2006–2007)"),
+    ]
+    assert ml.import_movielens(src, tmp_path / "out")["dataset"] == "ml-latest"  # default for a csv layout
+
+
+def test_fast_path_is_strict(tmp_path):
+    """pyarrow would read hex, spaces and quotes as numbers; the importer does not."""
+    for bad, problem in [("0x10", "item_id '0x10' is not a decimal integer"), (" 7", "item_id ' 7'")]:
+        data = f"1\t2\t3\t4\n1\t{bad}\t3\t4\n".encode()
+        with pytest.raises(ml.MovieLensError, match=f"u.data, line 2: {problem}"):
+            ml.read_ratings(data, "u.data", "ml-100k")
+    t = ml.read_ratings(b"1\t2\t3\t4\r\n\r\n5\t6\t2\t8\r\n", "u.data", "ml-100k")  # CRLF, blank line skipped
+    assert t["user_id"].to_pylist() == [1, 5] and t["ts"].to_pylist() == [4000, 8000]
+
+
+def write_csv(src: Path, ratings: str) -> Path:
+    src.mkdir(exist_ok=True)
+    (src / "ratings.csv").write_text(ratings)
+    (src / "movies.csv").write_text("movieId,title,genres\n1,A (2000),Drama\n")
+    return src
+
+
+@pytest.mark.parametrize(
+    "layout, content, line, problem",
+    [
+        ("csv", "userId,movieId,rating\n1,1,4\n", 1, "missing column 'timestamp'"),
+        ("csv", "userId,movieId,rating,timestamp\n1,1,4,10\n1,1,4,12.5\n", 3, "timestamp '12.5' is not a decimal"),
+        ("csv", "userId,movieId,rating,timestamp\n1,1,four,10\n", 2, "rating 'four' is not a decimal number"),
+        ("csv", "userId,movieId,rating,timestamp\n1,1,7,10\n", 2, r"rating '7' is outside \[0.5, 5.0\]"),
+        ("u.data", "1\t1\t4\t10\n1\t1\t4\n", 2, "expected 4 fields"),
+        ("dat", "1::1::4::10\n\n1::1::4::10::3\n", 3, "expected 4 fields"),
+        ("recbole", "user_id:token\titem_id:token\trating:float\n1\t1\t4\n", 1, "missing column 'timestamp'"),
+    ],
+)
+def test_malformed_ratings_leave_out_untouched(tmp_path, layout, content, line, problem):
+    out = tmp_path / "out"
+    good = write_csv(tmp_path / "good", "userId,movieId,rating,timestamp\n1,1,4,10\n")
+    ml.import_movielens(good, out)  # a previous import: would be replaced on success
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    src = tmp_path / "bad"
+    src.mkdir()
+    if layout == "csv":
+        write_csv(src, content)
+        name = "ratings.csv"
+    elif layout == "u.data":
+        (src / "u.data").write_text(content)
+        (src / "u.item").write_text("1|A (2000)|01-Jan-2000||u|" + "|".join("0" * 19) + "\n")
+        name = "u.data"
+    elif layout == "dat":
+        (src / "ratings.dat").write_text(content)
+        (src / "movies.dat").write_text("1::A (2000)::Drama\n")
+        name = "ratings.dat"
+    else:
+        (src / "x.inter").write_text(content)
+        (src / "x.item").write_text("item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n")
+        name = "x.inter"
+    with pytest.raises(ValueError, match=rf"{src / name}, line {line}: {problem}.*'") as e:
+        ml.import_movielens(src, out)
+    assert isinstance(e.value, ml.MovieLensError)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "good", "out"]
+
+
+def test_malformed_movies(tmp_path):
+    src = write_csv(tmp_path / "src", "userId,movieId,rating,timestamp\n1,1,4,10\n")
+    (src / "movies.csv").write_text("movieId,title,genres\n1,A,Drama\nx1,B,Drama\n")
+    with pytest.raises(ml.MovieLensError, match=r"movies.csv, line 3: movie id 'x1' is not a decimal integer"):
+        ml.import_movielens(src, tmp_path / "out")
+    (src / "movies.csv").write_text("movieId,title,genres\n1,A,Drama\n1,B,Drama\n")
+    with pytest.raises(ml.MovieLensError, match=r"movies.csv, line 3: movie id 1 repeats line 2"):
+        ml.import_movielens(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_layout_detection_and_out_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ml.MovieLensError, match=r"no MovieLens layout found; looked for .*u.data \+ u.item"):
+        ml.import_movielens(tmp_path / "empty", tmp_path / "out")
+    recbole_files(tmp_path / "two" / "a")
+    write_csv(tmp_path / "two" / "b", "userId,movieId,rating,timestamp\n")
+    with pytest.raises(ml.MovieLensError, match="more than one MovieLens dataset"):
+        ml.import_movielens(tmp_path / "two", tmp_path / "out")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ml.MovieLensError, match="is not a previous MovieLens import"):
+        ml.import_movielens(tmp_path / "two" / "a", other)
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+    manifest = ml.import_movielens(tmp_path / "two" / "b", tmp_path / "out")  # a header only: no events
+    assert manifest["counts"]["events"] == 0 and events_rows(tmp_path / "out") == []
+
+
+def test_cli(tmp_path, capsys):
+    src = write_csv(tmp_path / "src", "userId,movieId,rating,timestamp\n1,1,4,10\n1,1,4\n")
+    assert main(["import", "movielens", "--path", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "ratings.csv, line 3: expected 4 fields" in err
+    write_csv(src, "userId,movieId,rating,timestamp\n1,1,4,10\n")
+    assert main(["import", "movielens", "--path", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads(capsys.readouterr().out)["counts"]["events"] == 1
+
+
+def test_tie_order_survives_backfill(tmp_path):
+    """Ratings sharing (user, ts) keep the file order in the store (arrival = file rank, row)."""
+    from jaxscale.sequences.definitions import compile_definitions
+    from jaxscale.sequences.runtime import backfill
+    from jaxscale.sequences.store import read_sequence
+
+    recbole_files(tmp_path / "src")
+    ml.import_movielens(tmp_path / "src", tmp_path / "out")
+    defs = compile_definitions(str(DEFS), str(tmp_path / "defs.json"))
+    report = backfill(
+        defs,
+        str(tmp_path / "out" / "events"),
+        str(tmp_path / "store"),
+        sources={"items": str(tmp_path / "out" / ml.ITEMS_FILE)},
+    )
+    assert report.to_json()["totals"]["indexed"] == {"ratings": 4}
+    t = read_sequence(tmp_path / "store", "ratings").to_pydict()
+    got = list(zip(t["user_id"], t["ts"], t["item_id"], t["event_type"], t["category"], t["year"], strict=True))
+    assert got == [
+        (1, 150_000, 30, "rate_1", -1, -1),
+        (1, 200_000, 20, "rate_3", G("Drama"), 1995),
+        (1, 200_000, 10, "rate_4", G("Animation"), 1995),
+        (2, 100_000, 10, "rate_5", G("Animation"), 1995),
+    ]
+
+
+def test_fetch_uses_the_cache(tmp_path, monkeypatch):
+    cached = tmp_path / "cache" / ml.RECBOLE_WHEEL
+    cached.parent.mkdir()
+    cached.write_bytes(b"cached")
+    monkeypatch.setattr(ml.subprocess, "run", lambda *a, **k: pytest.fail("no download when cached"))
+    assert ml.fetch_recbole_ml100k(tmp_path / "cache") == cached
+
+    def fake_pip(cmd, **kwargs):
+        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "recbole==1.2.1" in cmd
+        (Path(cmd[cmd.index("-d") + 1]) / ml.RECBOLE_WHEEL).write_bytes(b"tampered")
+        return ml.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ml.subprocess, "run", fake_pip)
+    with pytest.raises(ml.MovieLensError, match="has sha256"):
+        ml.fetch_recbole_ml100k(tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / ml.RECBOLE_WHEEL).exists()
+
+
+@pytest.mark.skipif(not WHEEL.is_file(), reason=f"{WHEEL} not downloaded")
+def test_recbole_wheel_ml100k(tmp_path):
+    manifest = ml.import_movielens(WHEEL, tmp_path / "out")
+    counts = manifest["counts"]
+    assert (counts["users"], counts["items"], counts["events"]) == (943, 1682, 100000)
+    assert manifest["dataset"] == "ml-100k" and manifest["source"]["sha256"] == ml.RECBOLE_WHEEL_SHA256
+    first = events_rows(tmp_path / "out")[0]
+    assert first == (196, 881250949000, "rate_3", 242, "rating", 3.0)  # the .inter file's first line
+    items = {row[0]: row for row in items_rows(tmp_path / "out")}
+    assert items[1] == (1, G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story")
