@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded")
     p.add_argument("--access-log", action="store_true")
+
+    p = sub.add_parser("import", help="convert a public dataset into raw event Parquet + an items table")
+    p.add_argument("dataset", choices=("movielens",))
+    p.add_argument("--path", required=True, help="a MovieLens directory, the recbole wheel or a MovieLens zip")
+    p.add_argument("--out", required=True, help="output directory (events/, items.parquet, movielens.json)")
+    p.add_argument("--name", default=None, help="dataset name for the manifest (default: detected, e.g. ml-100k)")
+
+    p = sub.add_parser("fetch-movielens", help="download the recbole==1.2.1 wheel (holds ml-100k); prints its path")
+    p.add_argument("--cache", required=True, help="directory to keep the wheel in")
     return ap
 
 
@@ -120,6 +129,17 @@ def run(args) -> int:
             pass
         finally:
             server.server_close()
+        return 0
+    if args.command == "import":
+        from jaxscale.sequences.movielens import import_movielens
+
+        manifest = import_movielens(args.path, args.out, dataset=args.name)
+        print(json.dumps({"out": args.out, "dataset": manifest["dataset"], "counts": manifest["counts"]}))
+        return 0
+    if args.command == "fetch-movielens":
+        from jaxscale.sequences.movielens import fetch_recbole_ml100k
+
+        print(fetch_recbole_ml100k(args.cache))
         return 0
     raise AssertionError(args.command)
 
