@@ -195,8 +195,10 @@ class ModelConfig:
 class SequencesConfig:
     """A sequence store as a data source (`jaxscale.sequences.training.SequenceBatches`, field for field).
 
-    Examples are (user, ts) anchors whose history is the user's point-in-time sequence (no event at or after
-    ts); the store's last `eval_days` days are the held-out split.
+    `split: day`: examples are (user, ts) anchors whose history is the user's point-in-time sequence (no
+    event at or after ts); the store's last `eval_days` days are the held-out split. `split: leave_one_out`:
+    each user's last event is the test target, the one before it the validation target (the trainer's
+    'eval' split), every earlier one a train target whose history is what precedes it in (ts, arrival) order.
     """
 
     store: str | None = None
@@ -208,8 +210,13 @@ class SequencesConfig:
     eval_days: int = 1
     min_history: int = 1
     """An anchor needs at least this many earlier events."""
+    split: Literal["day", "leave_one_out"] = "day"
+    """How examples split into train / held-out: 'day' (the last `eval_days` days are held out) or
+    'leave_one_out' (per user: last event = test, the one before = validation, the rest = train)."""
 
     def __post_init__(self):
+        if self.split not in ("day", "leave_one_out"):
+            raise _err("split", f"must be one of ['day', 'leave_one_out'], got {self.split!r}")
         if self.eval_days < 0:
             raise _err("eval_days", f"must be >= 0, got {self.eval_days}")
         if self.min_history < 1:
@@ -278,14 +285,37 @@ class TrainConfig:
     overlap it with the backward pass through XLA's latency-hiding scheduler, see jaxscale.distributed)."""
     overflow_policy: Literal["error", "grow"] = "error"
     """An all-to-all capacity overflow (capacity_factor set): raise, or grow the capacity and recompile."""
+    eval_metric: str | None = None
+    """The key of the evaluation's output to monitor (e.g. 'eval_ndcg@10', 'eval_loss'): its best value so far
+    is tracked at every evaluation (`eval_every`), the state at that step saved to <workdir>/best
+    (`keep_best`) and early stopping watches it. None: nothing is monitored."""
+    eval_mode: Literal["max", "min"] = "max"
+    """Whether a larger ('max') or smaller ('min') `eval_metric` is better."""
+    early_stopping_patience: int = 0
+    """Evaluations in a row without improvement of `eval_metric` after which training stops; 0 = never."""
+    keep_best: bool = True
+    """Save the state of the best evaluation so far to <workdir>/best (`Trainer.restore_best`)."""
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "log_every", "keep_checkpoints"):
             if getattr(self, f) < 1:
                 raise _err(f, f"must be >= 1, got {getattr(self, f)}")
-        for f in ("warmup_steps", "eval_every", "checkpoint_every"):
+        for f in ("warmup_steps", "eval_every", "checkpoint_every", "early_stopping_patience"):
             if getattr(self, f) < 0:
                 raise _err(f, f"must be >= 0, got {getattr(self, f)}")
+        if self.eval_mode not in ("max", "min"):
+            raise _err("eval_mode", f"must be one of ['max', 'min'], got {self.eval_mode!r}")
+        if self.early_stopping_patience > 0 and self.eval_metric is None:
+            raise _err(
+                "eval_metric",
+                f"is required when early_stopping_patience > 0 (got {self.early_stopping_patience}): name the key "
+                f"of the evaluation's output to monitor, e.g. eval_loss (with eval_mode=min)",
+            )
+        if self.eval_metric is not None:
+            if not self.eval_metric:
+                raise _err("eval_metric", "must be null or a metric name, got ''")
+            if self.eval_every == 0:
+                raise _err("eval_metric", f"{self.eval_metric!r} is monitored, but eval_every=0 never evaluates")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise _err("learning_rate", f"must be a finite number > 0, got {self.learning_rate}")
         if not self.weight_decay >= 0:

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 SPLITS = {"train": 0, "eval": 1}
+LEAVE_ONE_OUT_SPLITS = ("valid", "test")
+"""Splits only a sequence store's leave-one-out reader has (`data.sequences.split: leave_one_out`)."""
 
 _G = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -391,9 +393,12 @@ def make_data(config, *, split: str = "train", process_index: int = 0, process_c
     """
     from jaxscale import registry
 
-    check_split(split)
     spec = registry.get(config.model.kind)
     mcfg, data = config.model.params, config.data
+    if split in LEAVE_ONE_OUT_SPLITS and data.source not in spec.data_sources:
+        raise ValueError(f"split {split!r} is read from a sequence store (data.source: sequences), not {data.source!r}")
+    if split not in LEAVE_ONE_OUT_SPLITS:
+        check_split(split)
     if data.source == "synthetic":
         return BoundSource(spec.synthetic(mcfg, config.train.batch_size, data, split), process_index, process_count)
     if data.source == "parquet":

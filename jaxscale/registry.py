@@ -46,6 +46,11 @@ class ModelSpec:
       parquet_columns: (model config) -> (columns, seq_len) for `jaxscale.data.ParquetData`.
       data_sources: extra `data.source` kinds this model can read: {name: (model cfg, config, split,
         process_index, process_count) -> source}.
+      score (optional): full-corpus ranking, (model, embeddings, batch) -> (scores [B, N] over every candidate
+        item, -inf for rows that are not candidates; target [B] int, the column of each example's held-out
+        item, -1 when it has none). Column j is item row j of the model's item table (a dense vocabulary
+        index when the data come from a store with a vocabulary). Used by `jaxscale.evaluate` and by the
+        trainer's evaluation on a held-out split.
     """
 
     kind: str
@@ -60,6 +65,7 @@ class ModelSpec:
     forward: Callable[..., dict] | None = None
     objective: Callable[..., tuple] | None = None
     data_sources: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    score: Callable[..., tuple] | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -8,6 +8,12 @@ What the model is comes from the registry (`jaxscale.registry.get(cfg.model.kind
 from is the `data` argument (default: the config's source). Before a batch is dispatched, its engine ids
 are computed and checked on the host (`data.invalid_ids`) and its exchanges are sized for it
 (`EmbeddingCollection.shard_batch`); `jit` runs the step compiled for those sizes.
+
+With `train.eval_metric` set, every evaluation updates the best value of that metric; the state of the best
+evaluation is saved to <workdir>/best/checkpoints (`train.keep_best`; orbax writes a checkpoint under a
+temporary name and renames it when complete, so a killed save never looks like a best checkpoint, and the
+previous best is deleted only after that) and restored by `Trainer.restore_best()`. With
+`train.early_stopping_patience` = P > 0, training stops after P evaluations in a row without improvement.
 """
 
 from __future__ import annotations
@@ -253,6 +259,10 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.workdir, cfg.train.keep_checkpoints, self.process_index, self.process_count, self.is_writer
         )
+        self.best_checkpointer = Checkpointer(
+            self.workdir / "best", 1, self.process_index, self.process_count, self.is_writer
+        )
+        """The best evaluation's checkpoint (train.eval_metric): <workdir>/best/checkpoints/<step>."""
         self._executables: dict = {}  # capacities -> (compiled step, its comm bytes)
         self.reruns = 0  # steps re-run counted after reused capacities overflowed (embedding.reuse_capacities)
         self._eval = None
@@ -449,6 +459,70 @@ class Trainer:
             self.data.set_state(position)
         return state, meta["step"]
 
+    def restore_best(self, template_state=None):
+        """(state, step) of the best checkpoint (`train.eval_metric`'s best evaluation, <workdir>/best),
+        resharded onto this mesh and layout like `restore` (the data source's position is left alone)."""
+        template = self.init_state() if template_state is None else template_state
+        state, meta, _ = self.best_checkpointer.restore(template, self._meta(template), self.ec)
+        return state, meta["step"]
+
+    def best_record(self) -> dict | None:
+        """{'step', 'metric', 'value', 'mode'} of the saved best checkpoint, None when there is none."""
+        import orbax.checkpoint as ocp
+
+        steps = self.best_checkpointer.steps()
+        if not steps:
+            return None
+        mgr = self.best_checkpointer.manager(create=False)
+        try:
+            meta = mgr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        finally:
+            mgr.close()
+        return meta.get("best") if isinstance(meta, dict) else None
+
+    def _start_best(self, start: int) -> _Best | None:
+        """The monitor of train.eval_metric; resumed (start > 0) from the saved best when it is this metric's
+        and not from an abandoned later part of the run (evaluations since it count against the patience)."""
+        t = self.cfg.train
+        if t.eval_metric is None:
+            return None
+        if self.eval_data is None or self.cfg.data.eval_batches == 0:
+            raise ValueError(
+                f"train.eval_metric={t.eval_metric!r} is monitored, but there is no evaluation "
+                f"(data.eval_batches={self.cfg.data.eval_batches}, eval data: {self.eval_data is not None})"
+            )
+        best = _Best(t.eval_metric, t.eval_mode, t.early_stopping_patience)
+        rec = self.best_record() if start > 0 and t.keep_best else None
+        if rec and rec.get("metric") == best.metric and rec.get("mode") == best.mode and rec["step"] <= start:
+            best.step, best.value = int(rec["step"]), float(rec["value"])
+            best.bad = start // t.eval_every - best.step // t.eval_every
+        return best
+
+    def _track_best(self, best: _Best, ev: dict, state, mgr) -> bool:
+        """Updates `best` with evaluation `ev` (saving the state when it improved); True when the patience ran
+        out. Every process takes the same decisions: the metric is computed identically on every process
+        (the eval step's replicated output), and the improvement flag is process 0's, broadcast."""
+        if best.metric not in ev:
+            raise ValueError(
+                f"train.eval_metric={best.metric!r} is not in the evaluation's output; it has "
+                f"{sorted(k for k in ev if k != 'step')}"
+            )
+        value = float(ev[best.metric])
+        improved = best.improves(value)
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            improved = bool(multihost_utils.broadcast_one_to_all(np.asarray(improved, np.int32)))
+        if improved:
+            best.step, best.value, best.bad = int(ev["step"]), value, 0
+            if mgr is not None:
+                self.best_checkpointer.verbose = self.is_writer
+                self.best_checkpointer.save(mgr, state, dict(self._meta(state), best=best.record()))
+        else:
+            best.bad += 1
+        ev["best_step"], ev[f"best_{best.metric}"] = best.step, best.value
+        return best.exhausted()
+
     def request_stop(self, *_):
         self._stop_requested = True
 
@@ -470,7 +544,10 @@ class Trainer:
         resume_step: int | None = None,
         stop_at: int | None = None,
     ) -> dict:
-        """Trains to `steps` (default config.train.steps); returns {'losses': [...], 'final': metrics}.
+        """Trains to `steps` (default config.train.steps); returns the history: 'losses', 'steps', 'eval' (one
+        dict per evaluation), 'final_state', 'final_step', 'stopped_early' (before `steps`, for any reason),
+        'stop_reason' ('steps', 'early_stopping' or 'requested': SIGTERM or `stop_at`), 'best' ({'step',
+        <train.eval_metric>: value} of the best evaluation, None without eval_metric) and 'reruns'.
 
         `stop_at` ends the run early at that step (saving a checkpoint), as SIGTERM does.
         """
@@ -492,8 +569,13 @@ class Trainer:
         step = start
         last_saved = None
         recount = False
+        best = self._start_best(start)
+        best_mgr = self.best_checkpointer.manager() if best is not None and cfg.keep_best else None
+        early = best is not None and best.exhausted()  # a resumed run whose patience had already run out
+        if early and self.is_writer:
+            print(f"early stopping: no improvement of {best.metric} since step {best.step}; not training")
         try:
-            while step < total:
+            while step < total and not early:
                 batch = self.batch(step, recount=recount)
                 self.compile(state, batch)  # outside the timed region: step_time_s is the step alone
                 t0 = time.perf_counter()
@@ -534,12 +616,19 @@ class Trainer:
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     ev = self.evaluate(state)
                     ev["step"] = step
+                    if best is not None:
+                        early = self._track_best(best, ev, state, best_mgr)
                     history["eval"].append(ev)
                     writer.write(ev)
-                    bar.note(ev)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+                    bar.note(ev, best.metric if best is not None else None)
+                    if early and self.is_writer:
+                        print(
+                            f"early stopping at step {step}: {best.metric} has not improved in "
+                            f"{best.bad} evaluations (best {best.value:.6g} at step {best.step})"
+                        )
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total and not early:
                     last_saved = self.save(mgr, state)
-                if self._should_stop(step, stop_at):
+                if self._should_stop(step, stop_at) or early:
                     break
             if (step > start or not mgr.all_steps()) and last_saved != step:
                 self.save(mgr, state)
@@ -548,12 +637,19 @@ class Trainer:
                 mgr.wait_until_finished()  # an async save in flight completes before we return (or raise)
             finally:
                 mgr.close()
+                if best_mgr is not None:
+                    try:
+                        best_mgr.wait_until_finished()
+                    finally:
+                        best_mgr.close()
             bar.close()
             writer.close()
             if old_handler is not None:
                 signal.signal(signal.SIGTERM, old_handler)
         history["final_state"] = state
         history["stopped_early"] = step < total
+        history["stop_reason"] = "early_stopping" if early else ("requested" if step < total else "steps")
+        history["best"] = None if best is None or best.step is None else {"step": best.step, best.metric: best.value}
         history["final_step"] = step
         history["reruns"] = self.reruns
         return history
@@ -586,6 +682,30 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+@dataclasses.dataclass
+class _Best:
+    """The monitored metric's best evaluation so far and the evaluations since it (train.eval_metric)."""
+
+    metric: str
+    mode: str
+    patience: int
+    step: int | None = None
+    value: float | None = None
+    bad: int = 0
+
+    def improves(self, value: float) -> bool:
+        """A non-finite value never improves; the first finite one always does."""
+        if not math.isfinite(value):
+            return False
+        return self.value is None or (value > self.value if self.mode == "max" else value < self.value)
+
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.bad >= self.patience
+
+    def record(self) -> dict:
+        return {"step": self.step, "metric": self.metric, "value": self.value, "mode": self.mode}
 
 
 class _HostKey:
@@ -664,12 +784,16 @@ class _progress:
             self.bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.0f}", refresh=False)
             self.bar.update(1)
 
-    def note(self, ev):
+    def note(self, ev, metric: str | None = None):
+        """Prints an evaluation; with a monitored `metric`, also its best value so far and that step."""
         if self.bar is not None:
-            self.bar.write(
-                "eval @ step {step}: ".format(step=ev.get("step"))
-                + ", ".join(f"{k}={v:.4f}" for k, v in ev.items() if k != "step")
+            best = {"step", "best_step", f"best_{metric}"}
+            text = "eval @ step {step}: ".format(step=ev.get("step")) + ", ".join(
+                f"{k}={v:.4f}" for k, v in ev.items() if k not in best
             )
+            if metric is not None and ev.get("best_step") is not None:
+                text += f" (best {metric}={ev[f'best_{metric}']:.4f} @ step {ev['best_step']})"
+            self.bar.write(text)
 
     def close(self):
         if self.bar is not None:

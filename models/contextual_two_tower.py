@@ -85,7 +85,11 @@ class ContextualTwoTowerConfig:
     item_rows: int = 20_000
     """The corpus: item ids are in [0, item_rows); rows of the sharded item table."""
     num_categories: int = 200
-    """Rows of the sharded category table."""
+    """Categories: ids in [0, num_categories); rows of the sharded category table (+1 with `missing_category`)."""
+    missing_category: bool = False
+    """Reserve one more category row, index `num_categories`, as the learned 'missing' bucket: a sequence
+    store's category -1 (an enrichment's default for an item missing from its table) is read as that index
+    by `jaxscale_models.contextual_two_tower_sequences` instead of being refused. -1 in a batch stays padding."""
     item_dim: int = 32
     """Embedding dim of the item and category tables."""
     num_actions: int = 4
@@ -163,7 +167,13 @@ class ContextualTwoTowerConfig:
         check_choice(o, self, "dtype", DTYPES)
         if not isinstance(self.category_field, str) or not self.category_field:
             raise field_error(o, "category_field", f"must be a field name, got {self.category_field!r}")
-        for f in ("use_context", "logq_correction", "remove_accidental_hits", "item_category_feature"):
+        for f in (
+            "use_context",
+            "logq_correction",
+            "remove_accidental_hits",
+            "item_category_feature",
+            "missing_category",
+        ):
             if not isinstance(getattr(self, f), bool):
                 raise field_error(o, f, f"must be a bool, got {getattr(self, f)!r}")
         if self.d_model % self.num_heads:
@@ -185,6 +195,16 @@ class ContextualTwoTowerConfig:
             if not ok or (f == "recall_ks" and not value):
                 raise field_error(o, f, f"must be a list of positive integers, got {value!r}")
             object.__setattr__(self, f, tuple(int(v) for v in value))
+
+    @property
+    def category_rows(self) -> int:
+        """Rows of the category table: num_categories, plus the 'missing' bucket with `missing_category`."""
+        return self.num_categories + int(self.missing_category)
+
+    @property
+    def missing_category_index(self) -> int | None:
+        """The category id of the 'missing' bucket (None without `missing_category`)."""
+        return self.num_categories if self.missing_category else None
 
     @property
     def estimator_buckets(self) -> int:
@@ -222,7 +242,7 @@ def two_tower_tables(cfg: ContextualTwoTowerConfig) -> list[TableConfig]:
     request's subject, corpus)."""
     return [
         TableConfig("items", rows=cfg.item_rows, dim=cfg.item_dim, pooling=None, features=ITEM_FEATURES),
-        TableConfig("categories", rows=cfg.num_categories, dim=cfg.item_dim, pooling=None, features=CATEGORY_FEATURES),
+        TableConfig("categories", rows=cfg.category_rows, dim=cfg.item_dim, pooling=None, features=CATEGORY_FEATURES),
     ]
 
 

@@ -23,13 +23,19 @@ eval split, the days before them the train split. For anchor (user, ts):
 
 Categories come from one int64 field of the sequence (`ContextualTwoTowerConfig.category_field`, default
 'category'; typically an enrichment's field, e.g. `Enrichment("items", fields={"category": "int64"})`).
-A sequence without that field, a field that is not int64, or any stored value outside [0, num_categories)
-(including an enrichment's default -1 for an item missing from its table) is a ValueError naming the field
-and the value, raised when the source is built.
+A stored -1 (an enrichment's default for an item missing from its table) is the 'missing' category: with
+`ContextualTwoTowerConfig.missing_category` (source option `missing_category=True`) it is read as the
+reserved index num_categories, a learned row of the category table, wherever the model reads a category
+(history, label, corpus); a label in that bucket gives a missing pseudo-context (-1, confidence 0). Without
+it a -1 is refused. A sequence without that field, a field that is not int64, or any other stored value
+outside [0, num_categories) is a ValueError naming the field and the value, raised when the source is built.
 
-Item ids are not hashed by this model: they must be in [0, item_rows). An id outside (in a history, a label)
-is left in the batch, and the Trainer's host check applies `data.invalid_ids` to it: 'error' raises naming
-the feature, the id and this source's `provenance` (store, split, step, rows); 'count' counts and pads it.
+Item ids are not hashed by this model: they must be in [0, item_rows). When the store has an `item_id`
+vocabulary (`Sequence(..., vocabularies=("item_id",))`) the ids are its dense indices (see
+`jaxscale.sequences.training.model_item_ids`) and item_rows must be >= the vocabulary's num_indices (checked
+when the source is built, naming both). An id outside (in a history, a label) is left in the batch, and the
+Trainer's host check applies `data.invalid_ids` to it: 'error' raises naming the feature, the id and this
+source's `provenance` (store, split, step, rows); 'count' counts and pads it.
 
 The corpus (eval split by default): the Trainer's full-corpus recall needs every item id in [0, item_rows)
 once per eval batch with its category (`corpus_items` / `corpus_categories`, laid out over the global batch
@@ -51,7 +57,7 @@ import warnings
 import numpy as np
 
 from jaxscale.data import hash64, uniform
-from jaxscale.sequences.training import PointInTimeExamples, SequenceBatches
+from jaxscale.sequences.training import PointInTimeExamples, SequenceBatches, check_item_rows
 from jaxscale_models.contextual_two_tower import CONTEXT_KEYS, HISTORY_KEYS, LABEL_KEYS
 from jaxscale_models.contextual_two_tower_data import HOURS, corpus_layout, derive_pseudo_context
 
@@ -96,6 +102,7 @@ class ContextualExamples(PointInTimeExamples):
         seed: int = 0,
         pseudo_context: bool | None = None,
         confidence_range: tuple[float, float] = (0.5, 1.0),
+        missing_category: bool = False,
     ):
         if not isinstance(num_categories, (int, np.integer)) or isinstance(num_categories, bool) or num_categories < 1:
             raise ValueError(f"num_categories must be a positive integer, got {num_categories!r}")
@@ -105,6 +112,8 @@ class ContextualExamples(PointInTimeExamples):
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"confidence_range must satisfy 0 <= low <= high <= 1, got {confidence_range}")
         self.num_categories, self.category_field = int(num_categories), category_field
+        self.missing_category = bool(missing_category)
+        self.missing_index = self.num_categories if self.missing_category else None
         self.seed, self.confidence_range = int(seed), (float(lo), float(hi))
         self.pseudo_context = (split == "train") if pseudo_context is None else bool(pseudo_context)
         super().__init__(
@@ -138,7 +147,7 @@ class ContextualExamples(PointInTimeExamples):
         C = self.num_categories
         for part in self.reader.partitions:
             values = part.values[f]
-            bad = np.flatnonzero((values < 0) | (values >= C))
+            bad = np.flatnonzero(((values < 0) & ~((values == -1) & self.missing_category)) | (values >= C))
             if len(bad):
                 i = int(bad[0])
                 user = int(part.users[np.searchsorted(part.starts, i, side="right") - 1])
@@ -146,7 +155,8 @@ class ContextualExamples(PointInTimeExamples):
                     f"field {f!r} of sequence {name!r} has value {int(values[i])} (day {part.day}, user {user}, "
                     f"item_id {int(part.values['item_id'][i])}; {len(bad)} such events that day); categories "
                     f"must be in [0, num_categories={C}) (-1 is an enrichment's default for an item missing "
-                    f"from its table)"
+                    f"from its table: set model.contextual_two_tower.missing_category=true to read it as the "
+                    f"'missing' bucket)"
                 )
 
     def _padding(self) -> dict[str, np.ndarray]:
@@ -157,7 +167,10 @@ class ContextualExamples(PointInTimeExamples):
     def _model_columns(self, part) -> dict[str, np.ndarray]:
         cols = super()._model_columns(part)
         if "item_categories" not in cols:  # added once to the partition's cached columns
-            cols["item_categories"] = part.values[self.category_field].astype(np.int32)
+            cats = part.values[self.category_field]
+            if self.missing_category:
+                cats = np.where(cats == -1, self.missing_index, cats)
+            cols["item_categories"] = cats.astype(np.int32)
         return cols
 
     def catalogue(self, item_rows: int) -> tuple[np.ndarray, int]:
@@ -193,7 +206,7 @@ class ContextualExamples(PointInTimeExamples):
         part, row = self.anchor_event(index)
         cols = self._model_columns(part)
         label_category = np.int32(cols["item_categories"][row])
-        if self.pseudo_context:
+        if self.pseudo_context and label_category != self.missing_index:
             confidence, right, wrong = pseudo_context_draws(
                 self.seed, user, ts, self.num_categories, self.confidence_range
             )
@@ -240,6 +253,7 @@ class ContextualSequenceBatches(SequenceBatches):
         pseudo_context: bool | None = None,
         corpus: bool | None = None,
         confidence_range: tuple[float, float] = (0.5, 1.0),
+        missing_category: bool = False,
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
@@ -253,6 +267,7 @@ class ContextualSequenceBatches(SequenceBatches):
             seed=seed,
             pseudo_context=pseudo_context,
             confidence_range=confidence_range,
+            missing_category=missing_category,
         )
         super().__init__(
             store,
@@ -272,6 +287,7 @@ class ContextualSequenceBatches(SequenceBatches):
             prefetch=prefetch,
             worker_count=worker_count,
         )
+        check_item_rows(self.source.reader.vocabulary("item_id"), self.item_rows, "model.contextual_two_tower")
         self.corpus = (split == "eval") if corpus is None else bool(corpus)
         self.item_category = None
         if self.corpus:
@@ -324,6 +340,7 @@ def sequence_source(cfg, config, split: str, process_index: int, process_count: 
         num_categories=cfg.num_categories,
         item_rows=cfg.item_rows,
         category_field=cfg.category_field,
+        missing_category=cfg.missing_category,
     )
 
 

@@ -41,6 +41,10 @@ from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
+RETRIEVAL_LOSSES = ("in_batch", "full_softmax")
+SIMILARITIES = ("cosine", "dot")
+TARGET_KEY = "target_item_ids"
+"""Optional batch key: int32 [B], the item that follows the history (a sequence store's example target)."""
 ITEM_COMBINES = ("sum", "concat")
 DTYPES = ("float32", "bfloat16")
 
@@ -103,7 +107,17 @@ class FoundationConfig:
     time_max_seconds: float = 3.0e7
     """Gaps are clipped here (about a year) before encoding."""
     temperature: float = 0.1
-    """InfoNCE temperature on cosine similarities."""
+    """Softmax temperature: scores are similarity / temperature (both retrieval losses)."""
+    retrieval_loss: Literal["in_batch", "full_softmax"] = "in_batch"
+    """'in_batch': InfoNCE against the batch's other next items (scales to any table). 'full_softmax':
+    cross-entropy over every row of the item table (SASRec's objective; for a table that holds the whole
+    vocabulary: one table, item_vocab <= item_rows). The table is looked up whole each step through the
+    engine, as an extra feature laid over the batch (`corpus_feature`)."""
+    similarity: Literal["cosine", "dot"] = "cosine"
+    """Query-item score: cosine (both L2-normalised) or the raw dot product (as SASRec scores)."""
+    reserved_rows: int = 0
+    """Rows [0, reserved_rows) are never candidates: a sequence store's vocabulary reserves 0 (padding) and
+    1 (out of vocabulary), so set 2 when the store has one."""
     max_negatives: int = 0
     """In-batch candidate pool size (a strided subset of the next items); 0 = every next item in the batch."""
     recall_k: int = 10
@@ -130,6 +144,11 @@ class FoundationConfig:
             check_int(o, self, f, 1)
         check_int(o, self, "max_seq_len", 2)
         check_int(o, self, "max_negatives", 0)
+        check_int(o, self, "reserved_rows", 0)
+        if self.reserved_rows >= self.item_rows:
+            raise field_error(o, "reserved_rows", f"must be < item_rows={self.item_rows}, got {self.reserved_rows}")
+        check_choice(o, self, "retrieval_loss", RETRIEVAL_LOSSES)
+        check_choice(o, self, "similarity", SIMILARITIES)
         if self.item_vocab is not None:
             check_int(o, self, "item_vocab", 1)
             if self.item_vocab > 2**31 - 1:
@@ -141,6 +160,16 @@ class FoundationConfig:
         if self.item_reshape == "half_dim" and self.item_dim % 2:
             raise field_error(o, "item_dim", f"must be even with item_reshape='half_dim', got {self.item_dim}")
         check_choice(o, self, "time_encoding", TIME_ENCODINGS)
+        if self.retrieval_loss == "full_softmax" and not (self.num_item_tables == 1 and self.vocab <= self.item_rows):
+            raise field_error(
+                o,
+                "retrieval_loss",
+                f"'full_softmax' needs one item table holding the whole vocabulary (num_item_tables=1, item_vocab <= "
+                f"item_rows), got num_item_tables={self.num_item_tables}, item_vocab={self.vocab}, "
+                f"item_rows={self.item_rows}",
+            )
+        if self.retrieval_loss == "full_softmax" and self.item_reshape is not None:
+            raise field_error(o, "item_reshape", "must be null with retrieval_loss='full_softmax'")
         check_choice(o, self, "dtype", DTYPES)
         if self.d_model % self.num_heads:
             raise field_error(o, "num_heads", f"must divide d_model={self.d_model}, got {self.num_heads}")
@@ -203,12 +232,36 @@ def item_features(cfg: FoundationConfig) -> tuple[str, ...]:
     return tuple(f"item_h{j}" for j in range(cfg.num_item_tables))
 
 
+def corpus_feature(cfg: FoundationConfig) -> str | None:
+    """The engine feature that looks up the whole item table (retrieval_loss='full_softmax'), else None."""
+    return f"{item_features(cfg)[0]}_corpus" if cfg.retrieval_loss == "full_softmax" else None
+
+
 def foundation_tables(cfg: FoundationConfig) -> list[TableConfig]:
-    """The sharded tables: only the item tables (sequence lookups). Actions/surfaces are nnx.Embed."""
+    """The sharded tables: only the item tables (sequence lookups). Actions/surfaces are nnx.Embed.
+    Under full_softmax the first table also serves `corpus_feature` (every row, once per step)."""
+    corpus = corpus_feature(cfg)
     return [
-        TableConfig(name=f, rows=cfg.item_rows, dim=cfg.item_dim, pooling=None, features=(f,), reshape=cfg.item_reshape)
-        for f in item_features(cfg)
+        TableConfig(
+            name=f,
+            rows=cfg.item_rows,
+            dim=cfg.item_dim,
+            pooling=None,
+            features=(f, corpus) if corpus and j == 0 else (f,),
+            reshape=cfg.item_reshape,
+        )
+        for j, f in enumerate(item_features(cfg))
     ]
+
+
+def corpus_ids(rows: int, local_batch: int) -> np.ndarray:
+    """Every row of a table laid over a batch: int32 [local_batch, ceil(rows / local_batch)], row-major,
+    -1 padded. Each process lays the whole corpus over its own rows; the objective reads the first
+    `rows` entries of the gathered [B, C] lookup (process 0's copy)."""
+    per_row = -(-rows // local_batch)
+    flat = np.full(local_batch * per_row, -1, np.int32)
+    flat[:rows] = np.arange(rows, dtype=np.int32)
+    return flat.reshape(local_batch, per_row)
 
 
 def _fmix32(h, xp):
@@ -240,10 +293,16 @@ def foundation_ids(cfg: FoundationConfig, batch: Mapping) -> dict:
     """The engine's input: {item feature: int32 [B, L]} from batch['item_ids'] (numpy or jax)."""
     ids = batch["item_ids"]
     rows = cfg.item_rows * 2 if cfg.item_reshape == "half_dim" else cfg.item_rows  # the tables' stored_rows
-    return {
+    out = {
         f: hash_ids(ids, j, rows, num_tables=cfg.num_item_tables, vocab=cfg.vocab)
         for j, f in enumerate(item_features(cfg))
     }
+    corpus = corpus_feature(cfg)
+    if corpus is not None:
+        out[corpus] = corpus_ids(cfg.item_rows, ids.shape[0])
+        if not isinstance(ids, np.ndarray):
+            out[corpus] = jnp.asarray(out[corpus])
+    return out
 
 
 def combine_items(cfg: FoundationConfig, embeddings: Mapping) -> jax.Array:
@@ -384,6 +443,8 @@ class FoundationModel(SequenceEncoder):
       query         [B, L, E]        retrieval query (E = cfg.item_out_dim), L2-normalised
       item          [B, L, E]        item vector of each event (combined lookups), L2-normalised
       engage_logits [B, L-1]         logit that event t+1 is engaged, from history <= t and item t+1
+      corpus        [B, C, E]        (full_softmax only) item vectors of every table row laid over the batch
+                                     (`corpus_ids`), normalised like `item`
 
     Dropout follows nnx's train/eval switch (`model.train()` / `model.eval()`); it is a no-op at rate 0.
     """
@@ -400,11 +461,20 @@ class FoundationModel(SequenceEncoder):
         mask = jnp.asarray(batch["mask"], bool)
         items = self.item_vectors(embeddings, mask)
         hidden = self.encode(items, batch)
-        query = _l2norm(self.query(hidden))
+        unit = self.cfg.similarity == "cosine"
+        query = self.query(hidden)
+        query = _l2norm(query) if unit else query
         item_n = _l2norm(items)
         nxt = self.engage_item(item_n[:, 1:])
         z = jax.nn.gelu(self.engage_hidden(jnp.concatenate([hidden[:, :-1], nxt], axis=-1)))
-        return {"hidden": hidden, "query": query, "item": item_n, "engage_logits": self.engage_out(z)[..., 0]}
+        out = {"hidden": hidden, "query": query, "item": item_n, "engage_logits": self.engage_out(z)[..., 0]}
+        corpus = corpus_feature(self.cfg)
+        if corpus is not None:
+            vectors = jnp.asarray(embeddings[corpus], jnp.float32)
+            out["corpus"] = _l2norm(vectors) if unit else vectors
+            if not unit:
+                out["item"] = jnp.where(mask[..., None], combine_items(self.cfg, embeddings), 0.0)
+        return out
 
 
 def _l2norm(x, eps: float = 1e-6):
@@ -448,21 +518,89 @@ def foundation_forward(model: FoundationModel, embeddings: Mapping, batch: Mappi
     return model(embeddings, batch)
 
 
+def next_items(cfg: FoundationConfig, batch: Mapping):
+    """(table rows [B, L], valid [B, L]): the item each position should predict. Position t predicts event
+    t+1 of the history; the last event predicts the example's target (`target_item_ids`) when the batch has
+    one (a sequence store's examples do), so every target of the data is trained on."""
+    mask = jnp.asarray(batch["mask"], bool)
+    rows = jnp.asarray(foundation_ids(cfg, {"item_ids": jnp.asarray(batch["item_ids"])})[item_features(cfg)[0]])
+    nxt = jnp.concatenate([rows[:, 1:], jnp.full_like(rows[:, :1], -1)], axis=1)
+    valid = jnp.concatenate([mask[:, :-1] & mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+    if TARGET_KEY in batch:
+        target = hash_ids(jnp.asarray(batch[TARGET_KEY], jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
+        last = jnp.sum(mask, axis=1) - 1  # the last event of a right-padded history
+        at_last = (jnp.arange(mask.shape[1])[None] == last[:, None]) & (target[:, None] >= 0)
+        nxt = jnp.where(at_last, target[:, None], nxt)
+        valid = valid | at_last
+    return nxt, valid & (nxt >= cfg.reserved_rows)
+
+
+def corpus_matrix(cfg: FoundationConfig, out: Mapping) -> jax.Array:
+    """[item_rows, E]: the vector of every table row, from the forward's batch-laid `corpus` lookup."""
+    c = out["corpus"]
+    return c.reshape(-1, c.shape[-1])[: cfg.item_rows]
+
+
+def candidate_scores(cfg: FoundationConfig, query, corpus):
+    """query [..., E] x corpus [N, E] -> scores [..., N] / temperature; reserved rows are -inf."""
+    scores = jnp.einsum("...e,ne->...n", query, corpus, preferred_element_type=jnp.float32) / cfg.temperature
+    keep = jnp.arange(corpus.shape[0]) >= cfg.reserved_rows
+    return jnp.where(keep, scores, -jnp.inf)
+
+
+def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
+    """Cross-entropy of every position's next item against every table row (SASRec's objective).
+    Returns (mean loss, recall@recall_k, number of predicted positions)."""
+    nxt, valid = next_items(cfg, batch)
+    logits = candidate_scores(cfg, out["query"], corpus_matrix(cfg, out))  # [B, L, N]
+    target = jnp.clip(nxt, 0, cfg.item_rows - 1)
+    pos = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - pos
+    count = jnp.maximum(jnp.sum(valid), 1)
+    loss = jnp.sum(jnp.where(valid, nll, 0.0)) / count
+    rank = jnp.sum(logits > pos[..., None], axis=-1)
+    recall = jnp.sum(valid & (rank < cfg.recall_k)) / count
+    return loss, recall, jnp.sum(valid)
+
+
+def foundation_score(model: FoundationModel, embeddings: Mapping, batch: Mapping):
+    """Full-corpus ranking (`jaxscale.evaluate`): (scores [B, item_rows], target rows [B], -1 when none).
+    The user is the query after the last event of the history; the candidates are every table row except
+    the reserved ones (-inf). Needs retrieval_loss='full_softmax' (the corpus rides in the lookup)."""
+    cfg = model.cfg
+    if corpus_feature(cfg) is None:
+        raise ValueError("foundation_score needs FoundationConfig.retrieval_loss='full_softmax'")
+    out = model(embeddings, batch)
+    mask = jnp.asarray(batch["mask"], bool)
+    last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
+    query = jnp.take_along_axis(out["query"], last[:, None, None], axis=1)[:, 0]
+    scores = candidate_scores(cfg, query, corpus_matrix(cfg, out))
+    if TARGET_KEY in batch:
+        target = hash_ids(jnp.asarray(batch[TARGET_KEY], jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
+    else:
+        target = jnp.full(mask.shape[:1], -1, jnp.int32)
+    return scores, target
+
+
 def foundation_objective(cfg: FoundationConfig, out: Mapping, batch: Mapping):
-    """The batch-coupled part of the loss (in-batch negatives) from the forward's outputs: (loss, metrics)."""
+    """The batch-coupled part of the loss (in-batch negatives, or the full table) from the forward's outputs:
+    (loss, metrics)."""
     mask = jnp.asarray(batch["mask"], bool)
     pair = mask[:, :-1] & mask[:, 1:]
     e = out["query"].shape[-1]
     ids = jnp.asarray(batch["item_ids"])
-    retrieval, recall, pairs = info_nce(
-        out["query"][:, :-1].reshape(-1, e),
-        out["item"][:, 1:].reshape(-1, e),
-        pair.reshape(-1),
-        ids[:, 1:].reshape(-1),
-        temperature=cfg.temperature,
-        max_negatives=cfg.max_negatives,
-        k=cfg.recall_k,
-    )
+    if cfg.retrieval_loss == "full_softmax":
+        retrieval, recall, pairs = full_softmax(cfg, out, batch)
+    else:
+        retrieval, recall, pairs = info_nce(
+            out["query"][:, :-1].reshape(-1, e),
+            out["item"][:, 1:].reshape(-1, e),
+            pair.reshape(-1),
+            ids[:, 1:].reshape(-1),
+            temperature=cfg.temperature,
+            max_negatives=cfg.max_negatives,
+            k=cfg.recall_k,
+        )
     logits = out["engage_logits"]
     labels = jnp.asarray(batch["engaged"], jnp.float32)[:, 1:]
     w = pair.astype(jnp.float32)
@@ -517,9 +655,11 @@ def _summarize(cfg: FoundationConfig, batches: list) -> dict:
 
 def _sequence_store(cfg: FoundationConfig, config, split: str, process_index: int, process_count: int):
     """`data.source: sequences`: point-in-time examples from a `jaxscale.sequences` store, through Grain."""
-    from jaxscale.sequences.training import SequenceBatches
+    from jaxscale.sequences.training import SequenceBatches, check_item_rows
 
-    return SequenceBatches.from_config(cfg, config, split, process_index, process_count)
+    batches = SequenceBatches.from_config(cfg, config, split, process_index, process_count)
+    check_item_rows(batches.source.reader.vocabulary("item_id"), cfg.item_rows, "model.foundation")
+    return batches
 
 
 SPEC = ModelSpec(
@@ -535,4 +675,5 @@ SPEC = ModelSpec(
     parquet_columns=_parquet_columns,
     summarize=_summarize,
     data_sources={"sequences": _sequence_store},
+    score=foundation_score,
 )

@@ -36,6 +36,7 @@ def test_example_compiles_and_round_trips(tmp_path):
         "max_length": 256,
         "ordering": "ts",
         "engaged": ["save"],
+        "vocabularies": ["item_id"],
     }
     assert data["enrichments"][0]["fields"] == {"category": "int64"} and data["enrichments"][0]["defaults"] == {
         "category": -1

@@ -11,6 +11,7 @@ from test_sequences_helpers import by_user, make_defs, random_log, reference_sto
 from jaxscale.sequences.runtime import backfill
 from jaxscale.sequences.training import (
     INT32_ID_LIMIT,
+    TARGET_KEYS,
     PointInTimeExamples,
     SequenceBatches,
     item_ids_to_int32,
@@ -101,7 +102,7 @@ def test_anchors_cover_the_split_days(built):
 
 def test_batch_format_is_the_foundation_models(built):
     b = _batches(built).batch(0)
-    assert list(b) == ["item_ids", "timestamps", "actions", "surfaces", "engaged", "mask"]
+    assert list(b) == ["item_ids", "timestamps", "actions", "surfaces", "engaged", "mask", *TARGET_KEYS]
     for k, dtype in [
         ("item_ids", np.int32),
         ("timestamps", np.int32),

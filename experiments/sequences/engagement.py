@@ -1,5 +1,8 @@
 """The shipped example: the `engagement` sequence (click, save, closeup), enriched with the item's category.
 
+Item ids get a dense vocabulary in the store (`vocabularies`): the log's 40-bit ids become indices 2.. in
+frequency order (0 padding, 1 out-of-vocabulary), so the models' item tables hold them without hashing.
+
 python -m jaxscale.sequences compile experiments/sequences/engagement.py --out defs.json
 """
 
@@ -17,6 +20,7 @@ ENGAGEMENT = Sequence(
     fields=("item_id", "ts", "event_type", "surface", "category"),
     max_length=256,
     engaged=("save",),
+    vocabularies=("item_id",),
 )
 
 DEFINITIONS = Definitions(

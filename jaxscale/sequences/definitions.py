@@ -173,7 +173,9 @@ class Sequence:
     Fields are raw event fields (item_id, ts, event_type, surface) or enrichment fields. `ordering` 'ts'
     orders events by time, ties by arrival. `max_length` caps what one query returns (the store keeps
     every event, so any point in time can be served). `engaged` lists the event types the training
-    reader labels engaged=1.
+    reader labels engaged=1. `vocabularies` lists int64 id fields (`item_id` or an int64 enrichment field)
+    that get a dense id vocabulary in the store (`jaxscale.sequences.vocabulary`): index 0 padding, 1
+    out-of-vocabulary, real ids from 2, built at backfill and extended append-only by the stream.
     """
 
     name: str
@@ -182,6 +184,7 @@ class Sequence:
     max_length: int
     ordering: str = "ts"
     engaged: tuple[str, ...] = ()
+    vocabularies: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_name("sequence", self.name)
@@ -189,6 +192,8 @@ class Sequence:
         object.__setattr__(self, "event_types", _str_tuple(owner, "event_types", self.event_types))
         object.__setattr__(self, "fields", _str_tuple(owner, "fields", self.fields))
         object.__setattr__(self, "engaged", _str_tuple(owner, "engaged", self.engaged, allow_empty=True))
+        vocabs = _str_tuple(owner, "vocabularies", self.vocabularies, allow_empty=True)
+        object.__setattr__(self, "vocabularies", vocabs)
         if not _is_int(self.max_length) or not 1 <= self.max_length <= 1_000_000:
             raise DefinitionError(owner, "max_length", f"must be an integer in [1, 1000000], got {self.max_length!r}")
         if self.ordering not in ORDERINGS:
@@ -198,9 +203,18 @@ class Sequence:
         extra = [e for e in self.engaged if e not in self.event_types]
         if extra:
             raise DefinitionError(owner, "engaged", f"{extra} are not among its event_types {list(self.event_types)}")
+        for f in self.vocabularies:
+            if f not in self.fields:
+                raise DefinitionError(owner, "vocabularies", f"{f!r} is not among its fields {list(self.fields)}")
+            if f in RAW_FIELDS and f != "item_id":
+                raise DefinitionError(
+                    owner,
+                    "vocabularies",
+                    f"{f!r} is not an id field: a vocabulary maps int64 ids ('item_id' or an int64 enrichment field)",
+                )
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "name": self.name,
             "event_types": list(self.event_types),
             "fields": list(self.fields),
@@ -208,6 +222,9 @@ class Sequence:
             "ordering": self.ordering,
             "engaged": list(self.engaged),
         }
+        if self.vocabularies:  # absent when empty: stores and JSON written before the key stay identical
+            out["vocabularies"] = list(self.vocabularies)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +302,14 @@ class Definitions:
                         "fields",
                         f"{f!r} is neither a raw event field {list(EVENT_FIELDS)} nor provided by an enrichment "
                         f"{sorted(enriched) or '(none defined)'}: missing enrichment source",
+                    )
+            for f in s.vocabularies:
+                if f in enriched and enriched[f].fields[f] != "int64":
+                    raise DefinitionError(
+                        owner,
+                        "vocabularies",
+                        f"{f!r} is a {enriched[f].fields[f]} field of enrichment {enriched[f].name!r}; "
+                        "a vocabulary maps int64 ids",
                     )
 
     def enriched_fields(self) -> dict[str, Enrichment]:
@@ -374,6 +399,7 @@ def definitions_from_json(data: Mapping) -> Definitions:
         "max_length": True,
         "ordering": False,
         "engaged": False,
+        "vocabularies": False,
     }
     for i, s in enumerate(_tuple_or_error("definitions", "sequences", data["sequences"])):
         s = _strict(s, f"sequences[{i}]", seq_keys)
@@ -386,6 +412,7 @@ def definitions_from_json(data: Mapping) -> Definitions:
                 s["max_length"],
                 ordering=s.get("ordering", "ts"),
                 engaged=_tuple_or_error(owner, "engaged", s.get("engaged", [])),
+                vocabularies=_tuple_or_error(owner, "vocabularies", s.get("vocabularies", [])),
             )
         )
     surfaces = _tuple_or_error("definitions", "surfaces", data.get("surfaces", []))

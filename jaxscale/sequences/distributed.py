@@ -7,7 +7,10 @@ worker loads the definitions and enrichment tables once), emitting one Arrow IPC
 (sequence, day); `groupby(sequence, day).map_groups` runs `Engine.assemble` on each day and installs the
 partition atomically. The driver holds the store's writer lock, checks every file's schema before any
 work starts, sums the per-file row accounting and removes the days of the range that have no events, so
-the store ends byte-for-byte what the embedded backfill writes (tested in local mode).
+the store ends byte-for-byte what the embedded backfill writes (tested in local mode). For a sequence with
+vocabularies each unit also emits its distinct ids (events, first arrival); the driver merges them with the
+stored days outside the range and writes the vocabulary before the partitions are installed, the same
+bytes as the embedded backfill's.
 
 On a cluster the store and the raw files must be on a filesystem every node mounts at the same path, and
 jaxscale importable on every node (installed, or shipped with `runtime_env={"py_modules": [...]}`).
@@ -28,8 +31,16 @@ import pyarrow.parquet as pq
 from jaxscale.sequences.definitions import Definitions, definitions_from_json
 from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
 from jaxscale.sequences.events import EventFile, read_chunks
-from jaxscale.sequences.runtime import RunReport, day_range_ms, install_days, open_sequences, prepare
+from jaxscale.sequences.runtime import (
+    RunReport,
+    day_range_ms,
+    install_days,
+    open_sequences,
+    prepare,
+    update_vocabularies,
+)
 from jaxscale.sequences.store import day_name, day_number, replace_partition
+from jaxscale.sequences.vocabulary import IdCounter, VocabularyWriter
 
 UNIT_SCHEMA = pa.schema(
     [
@@ -78,6 +89,11 @@ def transform_units(batch: pa.Table, defs_json: str, sources_json: str, lo_ms, h
             for name, df in out.items():
                 for day, part in split_days(df).items():
                     emit("events", name, day, f.name, _ipc(part.to_arrow()), "")
+                for field in engine.defs.sequence(name).vocabularies:
+                    counter = IdCounter()
+                    counter.add(df.get_column(field).to_numpy(), df.get_column("arrival").to_numpy())
+                    ids, counts, first = counter.totals()
+                    emit("vocab", name, 0, f.name, _ipc(pa.table({"id": ids, "count": counts, "first": first})), field)
     return pa.table(rows, schema=UNIT_SCHEMA)
 
 
@@ -172,6 +188,16 @@ def backfill_ray(
             first = day_number(start) if start else total.first_day
             last = day_number(end) if end else total.last_day
             days = list(range(first, last + 1)) if first is not None and last is not None else []
+            vocab = VocabularyWriter(store, defs)
+            for s in defs.sequences:
+                if not s.vocabularies:
+                    continue
+                counters = {field: IdCounter() for field in s.vocabularies}
+                found = mapped.filter(expr=(col("kind") == "vocab") & (col("sequence") == s.name))
+                for row in found.select_columns(["stats", "payload"]).take_all():
+                    t = _from_ipc(row["payload"])
+                    counters[row["stats"]].add_counts(*(t.column(c).to_numpy() for c in ("id", "count", "first")))
+                update_vocabularies(vocab, Path(store) / s.name, {}, days, counters)
             written = (
                 mapped.filter(expr=col("kind") == "events")
                 .groupby(["sequence", "day"], num_partitions=max(1, min(len(days) * len(defs.sequences), 16)))

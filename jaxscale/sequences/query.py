@@ -4,7 +4,9 @@
 encoded) with, per partition, the start offset of each user's run (files are sorted by (user_id, ts,
 arrival), so that is the index). `slices(user, as_of, n)` finds the user's last n events with
 ts < as_of by binary search, newest partition first, touching no other event. `refresh()` reloads only
-the partitions whose directory changed (a backfill's exchange or a stream's new file).
+the partitions whose directory changed (a backfill's exchange or a stream's new file), then the
+sequence's vocabularies whose version changed (after the partitions: a writer saves a vocabulary before the
+partitions it covers, so every loaded id is in the loaded vocabulary).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from jaxscale.sequences.store import (
     read_partition,
     read_sequence_meta,
 )
+from jaxscale.sequences.vocabulary import Vocabulary, load_vocabulary, read_vocabulary_meta
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+ID_MODES = ("raw", "dense")
+"""How `events` answers a vocabulary field: its raw ids, or their dense indices."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,13 @@ class SequenceReader:
         meta = read_sequence_meta(self.seq_dir)
         s = meta["sequence"]
         self.sequence = Sequence(
-            s["name"], tuple(s["event_types"]), tuple(s["fields"]), s["max_length"], s["ordering"], tuple(s["engaged"])
+            s["name"],
+            tuple(s["event_types"]),
+            tuple(s["fields"]),
+            s["max_length"],
+            s["ordering"],
+            tuple(s["engaged"]),
+            tuple(s.get("vocabularies", ())),
         )
         self.columns: dict[str, str] = meta["columns"]
         self.fields = self.sequence.fields
@@ -105,6 +116,7 @@ class SequenceReader:
         self._lock = threading.Lock()
         self._json_cache: dict = {}
         self.partitions: tuple[Partition, ...] = ()
+        self.vocabularies: dict[str, Vocabulary | None] = {f: None for f in self.sequence.vocabularies}
         self.refresh()
 
     def refresh(self, retries: int = 5) -> bool:
@@ -135,7 +147,28 @@ class SequenceReader:
         if changed:
             live = {id(p) for p in new}
             self._json_cache = {k: v for k, v in self._json_cache.items() if k[0] in live}
+        for f, old_vocab in self.vocabularies.items():  # after the partitions (see the module doc)
+            meta = read_vocabulary_meta(self.seq_dir, f)
+            if meta is not None and (old_vocab is None or old_vocab.version != meta["version"]):
+                self.vocabularies[f] = load_vocabulary(self.seq_dir, f)
+                changed = True
         return changed
+
+    def vocabulary(self, field: str) -> Vocabulary | None:
+        """The loaded vocabulary of `field` (as of the last refresh), or None when the store has none."""
+        return self.vocabularies.get(field)
+
+    def _dense_fields(self, ids: str) -> dict[str, Vocabulary]:
+        """{field: vocabulary} to encode for `ids` ('raw': none; 'dense': every vocabulary field).
+        ValueError for another mode, or 'dense' on a sequence without a stored vocabulary."""
+        if ids == "raw":
+            return {}
+        if ids != "dense":
+            raise ValueError(f"ids must be one of {list(ID_MODES)}, got {ids!r}")
+        vocabs = {f: v for f, v in self.vocabularies.items() if v is not None}
+        if not vocabs:
+            raise ValueError(f"sequence {self.name!r} has no vocabulary in {self.store}: ids=dense needs one")
+        return vocabs
 
     @property
     def num_events(self) -> int:
@@ -176,20 +209,25 @@ class SequenceReader:
                 out[f] = np.concatenate(parts) if parts else empty
         return out
 
-    def events(self, user_id: int, as_of: int | None = None, limit: int | None = None) -> list[dict]:
-        """JSON-ready events (each with the sequence's fields, in definition order), oldest first."""
+    def events(self, user_id: int, as_of: int | None = None, limit: int | None = None, ids: str = "raw") -> list[dict]:
+        """JSON-ready events (each with the sequence's fields, in definition order), oldest first.
+        `ids='dense'`: vocabulary fields hold dense indices (OOV = 1) instead of raw ids."""
+        dense = self._dense_fields(ids)
         pieces = self.slices(user_id, as_of, limit)
         cols = {}
         for f in self.fields:
-            if self.columns[f] == "string":
+            if f in dense:
+                cols[f] = [x for p, lo, hi in pieces for x in dense[f].encode(p.values[f][lo:hi]).tolist()]
+            elif self.columns[f] == "string":
                 cols[f] = [x for p, lo, hi in pieces for x in p.dictionary[f][p.codes[f][lo:hi]].tolist()]
             else:
                 cols[f] = [x for p, lo, hi in pieces for x in p.values[f][lo:hi].tolist()]
         names = list(self.fields)
         return [dict(zip(names, row)) for row in zip(*(cols[f] for f in names))]
 
-    def events_json(self, user_id: int, as_of: int | None = None, limit: int | None = None) -> str:
+    def events_json(self, user_id: int, as_of: int | None = None, limit: int | None = None, ids: str = "raw") -> str:
         """`json.dumps(self.events(...))`, rendered column-wise (the serving hot path: no dict per event)."""
+        dense = self._dense_fields(ids)
         pieces = self.slices(user_id, as_of, limit)
         if not pieces:
             return "[]"
@@ -197,7 +235,9 @@ class SequenceReader:
         cols = []
         for f in self.fields:
             typ = self.columns[f]
-            if typ == "string":
+            if f in dense:
+                col = [x for p, lo, hi in pieces for x in dense[f].encode(p.values[f][lo:hi]).tolist()]
+            elif typ == "string":
                 col = []
                 for p, lo, hi in pieces:
                     enc = self._encoded(p, f)

@@ -8,6 +8,11 @@ stream: the log replayed in arrival order in micro-batches of N rows; each micro
 assembled per (sequence, day) and added to their partitions as new sorted files (late events go to their
 own, older, day). A partition with more than `max_files` files is merged into one; at the end every
 touched partition is merged, so the final store holds what a backfill of the same log holds.
+
+Vocabularies (`Sequence.vocabularies`, see `jaxscale.sequences.vocabulary`) are written before the
+partitions they cover: the backfill counts the whole store as it will be after the run (the days it writes
+plus the stored days outside its range) and appends the ids the vocabulary lacks in frequency order; the
+stream appends each micro-batch's new ids before adding its files.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from jaxscale.sequences.store import (
     merge_partition_files,
     partition_dir,
     partition_files,
+    read_partition,
     replace_partition,
     sequence_meta,
     writer_lock,
 )
+from jaxscale.sequences.vocabulary import IdCounter, VocabularyWriter
 
 REPORTS = "_reports"
 
@@ -150,11 +157,37 @@ def backfill(
         first = day_number(start) if start else total.first_day
         last = day_number(end) if end else total.last_day
         days = range(first, last + 1) if first is not None and last is not None else range(0)
+        vocab = VocabularyWriter(store, defs)
+        for s in defs.sequences:
+            if s.vocabularies:
+                update_vocabularies(vocab, Path(store) / s.name, frames, days)
         for s in defs.sequences:
             report.partitions[s.name], report.removed[s.name] = install_days(engine, Path(store) / s.name, days, frames)
     report.seconds = time.perf_counter() - t0
     report.extra["range"] = {"start": day_name(days[0]), "end": day_name(days[-1])} if len(days) else None
     return report
+
+
+def update_vocabularies(vocab: VocabularyWriter, seq_dir: Path, frames, days=None, counters=None) -> None:
+    """Extends one sequence's vocabularies by the ids of `frames` ({(sequence, day): [frames]}) and, for a
+    backfill of `days`, of the stored partitions outside them: the store as the run leaves it. Called
+    before any of the frames' partitions is installed. `counters` ({field: IdCounter}) may hold ids
+    counted elsewhere (the Ray workers)."""
+    fields = vocab.fields(seq_dir.name)
+    counters = counters if counters is not None else {f: IdCounter() for f in fields}
+    for (name, _day), parts in sorted(frames.items()):
+        if name == seq_dir.name:
+            for df in parts:
+                for f in fields:
+                    counters[f].add(df.get_column(f).to_numpy(), df.get_column("arrival").to_numpy())
+    inside = {day_name(d) for d in days} if days is not None else None
+    for day, part in list_partitions(seq_dir).items() if inside is not None else ():
+        if day not in inside:
+            table = read_partition(part, [*fields, "arrival"])
+            for f in fields:
+                counters[f].add(table.column(f).to_numpy(), table.column("arrival").to_numpy())
+    for f in fields:
+        vocab.update(seq_dir.name, f, counters[f])
 
 
 def install_days(engine: Engine, seq_dir: Path, days, frames) -> tuple[dict[str, int], list[str]]:
@@ -208,6 +241,11 @@ def stream(
     token = uuid.uuid4().hex[:8]
     touched: dict[str, set[str]] = {s.name: set() for s in defs.sequences}
     with open_sequences(defs, engine, store):
+        vocab = VocabularyWriter(store, defs)
+        for s in defs.sequences:  # a vocabulary exists (maybe empty) from the start of the run
+            for f in s.vocabularies:
+                if vocab.current[(s.name, f)] is None:
+                    vocab.update(s.name, f, IdCounter())
         batches = 0
         for batches, chunks in enumerate(read_stream(files, micro_batch), start=1):
             frames: dict[tuple[str, int], list[pl.DataFrame]] = defaultdict(list)
@@ -217,6 +255,9 @@ def stream(
                 for name, df in out.items():
                     for day, part in split_days(df).items():
                         frames[(name, day)].append(part)
+            for s in defs.sequences:  # the micro-batch's new ids first, then its files
+                if s.vocabularies:
+                    update_vocabularies(vocab, Path(store) / s.name, frames)
             for (name, day_num), parts in sorted(frames.items()):
                 day = day_name(day_num)
                 table = engine.assemble(name, parts)

@@ -1,10 +1,12 @@
 """The serving API: a threaded HTTP server over the store's in-memory index.
 
-    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N
+    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense
       200 {"user_id": 42, "sequence": "engagement", "events": [{"item_id": ..., "ts": ..., ...}, ...]}
           the user's last min(N, max_length) events with ts < T (epoch ms; every indexed event when as_of
-          is absent), oldest first, ties in ts in arrival order; a user without events gets an empty list
+          is absent), oldest first, ties in ts in arrival order; a user without events gets an empty list.
+          ids=dense (default raw): the sequence's vocabulary fields hold dense indices (OOV = 1)
       400 {"error": ...}  user_id, as_of or limit malformed (not an integer, out of range, negative limit),
+                          ids neither raw nor dense, ids=dense on a sequence without a stored vocabulary,
                           a parameter repeated or unknown
       404 {"error": ...}  unknown sequence (or path)
     GET /v1/sequences   the store's sequences with their fields, max_length, days and event counts
@@ -24,12 +26,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from jaxscale.sequences.query import INT64_MAX, INT64_MIN, SequenceReader
+from jaxscale.sequences.query import ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
 _ROUTE = re.compile(r"^/v1/users/([^/]+)/sequences/([^/]+)$")
 _INT = re.compile(r"^[+-]?[0-9]+$")
-PARAMS = ("as_of", "limit")
+PARAMS = ("as_of", "limit", "ids")
 
 
 class BadRequest(ValueError):
@@ -47,8 +49,8 @@ def parse_int(name: str, raw: str, minimum: int = INT64_MIN) -> int:
     return value
 
 
-def parse_query(query: str) -> tuple[int | None, int | None]:
-    """(as_of, limit) from a query string, strictly."""
+def parse_query(query: str) -> tuple[int | None, int | None, str]:
+    """(as_of, limit, ids) from a query string, strictly (ids: 'raw', the default, or 'dense')."""
     try:
         params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=16)
     except ValueError as e:
@@ -61,7 +63,10 @@ def parse_query(query: str) -> tuple[int | None, int | None]:
             raise BadRequest(f"query parameter {k!r} is given {len(v)} times")
     as_of = parse_int("as_of", params["as_of"][0]) if "as_of" in params else None
     limit = parse_int("limit", params["limit"][0], minimum=0) if "limit" in params else None
-    return as_of, limit
+    ids = params["ids"][0] if "ids" in params else "raw"
+    if ids not in ID_MODES:
+        raise BadRequest(f"ids must be one of {list(ID_MODES)}, got {ids!r}")
+    return as_of, limit, ids
 
 
 class SequenceStore:
@@ -88,9 +93,14 @@ class SequenceStore:
                 "max_length": r.max_length,
                 "days": [p.day for p in r.partitions],
                 "events": r.num_events,
+                **({"vocabularies": {f: _describe(v) for f, v in r.vocabularies.items()}} if r.vocabularies else {}),
             }
             for name, r in sorted(self.readers.items())
         }
+
+
+def _describe(vocab) -> dict | None:
+    return None if vocab is None else {"version": vocab.version, "size": vocab.size, "num_indices": vocab.num_indices}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -145,8 +155,11 @@ class Handler(BaseHTTPRequestHandler):
         if reader is None:
             return HTTPStatus.NOT_FOUND, {"error": f"unknown sequence {name!r}; the store has {sorted(store.readers)}"}
         user_id = parse_int("user_id", unquote(m.group(1)))
-        as_of, limit = parse_query(url.query)
-        events = reader.events_json(user_id, as_of, limit)
+        as_of, limit, ids = parse_query(url.query)
+        try:
+            events = reader.events_json(user_id, as_of, limit, ids=ids)
+        except ValueError as e:  # ids=dense without a vocabulary
+            raise BadRequest(str(e)) from None
         return HTTPStatus.OK, f'{{"user_id":{user_id},"sequence":{json.dumps(name)},"events":{events}}}'
 
 

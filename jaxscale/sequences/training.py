@@ -1,9 +1,24 @@
 """Training from the store: point-in-time sequences as padded arrays, served to the trainer by Grain.
 
-An example is a (user, ts) pair, the anchor; its history is the user's last `max_seq_len` events with
-event time strictly before ts (never an event at or after it: no future leaks into an example). Anchors
-are the distinct (user, ts) of the stored events; the last `eval_days` days of the store are the eval
-split, the days before them the train split; an anchor needs at least `min_history` earlier events.
+Two ways to split the store into examples (`split_mode`, the config's `data.sequences.split`):
+
+* 'day' (splits 'train', 'eval'): an example is a (user, ts) pair, the anchor; its history is the user's
+  last `max_seq_len` events with event time strictly before ts (never an event at or after it: no future
+  leaks into an example). Anchors are the distinct (user, ts) of the stored events; the last `eval_days`
+  days of the store are the eval split, the days before them the train split; an anchor needs at least
+  `min_history` earlier events. Its target is the anchor event: the user's first stored (earliest arrival)
+  event at ts.
+* 'leave_one_out' (splits 'train', 'valid', 'test'; 'eval' is an alias of 'valid'), as SASRec: each user's
+  n events in (ts, arrival) order over the whole store, positions 0..n-1. An example is a target event;
+  its history is the up to `max_seq_len` events immediately before it in that order, so an event with the
+  target's ts that arrived earlier IS in the history (unlike the day split's ts-strict history); the
+  target and every later event never are. Position n-1 is the user's test target, n-2 its validation
+  target (so the test history includes the validation event), and every earlier position a train target.
+  Every example needs at least `min_history` earlier events: a user contributes test iff n-1 >=
+  min_history, valid iff n-2 >= min_history, and train positions min_history..n-3 (with min_history=1: a
+  user with 1 event contributes nothing, with 2 events a test example, with 3 a test and a valid example).
+  Examples are ordered by (user_id, position): valid and test hold one example per user, in increasing
+  user id (`users_of_split()`).
 
 Batches have the foundation model's format (see `jaxscale.data`), right-padded to `max_seq_len`:
 
@@ -16,6 +31,9 @@ Batches have the foundation model's format (see `jaxscale.data`), right-padded t
     engaged     float32  1.0 for the sequence's `engaged` event types (engagement: save), else 0; 0 on pad
     mask        bool   True on events
 
+plus the target event in the same encoding, 0-d per example ([batch] in a batch): `target_item_ids`,
+`target_timestamps`, `target_actions`, `target_surfaces` (int32) and `target_engaged` (float32).
+
 `SequenceBatches` is the trainer's data source: a Grain `MapDataset` over `PointInTimeExamples` (a
 random-access data source), shuffled (reshuffled every epoch), repeated, batched and sliced per process,
 read through Grain's threaded prefetching iterator; its `get_state`/`set_state` carry Grain's iterator
@@ -23,14 +41,15 @@ state so a checkpoint can save the data position.
 
 Extension hooks (a model that needs more than the foundation model's keys, e.g. the contextual two-tower
 source `jaxscale_models.contextual_two_tower_sequences`): `PointInTimeExamples.anchor_event(i)` is the
-stored event that anchor i was taken from; `_padding` / `_model_columns` define the history arrays (add a
-key to both); `SequenceBatches._make_source` builds the random-access source and `SequenceBatches.keys`
-are the keys `batch` returns.
+stored target event of example i and `history(i)` its history arrays (in both split modes); `_padding` /
+`_model_columns` define the history arrays (add a key to both); `SequenceBatches._make_source` builds the
+random-access source and `SequenceBatches.keys` are the keys `batch` returns.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import zlib
 from pathlib import Path
@@ -42,9 +61,16 @@ from jaxscale.sequences.query import SequenceReader, open_reader
 
 INT32_ID_LIMIT = 2**31 - 1
 """Raw ids in [0, INT32_ID_LIMIT) are kept; others are hashed into that range."""
+SPLIT_MODES = ("day", "leave_one_out")
 SPLITS = ("train", "eval")
+"""Splits of the day split mode."""
+LOO_SPLITS = ("train", "valid", "test")
+"""Splits of the leave-one-out split mode ('eval' is accepted as an alias of 'valid')."""
 REQUIRED_FIELDS = ("item_id", "ts", "event_type", "surface")
-BATCH_KEYS = ("item_ids", "timestamps", "actions", "surfaces", "engaged", "mask")
+HISTORY_KEYS = ("item_ids", "timestamps", "actions", "surfaces", "engaged", "mask")
+TARGET_KEYS = ("target_item_ids", "target_timestamps", "target_actions", "target_surfaces", "target_engaged")
+"""The target event of an example, 0-d each: `target_<key>` is the history's `<key>` encoding of it."""
+BATCH_KEYS = HISTORY_KEYS + TARGET_KEYS
 
 
 def item_ids_to_int32(ids: np.ndarray) -> np.ndarray:
@@ -58,6 +84,29 @@ def item_ids_to_int32(ids: np.ndarray) -> np.ndarray:
         x = x ^ (x >> np.uint64(31))
     hashed = (x % np.uint64(INT32_ID_LIMIT)).astype(np.int64)
     return np.where(fits, ids, hashed).astype(np.int32)
+
+
+def model_item_ids(raw: np.ndarray, vocab=None) -> np.ndarray:
+    """int32 item ids for a model: the dense index of each id in the store's `item_id` vocabulary (a
+    `jaxscale.sequences.vocabulary.Vocabulary`; 1 = out of vocabulary) when there is one, else
+    `item_ids_to_int32` (raw id, or its hash). With a vocabulary the model's item table needs at least
+    `vocab.num_indices` rows (`check_item_rows`)."""
+    if vocab is None:
+        return item_ids_to_int32(raw)
+    if vocab.num_indices > INT32_ID_LIMIT:
+        raise ValueError(f"vocabulary of {vocab.field!r} has {vocab.num_indices} indices; they must fit int32")
+    return vocab.encode(raw).astype(np.int32)
+
+
+def check_item_rows(vocab, item_rows: int, where: str = "the model") -> None:
+    """ValueError unless a table of `item_rows` rows holds every index of the `item_id` vocabulary `vocab`
+    (None: no vocabulary, nothing to check)."""
+    if vocab is not None and item_rows < vocab.num_indices:
+        raise ValueError(
+            f"{where} has item_rows={item_rows}, but the store's {vocab.field!r} vocabulary (version "
+            f"{vocab.version}) has {vocab.size} ids + 2 reserved = {vocab.num_indices} indices; set item_rows >= "
+            f"{vocab.num_indices}"
+        )
 
 
 def surface_code(surface: str, surfaces: tuple[str, ...], num_surfaces: int) -> int:
@@ -106,6 +155,7 @@ class PointInTimeExamples:
         split: str = "train",
         eval_days: int = 1,
         min_history: int = 1,
+        split_mode: str = "day",
     ):
         self.store, self.sequence_name = str(store), sequence
         self.defs = defs if isinstance(defs, Definitions) else load_definitions(defs)
@@ -113,10 +163,21 @@ class PointInTimeExamples:
         self.max_seq_len = _check_positive("max_seq_len", max_seq_len)
         self.num_actions = _check_positive("num_actions", num_actions)
         self.num_surfaces = _check_positive("num_surfaces", num_surfaces)
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if split_mode not in SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {SPLIT_MODES}, got {split_mode!r}")
+        self.split_mode = split_mode
+        if split_mode == "leave_one_out":
+            if split not in (*LOO_SPLITS, "eval"):
+                raise ValueError(
+                    f"split must be one of {LOO_SPLITS} (or 'eval' for 'valid') in leave_one_out, got {split!r}"
+                )
+            split = "valid" if split == "eval" else split
+            self.eval_days = eval_days  # not used by this split mode
+        else:
+            if split not in SPLITS:
+                raise ValueError(f"split must be one of {SPLITS} in the day split mode, got {split!r}")
+            self.eval_days = _check_positive("eval_days", eval_days)
         self.split = split
-        self.eval_days = _check_positive("eval_days", eval_days)
         if not isinstance(min_history, int) or min_history < 0:
             raise ValueError(f"min_history must be an integer >= 0, got {min_history!r}")
         self.min_history = min_history
@@ -142,6 +203,7 @@ class PointInTimeExamples:
                 f"(store: {json.dumps(reader.sequence.to_json())})"
             )
         self.users, self.anchor_ts, self.days, self.anchor_part, self.anchor_row = self._anchors(reader)
+        """Per example: user id, target ts (ms), and the target event's partition index and row."""
 
     # ---------------------------------------------------------------- store access
 
@@ -157,9 +219,12 @@ class PointInTimeExamples:
         return state
 
     def _anchors(self, reader: SequenceReader):
+        """(users, target ts, days, target partition index, target row) of the split's examples."""
         parts = reader.partitions
         if not parts:
             raise ValueError(f"store {self.store} has no events of sequence {self.sequence_name!r}")
+        if self.split_mode == "leave_one_out":
+            return self._leave_one_out_anchors(parts)
         if len(parts) <= self.eval_days and self.split == "train":
             raise ValueError(
                 f"store {self.store} has {len(parts)} day(s) of {self.sequence_name!r}; the train split needs "
@@ -189,30 +254,99 @@ class PointInTimeExamples:
             raise ValueError(f"the {self.split} split of {self.sequence_name!r} in {self.store} has no example")
         return users, ts, [p.day for p in chosen], np.concatenate(at_part), np.concatenate(at_row)
 
+    def _leave_one_out_anchors(self, parts):
+        """Every stored event numbered by its position in its user's (ts, arrival) order (vectorised: the
+        partitions are day-ordered and each is sorted by (user_id, ts, arrival), so a stable sort by user of
+        their concatenation is that order), then the split's positions kept."""
+        users = np.concatenate([np.repeat(p.users, np.diff(p.starts)) for p in parts])
+        at_part = np.concatenate([np.full(p.rows, k, np.int32) for k, p in enumerate(parts)])
+        at_row = np.concatenate([np.arange(p.rows, dtype=np.int64) for p in parts])
+        ts = np.concatenate([p.ts for p in parts])
+        order = np.argsort(users, kind="stable")
+        users, at_part, at_row, ts = users[order], at_part[order], at_row[order], ts[order]
+        first = np.ones(len(users), bool)
+        first[1:] = users[1:] != users[:-1]
+        starts = np.flatnonzero(first)
+        run = np.cumsum(first) - 1
+        position = np.arange(len(users)) - starts[run]
+        count = np.diff(np.append(starts, len(users)))[run]
+        last = {"test": 1, "valid": 2}.get(self.split)
+        keep = position == count - last if last else position <= count - 3
+        keep &= position >= self.min_history
+        # every event's (partition, row) in (user, position) order, and where each example's target and its
+        # user's first event are in it: a history is the slice just before the target (`_slices_before`)
+        self._order_part, self._order_row = at_part, at_row
+        self._target_at, self._user_first = np.flatnonzero(keep), starts[run][keep]
+        if not keep.any():
+            raise ValueError(
+                f"the {self.split} split (leave_one_out) of {self.sequence_name!r} in {self.store} has no example "
+                f"({len(starts)} users, min_history={self.min_history})"
+            )
+        return users[keep], ts[keep], [p.day for p in parts], at_part[keep], at_row[keep]
+
     # ---------------------------------------------------------------- examples
 
     def __len__(self) -> int:
         return len(self.users)
 
     def anchor(self, index: int) -> tuple[int, int]:
-        """(user_id, ts in epoch ms) of example `index`."""
+        """(user_id, ts in epoch ms of its target event) of example `index`."""
         return int(self.users[index]), int(self.anchor_ts[index])
 
     def anchor_event(self, index: int):
-        """(partition, row): the stored event anchor `index` was taken from, the first stored (earliest
-        arrival) of the user's events at the anchor's ts; its ts equals the anchor's, so it is not part of the
-        anchor's history."""
+        """(partition, row): the stored target event of example `index`. Day split: the first stored
+        (earliest arrival) of the user's events at the anchor's ts; its ts equals the anchor's, so it is not
+        part of the anchor's history. Leave-one-out: the example's target event itself."""
         return self.reader.partitions[int(self.anchor_part[index])], int(self.anchor_row[index])
+
+    def users_of_split(self) -> np.ndarray:
+        """The split's distinct user ids, increasing. In leave_one_out's valid and test splits there is one
+        example per user and example j is user `users_of_split()[j]` (`self.users` is the per-example array)."""
+        return np.unique(self.users)
 
     def __getitem__(self, index) -> dict[str, np.ndarray]:
         index = int(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"example {index} out of range [0, {len(self)})")
-        return self.example(int(self.users[index]), int(self.anchor_ts[index]))
+        index %= len(self)
+        out = self.history(index)
+        part, row = self.anchor_event(index)
+        cols = self._model_columns(part)
+        for k in TARGET_KEYS:
+            out[k] = np.asarray(cols[k.removeprefix("target_")][row])
+        return out
+
+    def examples(self, indices) -> dict[str, np.ndarray]:
+        """Examples `indices` stacked: [n, max_seq_len] history keys, [n] target keys (e.g. an evaluator's
+        batch of one example per user)."""
+        rows = [self[int(i)] for i in np.asarray(indices).ravel()]
+        if not rows:
+            return {k: v[None][:0] for k, v in (self[0] if len(self) else self._padding()).items()}
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def history(self, index: int) -> dict[str, np.ndarray]:
+        """The history arrays of example `index` (`_padding`'s keys): in the day split `example(user, ts)`,
+        in leave_one_out the events just before its target in (ts, arrival) order."""
+        if self.split_mode == "day":
+            return self.example(int(self.users[index]), int(self.anchor_ts[index]))
+        return self._fill(self._slices_before(index))
+
+    def _slices_before(self, index: int):
+        """[(partition, lo, hi)], oldest first: the user's last min(max_seq_len, max_length) stored events
+        before the target event of example `index` (earlier rows of its partition, then earlier days)."""
+        parts = self.reader.partitions
+        at = int(self._target_at[index])
+        lo = max(int(self._user_first[index]), at - min(self.max_seq_len, self.reader.max_length))
+        part, row = self._order_part[lo:at], self._order_row[lo:at]
+        # a user's rows of one partition are consecutive: one slice per partition the history touches
+        cuts = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), at - lo]
+        return [(parts[int(part[a])], int(row[a]), int(row[b - 1]) + 1) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
     def _model_columns(self, part) -> dict[str, np.ndarray]:
-        """A partition's events in the model's encoding (computed once per partition, then sliced)."""
-        key = (part.day, part.signature)
+        """A partition's events in the model's encoding (computed once per partition and vocabulary version,
+        then sliced). `item_ids` are dense indices when the store has an `item_id` vocabulary."""
+        vocab = self.reader.vocabulary("item_id")
+        key = (part.day, part.signature, None if vocab is None else vocab.version)
         cols = self._maps.get(key)
         if cols is None:
             types = part.dictionary["event_type"].tolist()
@@ -226,7 +360,7 @@ class PointInTimeExamples:
                 )
             codes = part.codes["event_type"]
             cols = {
-                "item_ids": item_ids_to_int32(part.values["item_id"]),
+                "item_ids": model_item_ids(part.values["item_id"], vocab),
                 "timestamps": seconds.astype(np.int32),
                 "actions": action.astype(np.int32)[codes],
                 "surfaces": np.asarray(surfaces, np.int32)[part.codes["surface"]],
@@ -248,26 +382,33 @@ class PointInTimeExamples:
         }
 
     def example(self, user_id: int, as_of: int) -> dict[str, np.ndarray]:
-        """One example: the user's last max_seq_len events with ts < as_of, in the model's format."""
+        """A point-in-time history: the user's last max_seq_len events with ts < as_of, in the model's format
+        (the day split's history; no target keys)."""
+        return self._fill(self.reader.slices(user_id, as_of, self.max_seq_len))
+
+    def _fill(self, slices) -> dict[str, np.ndarray]:
+        """The padded history arrays of [(partition, lo, hi)] slices, oldest first."""
         out = self._padding()
         at = 0
-        for part, lo, hi in self.reader.slices(user_id, as_of, self.max_seq_len):
+        for part, lo, hi in slices:
             cols = self._model_columns(part)
-            for k, v in cols.items():
-                out[k][at : at + hi - lo] = v[lo:hi]
+            for k in out:
+                if k in cols:
+                    out[k][at : at + hi - lo] = cols[k][lo:hi]
             at += hi - lo
         out["mask"][:at] = True
         return out
 
     def sequences(self, user_ids, as_of) -> dict[str, np.ndarray]:
-        """Point-in-time batch for (user, ts) pairs: every key [n, max_seq_len] (the Python read API)."""
+        """Point-in-time batch for (user, ts) pairs: every history key [n, max_seq_len] (the Python read API;
+        ts-strict as the day split, whatever `split_mode` is)."""
         user_ids, as_of = np.asarray(user_ids, np.int64).ravel(), np.asarray(as_of, np.int64).ravel()
         if user_ids.shape != as_of.shape:
             raise ValueError(f"user_ids and as_of differ in length: {user_ids.shape} vs {as_of.shape}")
         rows = [self.example(int(u), int(t)) for u, t in zip(user_ids, as_of)]
         if not rows:
-            return {k: np.zeros((0, self.max_seq_len), v.dtype) for k, v in self.example(0, 0).items()}
-        return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
+            return {k: np.zeros((0, self.max_seq_len), v.dtype) for k, v in self._padding().items()}
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 class SequenceBatches:
@@ -287,6 +428,15 @@ class SequenceBatches:
         """The source a run's `data.sequences` section describes, for a model config `mcfg` (its
         max_seq_len, num_actions, num_surfaces) and any options a subclass adds (`model_options`)."""
         s = config.data.sequences
+        split_mode = getattr(s, "split", "day")
+        if split_mode != "day":
+            params = inspect.signature(cls.__init__).parameters
+            if "split_mode" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                raise ValueError(
+                    f"data.sequences.split={split_mode!r}: the data source {cls.__qualname__} supports only the "
+                    f"day split (it takes no split_mode)"
+                )
+            model_options = {"split_mode": split_mode, **model_options}
         return cls(
             s.store,
             s.sequence,
@@ -320,6 +470,7 @@ class SequenceBatches:
         split: str = "train",
         eval_days: int = 1,
         min_history: int = 1,
+        split_mode: str = "day",
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
@@ -334,6 +485,9 @@ class SequenceBatches:
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by process_count={process_count}")
         self.process_index, self.seed = process_index, int(seed)
         self.local_batch_size = global_batch_size // process_count
+        # split_mode reaches the source only when it is not the default, so a subclass's source that predates
+        # it keeps working in the day split
+        extra = {} if split_mode == "day" else {"split_mode": split_mode}
         self.source = self._make_source(
             store,
             sequence,
@@ -344,6 +498,7 @@ class SequenceBatches:
             split=split,
             eval_days=eval_days,
             min_history=min_history,
+            **extra,
         )
         ds = grain.MapDataset.source(self.source).shuffle(seed=self.seed).repeat(None)
         ds = ds.batch(self.local_batch_size, drop_remainder=True)

@@ -1,0 +1,245 @@
+"""SASRec as RecBole 1.2.1 implements it, in PyTorch, trained and scored on jaxscale's leave-one-out split.
+
+The reference sequential recommender of the MovieLens benchmark (docs/movielens.md). The model is a line-by-line
+port of `recbole/model/sequential_recommender/sasrec.py` and the `TransformerEncoder` of
+`recbole/model/layers.py` (post-LN BERT blocks, GELU by erf, additive -10000 attention mask, item embedding
+shared between input and output, position embedding, LayerNorm + dropout on the input), at RecBole's
+default SASRec hyperparameters (`recbole/properties/model/SASRec.yaml`): 2 layers, 2 heads, hidden 64,
+inner 256, dropout 0.5 (hidden and attention), layer_norm_eps 1e-12, init N(0, 0.02), CE loss over all
+items; training as RecBole's trainer runs it: Adam lr 1e-3, no weight decay, every prefix of a user's
+training events a training example (its last 50 items), batch 256 (the issue's setting; RecBole's default
+is 2048), early stopping on validation NDCG@10 with patience 10 epochs, the best epoch's weights scored on
+test.
+
+Data: the examples come from the same store and the same reader as the foundation model
+(`PointInTimeExamples(split_mode='leave_one_out')`), so split, tie order and targets are identical; the
+metrics are computed by `jaxscale.ranking` (full ranking, history not masked; the padding and
+out-of-vocabulary rows are never candidates, as RecBole never ranks its [PAD] item).
+
+    python experiments/baselines/sasrec_recbole.py --store S --defs D --sequence ratings --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MAX_LEN = 50
+RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
+
+
+def load_split(store, defs, sequence, split, max_len=MAX_LEN):
+    """(history item rows int64 [N, max_len] right-padded with 0, length [N], target rows [N], users [N])."""
+    from jaxscale.sequences.training import PointInTimeExamples
+
+    src = PointInTimeExamples(
+        store,
+        sequence,
+        defs,
+        max_seq_len=max_len,
+        num_actions=16,
+        num_surfaces=16,
+        split=split,
+        split_mode="leave_one_out",
+    )
+    n = len(src)
+    hist = np.zeros((n, max_len), np.int64)
+    target = np.zeros(n, np.int64)
+    users = np.zeros(n, np.int64)
+    for i in range(n):
+        ex = src[i]
+        ids = ex["item_ids"].astype(np.int64)
+        hist[i] = np.where(ids >= 0, ids, 0)  # RecBole's padding id is 0, which is also the vocabulary's PAD
+        target[i] = int(ex["target_item_ids"])
+        users[i] = src.anchor(i)[0]
+    length = (hist > 0).sum(1)
+    return hist, length, target, users
+
+
+def build_model(n_items: int, torch, nn):
+    """RecBole's SASRec (default hyperparameters)."""
+    hidden, inner, heads, layers, p_hidden, p_attn, eps, init = 64, 256, 2, 2, 0.5, 0.5, 1e-12, 0.02
+
+    def gelu(x):
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+    class MultiHeadAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h, self.d = heads, hidden // heads
+            self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+            self.attn_dropout = nn.Dropout(p_attn)
+            self.dense = nn.Linear(hidden, hidden)
+            self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+            self.out_dropout = nn.Dropout(p_hidden)
+
+        def forward(self, x, mask):
+            b, l, _ = x.shape
+            q = self.query(x).view(b, l, self.h, self.d).permute(0, 2, 1, 3)
+            k = self.key(x).view(b, l, self.h, self.d).permute(0, 2, 3, 1)
+            v = self.value(x).view(b, l, self.h, self.d).permute(0, 2, 1, 3)
+            scores = torch.matmul(q, k) / math.sqrt(self.d) + mask
+            probs = self.attn_dropout(torch.softmax(scores, dim=-1))
+            ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous().view(b, l, hidden)
+            return self.LayerNorm(self.out_dropout(self.dense(ctx)) + x)
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense_1, self.dense_2 = nn.Linear(hidden, inner), nn.Linear(inner, hidden)
+            self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+            self.dropout = nn.Dropout(p_hidden)
+
+        def forward(self, x):
+            return self.LayerNorm(self.dropout(self.dense_2(gelu(self.dense_1(x)))) + x)
+
+    class TransformerLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.multi_head_attention, self.feed_forward = MultiHeadAttention(), FeedForward()
+
+        def forward(self, x, mask):
+            return self.feed_forward(self.multi_head_attention(x, mask))
+
+    class SASRec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.item_embedding = nn.Embedding(n_items, hidden, padding_idx=0)
+            self.position_embedding = nn.Embedding(MAX_LEN, hidden)
+            layer = TransformerLayer()
+            self.layer = nn.ModuleList([copy.deepcopy(layer) for _ in range(layers)])
+            self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+            self.dropout = nn.Dropout(p_hidden)
+            self.apply(self._init_weights)
+
+        @staticmethod
+        def _init_weights(m):
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.data.normal_(mean=0.0, std=init)
+            elif isinstance(m, nn.LayerNorm):
+                m.bias.data.zero_()
+                m.weight.data.fill_(1.0)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.data.zero_()
+
+        def forward(self, seq, length):
+            pos = torch.arange(seq.size(1), device=seq.device).unsqueeze(0).expand_as(seq)
+            x = self.dropout(self.LayerNorm(self.item_embedding(seq) + self.position_embedding(pos)))
+            keep = (seq != 0).unsqueeze(1).unsqueeze(2).expand(-1, -1, seq.size(-1), -1)
+            mask = torch.where(torch.tril(keep), 0.0, -10000.0)
+            for layer in self.layer:
+                x = layer(x, mask)
+            idx = (length - 1).view(-1, 1, 1).expand(-1, -1, x.shape[-1])
+            return x.gather(dim=1, index=idx).squeeze(1)
+
+    return SASRec()
+
+
+def evaluate(model, data, torch, ks=(10, 20), batch=1024):
+    """Full ranking of every item row except PAD/OOV (`jaxscale.ranking`), in eval mode."""
+    from jaxscale import ranking
+
+    hist, length, target, _ = data
+    model.eval()
+    tops = []
+    with torch.no_grad():
+        for s in range(0, len(hist), batch):
+            out = model(torch.from_numpy(hist[s : s + batch]), torch.from_numpy(length[s : s + batch]))
+            scores = (out @ model.item_embedding.weight.T).numpy().astype(np.float64)
+            scores[:, :RESERVED] = -np.inf
+            tops.append(ranking.topk_from_scores(scores, max(ks)))
+    model.train()
+    topk = np.concatenate(tops)
+    return ranking.ranking_metrics(topk, target, ks), topk
+
+
+def train(store, defs, sequence, *, seed=2020, batch=256, max_epochs=300, patience=10, threads=None, log=print):
+    import torch
+    from torch import nn
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tr, va, te = (load_split(store, defs, sequence, s) for s in ("train", "valid", "test"))
+    n_items = int(max(tr[0].max(), tr[2].max(), va[2].max(), te[2].max(), te[0].max())) + 1
+    model = build_model(n_items, torch, nn)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    hist, length, target, _ = tr
+    best, best_state, bad, curve, t0, steps = -1.0, None, 0, [], time.perf_counter(), 0
+    for epoch in range(max_epochs):
+        order = rng.permutation(len(hist))
+        total = 0.0
+        for s in range(0, len(order), batch):
+            i = order[s : s + batch]
+            out = model(torch.from_numpy(hist[i]), torch.from_numpy(length[i]))
+            loss = loss_fn(out @ model.item_embedding.weight.T, torch.from_numpy(target[i]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss) * len(i)
+            steps += 1
+        metrics, _ = evaluate(model, va, torch)
+        curve.append({"epoch": epoch + 1, "steps": steps, "train_loss": total / len(hist), **metrics})
+        log(f"epoch {epoch + 1}: loss {total / len(hist):.4f} valid ndcg@10 {metrics['ndcg@10']:.4f}")
+        if metrics["ndcg@10"] > best:
+            best, best_state, bad = metrics["ndcg@10"], copy.deepcopy(model.state_dict()), 0
+        else:
+            bad += 1
+            if bad >= patience:
+                break
+    seconds = time.perf_counter() - t0
+    model.load_state_dict(best_state)
+    valid, _ = evaluate(model, va, torch)
+    test, topk = evaluate(model, te, torch)
+    best_epoch = max(curve, key=lambda c: c["ndcg@10"])["epoch"]
+    return {
+        "valid": valid,
+        "test": test,
+        "train_seconds": seconds,
+        "steps": steps,
+        "epochs": len(curve),
+        "best_epoch": best_epoch,
+        "curve": curve,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "users": int(len(te[3])),
+    }, (te[3], topk)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--defs", required=True)
+    ap.add_argument("--sequence", default="ratings")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--max-epochs", type=int, default=300)
+    ap.add_argument("--patience", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=2020)
+    args = ap.parse_args(argv)
+    out, _ = train(
+        args.store,
+        args.defs,
+        args.sequence,
+        seed=args.seed,
+        max_epochs=args.max_epochs,
+        patience=args.patience,
+        threads=args.threads,
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("valid", "test", "train_seconds", "epochs", "best_epoch")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
