@@ -295,6 +295,10 @@ class TrainConfig:
     """Evaluations in a row without improvement of `eval_metric` after which training stops; 0 = never."""
     keep_best: bool = True
     """Save the state of the best evaluation so far to <workdir>/best (`Trainer.restore_best`)."""
+    eval_ranking_ks: tuple[int, ...] = ()
+    """Full-corpus ranking at each evaluation: every example of the eval split (a leave-one-out split's
+    validation users) scored against the whole item table (`jaxscale.evaluate.RankingEvaluator`), reported
+    as eval_recall@K / eval_ndcg@K / eval_mrr@K for these K. Empty: off. Needs a model with `score`."""
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "log_every", "keep_checkpoints"):
@@ -305,6 +309,11 @@ class TrainConfig:
                 raise _err(f, f"must be >= 0, got {getattr(self, f)}")
         if self.eval_mode not in ("max", "min"):
             raise _err("eval_mode", f"must be one of ['max', 'min'], got {self.eval_mode!r}")
+        ks = self.eval_ranking_ks
+        if isinstance(ks, (list, tuple)) and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+            object.__setattr__(self, "eval_ranking_ks", tuple(sorted(set(ks))))
+        else:
+            raise _err("eval_ranking_ks", f"must be a list of positive integers, got {ks!r}")
         if self.early_stopping_patience > 0 and self.eval_metric is None:
             raise _err(
                 "eval_metric",

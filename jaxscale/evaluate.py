@@ -124,6 +124,8 @@ class RankingEvaluator:
             rows = [min(start + i, n - 1) for i in range(lo, lo + local)]  # pad with the last example
             items = [examples[i] for i in rows]
             host = {k: np.stack([it[k] for it in items]) for k in items[0]}
+            if hasattr(source, "corpus_keys"):  # a model whose candidates ride in the batch (two-tower)
+                host.update(source.corpus_keys(np.arange(lo, lo + local)))
             batch = tr.prepare(host)
             best, target, cand = self._step(state, batch.data, batch.ids)
             tops.append(_gather(best))
@@ -275,9 +277,10 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxscale import distributed  # before any JAX computation: the simulated CPU device count
+    if not _backends_started():  # a fresh process (the CLI): the simulated CPU device count, as the trainer
+        from jaxscale import distributed
 
-    distributed.initialize(None, None, None, local_devices=cfg.mesh.nodes * cfg.mesh.local)
+        distributed.initialize(None, None, None, local_devices=cfg.mesh.nodes * cfg.mesh.local)
     try:
         if args.popularity_only:
             result = evaluate_popularity(cfg, args.split, ks, topk=args.topk)
@@ -295,6 +298,13 @@ def main(argv=None) -> int:
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
+
+
+def _backends_started() -> bool:
+    """Whether JAX already runs here (main() called in a process that used JAX: its devices are set)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 def evaluate_checkpoint(cfg, checkpoint, split: str, ks=DEFAULT_KS, *, step=None, topk=None, baseline=True) -> dict:

@@ -266,6 +266,7 @@ class Trainer:
         self._executables: dict = {}  # capacities -> (compiled step, its comm bytes)
         self.reruns = 0  # steps re-run counted after reused capacities overflowed (embedding.reuse_capacities)
         self._eval = None
+        self._ranker = None
         self.comm = None
         self.collectives = None
         self._stop_requested = False
@@ -427,7 +428,17 @@ class Trainer:
             kept.append({k: _host(v) for k, v in m.items() if jnp.ndim(v) > 0})
         out = {f"eval_{k}": v / n for k, v in sums.items()}
         out.update({f"eval_{k}": float(v) for k, v in self.spec.summarize(self.model_cfg, kept).items()})
+        if self.cfg.train.eval_ranking_ks:
+            out.update({f"eval_{k}": v for k, v in self._ranking().evaluate(state, self.eval_data).metrics.items()})
         return out
+
+    def _ranking(self):
+        """The full-corpus evaluator of `train.eval_ranking_ks` (built once: it holds the jitted scorer)."""
+        if self._ranker is None:
+            from jaxscale.evaluate import RankingEvaluator
+
+            self._ranker = RankingEvaluator(self, self.cfg.train.eval_ranking_ks)
+        return self._ranker
 
     # -------------------------------------------------------------- checkpoints
 

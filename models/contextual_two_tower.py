@@ -134,6 +134,13 @@ class ContextualTwoTowerConfig:
     """The K of the full-corpus Recall@K computed at evaluation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Activation dtype of the encoder; heads, softmax and losses stay float32."""
+    reserved_rows: int = 0
+    """Item rows [0, reserved_rows) are never candidates in full-corpus ranking: a sequence store's vocabulary
+    reserves 0 (padding) and 1 (out of vocabulary), so set 2 when the store has one."""
+    eval_context: Literal["missing", "label"] = "missing"
+    """`data.source: sequences`, held-out splits: the request's subject category is missing, or the label's own
+    category with confidence 1 (the genre of the item being viewed: the pseudo-context of training, taken from
+    the positive label, given at serving time by the page the user is on)."""
     category_field: str = "category"
     """`data.source: sequences`: the sequence field (int64, in [0, num_categories)) that gives the categories
     of history events, labels and the corpus (`jaxscale_models.contextual_two_tower_sequences`). A model
@@ -157,6 +164,10 @@ class ContextualTwoTowerConfig:
         ):
             check_int(o, self, f, 1)
         check_int(o, self, "max_seq_len", 2)
+        check_int(o, self, "reserved_rows", 0)
+        if self.reserved_rows >= self.item_rows:
+            raise field_error(o, "reserved_rows", f"must be < item_rows={self.item_rows}, got {self.reserved_rows}")
+        check_choice(o, self, "eval_context", ("missing", "label"))
         for f in ("item_rows", "num_categories"):
             if getattr(self, f) > 2**31 - 1:
                 raise field_error(o, f, f"must fit int32, got {getattr(self, f)}")
@@ -726,6 +737,23 @@ def two_tower_summarize(cfg: ContextualTwoTowerConfig, batches: list) -> dict:
     return full_corpus_recall(queries[keep], items, labels[keep], cfg.recall_ks)
 
 
+def two_tower_score(model: ContextualTwoTower, embeddings: Mapping, batch: Mapping):
+    """Full-corpus ranking (`jaxscale.evaluate`): (scores [B, item_rows], label items [B]). The queries are
+    the end-to-end query tower's (with the batch's context); the candidates are the item tower's vectors of
+    the batch's corpus (`corpus_items` / `corpus_categories`, laid over the global batch), placed at their ids;
+    rows below `reserved_rows` are -inf."""
+    cfg = model.cfg
+    _, query = model.query(embeddings, batch)
+    ids = jnp.asarray(batch["corpus_items"]).reshape(-1)
+    vecs = model.item_vectors(embeddings["corpus_items"], embeddings["corpus_categories"])
+    vecs = vecs.reshape(ids.shape[0], -1)
+    items = jnp.zeros((cfg.item_rows, vecs.shape[-1]), jnp.float32)
+    items = items.at[jnp.where(ids >= 0, ids, cfg.item_rows)].set(vecs, mode="drop")
+    scores = query @ items.T / cfg.temperature
+    scores = jnp.where(jnp.arange(cfg.item_rows) >= cfg.reserved_rows, scores, -jnp.inf)
+    return scores, jnp.asarray(batch["label_item"], jnp.int32)
+
+
 # ------------------------------------------------------------------------------------------ registry
 
 
@@ -764,6 +792,7 @@ SPEC = ModelSpec(
     parquet_columns=_parquet_columns,
     summarize=two_tower_summarize,
     data_sources={"sequences": _sequence_store},
+    score=two_tower_score,
 )
 
 __all__ = [

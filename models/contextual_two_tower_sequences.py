@@ -62,6 +62,8 @@ from jaxscale_models.contextual_two_tower import CONTEXT_KEYS, HISTORY_KEYS, LAB
 from jaxscale_models.contextual_two_tower_data import HOURS, corpus_layout, derive_pseudo_context
 
 MS_PER_HOUR = 3_600_000
+EVAL_CONTEXTS = ("missing", "label")
+"""The subject category of held-out examples: missing, or the label's own (the item being viewed)."""
 BATCH_KEYS = HISTORY_KEYS + CONTEXT_KEYS + LABEL_KEYS
 """Keys of every batch (the eval split's batches add `corpus_items` and `corpus_categories`)."""
 
@@ -103,7 +105,12 @@ class ContextualExamples(PointInTimeExamples):
         pseudo_context: bool | None = None,
         confidence_range: tuple[float, float] = (0.5, 1.0),
         missing_category: bool = False,
+        eval_context: str = "missing",
+        split_mode: str = "day",
     ):
+        if eval_context not in EVAL_CONTEXTS:
+            raise ValueError(f"eval_context must be one of {EVAL_CONTEXTS}, got {eval_context!r}")
+        self.eval_context = eval_context
         if not isinstance(num_categories, (int, np.integer)) or isinstance(num_categories, bool) or num_categories < 1:
             raise ValueError(f"num_categories must be a positive integer, got {num_categories!r}")
         if not isinstance(category_field, str) or not category_field:
@@ -126,6 +133,7 @@ class ContextualExamples(PointInTimeExamples):
             split=split,
             eval_days=eval_days,
             min_history=min_history,
+            split_mode=split_mode,
         )
         self._check_categories()
 
@@ -201,7 +209,7 @@ class ContextualExamples(PointInTimeExamples):
             raise IndexError(f"example {index} out of range [0, {len(self)})")
         index %= len(self)
         user, ts = self.anchor(index)
-        out = self.example(user, ts)
+        out = self.history(index)
         del out["engaged"]
         part, row = self.anchor_event(index)
         cols = self._model_columns(part)
@@ -211,6 +219,8 @@ class ContextualExamples(PointInTimeExamples):
                 self.seed, user, ts, self.num_categories, self.confidence_range
             )
             category, conf = derive_pseudo_context(label_category, confidence, right, wrong)
+        elif not self.pseudo_context and self.eval_context == "label" and label_category != self.missing_index:
+            category, conf = label_category, np.float32(1.0)  # the subject item's category, known for sure
         else:
             category, conf = np.int32(-1), np.float32(0.0)
         out.update(
@@ -254,6 +264,8 @@ class ContextualSequenceBatches(SequenceBatches):
         corpus: bool | None = None,
         confidence_range: tuple[float, float] = (0.5, 1.0),
         missing_category: bool = False,
+        eval_context: str = "missing",
+        split_mode: str = "day",
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
@@ -268,6 +280,7 @@ class ContextualSequenceBatches(SequenceBatches):
             pseudo_context=pseudo_context,
             confidence_range=confidence_range,
             missing_category=missing_category,
+            eval_context=eval_context,
         )
         super().__init__(
             store,
@@ -286,9 +299,10 @@ class ContextualSequenceBatches(SequenceBatches):
             num_threads=num_threads,
             prefetch=prefetch,
             worker_count=worker_count,
+            split_mode=split_mode,
         )
         check_item_rows(self.source.reader.vocabulary("item_id"), self.item_rows, "model.contextual_two_tower")
-        self.corpus = (split == "eval") if corpus is None else bool(corpus)
+        self.corpus = (split in ("eval", "valid", "test")) if corpus is None else bool(corpus)
         self.item_category = None
         if self.corpus:
             self.item_category, out_of_range = self.source.catalogue(self.item_rows)
@@ -311,12 +325,17 @@ class ContextualSequenceBatches(SequenceBatches):
     def batch(self, step: int) -> dict[str, np.ndarray]:
         out = super().batch(step)
         if self.corpus:
-            items = corpus_layout(self.item_rows, self.global_batch_size, self._rows())
-            out["corpus_items"] = items
-            out["corpus_categories"] = np.where(items >= 0, self.item_category[np.maximum(items, 0)], -1).astype(
-                np.int32
-            )
+            out.update(self.corpus_keys(self._rows()))
         return out
+
+    def corpus_keys(self, rows) -> dict[str, np.ndarray]:
+        """`corpus_items` / `corpus_categories` of global batch rows `rows`: the whole corpus laid over the
+        global batch (an evaluator that builds its own batches adds them with this)."""
+        if self.item_category is None:
+            self.item_category, _ = self.source.catalogue(self.item_rows)
+        items = corpus_layout(self.item_rows, self.global_batch_size, np.asarray(rows))
+        cats = np.where(items >= 0, self.item_category[np.maximum(items, 0)], -1).astype(np.int32)
+        return {"corpus_items": items, "corpus_categories": cats}
 
     def provenance(self, step: int) -> dict:
         """Where the batch of `step` comes from (named in the Trainer's invalid-id errors)."""
@@ -341,6 +360,7 @@ def sequence_source(cfg, config, split: str, process_index: int, process_count: 
         item_rows=cfg.item_rows,
         category_field=cfg.category_field,
         missing_category=cfg.missing_category,
+        eval_context=cfg.eval_context,
     )
 
 

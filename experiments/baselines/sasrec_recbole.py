@@ -9,7 +9,7 @@ inner 256, dropout 0.5 (hidden and attention), layer_norm_eps 1e-12, init N(0, 0
 items; training as RecBole's trainer runs it: Adam lr 1e-3, no weight decay, every prefix of a user's
 training events a training example (its last 50 items), batch 256 (the issue's setting; RecBole's default
 is 2048), early stopping on validation NDCG@10 with patience 10 epochs, the best epoch's weights scored on
-test.
+test (the test metrics are taken when validation improves: the same weights).
 
 Data: the examples come from the same store and the same reader as the foundation model
 (`PointInTimeExamples(split_mode='leave_one_out')`), so split, tie order and targets are identical; the
@@ -160,22 +160,31 @@ def evaluate(model, data, torch, ks=(10, 20), batch=1024):
     return ranking.ranking_metrics(topk, target, ks), topk
 
 
-def train(store, defs, sequence, *, seed=2020, batch=256, max_epochs=300, patience=10, threads=None, log=print):
+def train(
+    store, defs, sequence, *, seed=2020, batch=256, max_epochs=300, patience=10, threads=None, log=print, progress=None
+):
+    """Trains with early stopping on validation NDCG@10; returns (results dict, (test users, test top-K)).
+    `progress(results)` is called after every epoch with the results so far (the best epoch's test metrics
+    included), so a run cut short still leaves a complete record of what it reached."""
     import torch
     from torch import nn
+
+    from jaxscale.sequences.query import SequenceReader
 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     tr, va, te = (load_split(store, defs, sequence, s) for s in ("train", "valid", "test"))
-    n_items = int(max(tr[0].max(), tr[2].max(), va[2].max(), te[2].max(), te[0].max())) + 1
+    n_items = SequenceReader(store, sequence).vocabulary("item_id").num_indices  # PAD, OOV and every movie
     model = build_model(n_items, torch, nn)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     hist, length, target, _ = tr
-    best, best_state, bad, curve, t0, steps = -1.0, None, 0, [], time.perf_counter(), 0
+    best, bad, curve, seconds, steps = -1.0, 0, [], 0.0, 0
+    results, top = None, None
     for epoch in range(max_epochs):
+        t0 = time.perf_counter()
         order = rng.permutation(len(hist))
         total = 0.0
         for s in range(0, len(order), batch):
@@ -185,34 +194,37 @@ def train(store, defs, sequence, *, seed=2020, batch=256, max_epochs=300, patien
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += float(loss) * len(i)
+            total += float(loss.detach()) * len(i)
             steps += 1
         metrics, _ = evaluate(model, va, torch)
+        seconds += time.perf_counter() - t0  # training and the per-epoch validation, as RecBole's loop
         curve.append({"epoch": epoch + 1, "steps": steps, "train_loss": total / len(hist), **metrics})
         log(f"epoch {epoch + 1}: loss {total / len(hist):.4f} valid ndcg@10 {metrics['ndcg@10']:.4f}")
         if metrics["ndcg@10"] > best:
-            best, best_state, bad = metrics["ndcg@10"], copy.deepcopy(model.state_dict()), 0
+            best, bad = metrics["ndcg@10"], 0
+            test, topk = evaluate(model, te, torch)
+            top = (te[3], topk)
+            results = {"valid": metrics, "test": test, "best_epoch": epoch + 1}
         else:
             bad += 1
-            if bad >= patience:
-                break
-    seconds = time.perf_counter() - t0
-    model.load_state_dict(best_state)
-    valid, _ = evaluate(model, va, torch)
-    test, topk = evaluate(model, te, torch)
-    best_epoch = max(curve, key=lambda c: c["ndcg@10"])["epoch"]
-    return {
-        "valid": valid,
-        "test": test,
-        "train_seconds": seconds,
-        "steps": steps,
-        "epochs": len(curve),
-        "best_epoch": best_epoch,
-        "curve": curve,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "users": int(len(te[3])),
-    }, (te[3], topk)
+        done = bad >= patience
+        results.update(
+            train_seconds=seconds,
+            steps=steps,
+            epochs=len(curve),
+            curve=curve,
+            early_stopped=done,
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            users=int(len(te[3])),
+            batch=batch,
+            patience=patience,
+        )
+        if progress is not None:
+            progress(results)
+        if done:
+            break
+    return results, top
 
 
 def main(argv=None) -> int:
@@ -225,8 +237,16 @@ def main(argv=None) -> int:
     ap.add_argument("--patience", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=2020)
+    ap.add_argument("--topk", default=None, help="write the test top-20 (raw ids) to this Parquet file")
     args = ap.parse_args(argv)
-    out, _ = train(
+
+    def save(results):
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.replace(args.json)
+
+    out, (users, topk) = train(
         args.store,
         args.defs,
         args.sequence,
@@ -234,9 +254,15 @@ def main(argv=None) -> int:
         max_epochs=args.max_epochs,
         patience=args.patience,
         threads=args.threads,
+        progress=save,
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.topk:
+        from jaxscale.evaluate import RankingResult, write_topk
+        from jaxscale.sequences.query import SequenceReader
+
+        decode = SequenceReader(args.store, args.sequence).vocabulary("item_id").decode
+        write_topk(args.topk, RankingResult(users, np.zeros(len(users), np.int64), topk, {}, 0), decode)
+    save(out)
     print(json.dumps({k: out[k] for k in ("valid", "test", "train_seconds", "epochs", "best_epoch")}))
     return 0
 

@@ -32,6 +32,7 @@ RATINGS = Sequence(
     fields=("item_id", "ts", "event_type", "surface", "category", "year"),
     max_length=2048,  # the whole history of heavy users (ml-100k's heaviest rater has 737 ratings)
     engaged=("rate_4", "rate_5"),  # the training reader's `engaged` label: a liked movie
+    vocabularies=("item_id",),  # dense item ids: 0 padding, 1 out of vocabulary, movies from 2 (most rated first)
 )
 
 DEFINITIONS = Definitions(

@@ -1,0 +1,296 @@
+"""Full-corpus evaluation end to end on a small MovieLens-layout dataset: import (u.data + u.item written
+here, with many ratings sharing a timestamp) -> store with a dense item vocabulary -> the foundation model
+and the contextual two-tower trained a few steps -> `python -m jaxscale.evaluate` -> Recall/NDCG recomputed
+from the top-k Parquet file and the raw ratings equal the JSON; the sharded scores equal an unsharded
+reference; the popularity baseline equals counting by hand; the full-softmax loss equals a brute force."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from jaxscale import evaluate, ranking
+from jaxscale.config import load_config
+from jaxscale.sequences import compile_definitions
+from jaxscale.sequences.movielens import import_movielens
+from jaxscale.sequences.query import SequenceReader
+from jaxscale.sequences.runtime import backfill
+from jaxscale.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "experiments" / "configs"
+USERS, MOVIES, L = 40, 60, 8
+KS = (3, 10)
+
+
+def _write_ml100k(d: Path, seed: int = 0) -> list[tuple[int, int, int, int]]:
+    """u.data + u.item in ml-100k's layout; ratings in file order (user, item, rating, ts in seconds)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(1, USERS + 1):
+        n = int(rng.integers(4, 14))
+        t0 = 880_000_000 + int(rng.integers(0, 10**6))
+        ts = t0 + np.sort(rng.integers(0, 6, n)) * 86_400 // 3  # few distinct times: many ties
+        items = rng.choice(np.arange(1, MOVIES + 1), n, replace=False, p=_zipf(MOVIES))
+        rows += [(u, int(i), int(rng.integers(1, 6)), int(t)) for i, t in zip(items, ts)]
+    order = rng.permutation(len(rows))  # users interleaved: file order is not (user, ts) order
+    rows = [rows[i] for i in order]
+    d.mkdir(parents=True)
+    (d / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+    genres = "|".join("0" * 19)
+    lines = []
+    for m in range(1, MOVIES + 1):
+        flags = ["0"] * 19
+        if m % 7:  # every 7th movie has no genre: the 'missing' category
+            flags[1 + m % 18] = "1"
+        lines.append(f"{m}|Movie {m} (1995)|01-Jan-1995||http://x|{'|'.join(flags)}\n")
+    (d / "u.item").write_text("".join(lines))
+    assert len(genres)
+    return rows
+
+
+def _zipf(n):
+    p = 1.0 / np.arange(1, n + 1)
+    return p / p.sum()
+
+
+def _loo_targets(rows, split: str) -> dict[int, int]:
+    """Brute force: per user, ratings ordered by (ts, file order); the last is test, the one before valid."""
+    by_user: dict[int, list] = {}
+    for pos, (u, i, _, t) in enumerate(rows):
+        by_user.setdefault(u, []).append((t, pos, i))
+    back = 1 if split == "test" else 2
+    return {u: sorted(evs)[-back][2] for u, evs in by_user.items() if len(evs) > back}
+
+
+@pytest.fixture(scope="module")
+def movielens(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ml")
+    rows = _write_ml100k(tmp / "raw")
+    import_movielens(tmp / "raw", tmp / "events")
+    defs = compile_definitions(ROOT / "experiments/movielens/movielens_defs.py", tmp / "defs.json")
+    backfill(defs, tmp / "events" / "events", tmp / "store", sources={"items": str(tmp / "events" / "items.parquet")})
+    vocab = SequenceReader(tmp / "store", "ratings").vocabulary("item_id")
+    return tmp, rows, vocab
+
+
+def _foundation_overrides(tmp: Path, rows: int, workdir: Path, mesh=(1, 8), extra=()) -> list[str]:
+    m = "model.foundation."
+    return [
+        f"data.sequences.store={tmp / 'store'}",
+        f"data.sequences.defs={tmp / 'defs.json'}",
+        f"mesh.nodes={mesh[0]}",
+        f"mesh.local={mesh[1]}",
+        f"{m}item_rows={rows}",
+        f"{m}item_dim=16",
+        f"{m}d_model=16",
+        f"{m}max_seq_len={L}",
+        f"{m}num_layers=1",
+        f"{m}dropout=0.0",
+        "train.batch_size=16",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.early_stopping_patience=0",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        f"train.workdir={workdir}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def trained(movielens, tmp_path_factory):
+    tmp, rows, vocab = movielens
+    work = tmp_path_factory.mktemp("run")
+    cfg = load_config(str(CONFIGS / "movielens_foundation.yaml"), _foundation_overrides(tmp, vocab.num_indices, work))
+    out = Trainer(cfg, progress=False).run()
+    return cfg, work, out
+
+
+def test_training_evaluates_full_ranking_and_keeps_the_best(trained):
+    _, work, out = trained
+    evals = [e for e in out["eval"]]
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert {"eval_recall@10", "eval_ndcg@10", "eval_mrr@10", "eval_ndcg@20"} <= set(e)
+    assert (work / "best" / "checkpoints").is_dir()
+    best = max(evals, key=lambda e: e["eval_ndcg@10"])
+    assert out["best"]["step"] == best["step"]
+
+
+def test_cli_topk_file_and_raw_ratings_reproduce_the_json(movielens, trained, tmp_path):
+    tmp, rows, vocab = movielens
+    cfg, work, _ = trained
+    overrides = _foundation_overrides(tmp, vocab.num_indices, work)
+    for split in ("valid", "test"):
+        out, topk = tmp_path / f"{split}.json", tmp_path / f"top_{split}.parquet"
+        argv = ["--config", str(CONFIGS / "movielens_foundation.yaml"), "--checkpoint", str(work / "best")]
+        argv += ["--split", split, "--k", "3,10", "--json", str(out), "--topk", str(topk), *overrides]
+        assert evaluate.main(argv) == 0
+        result = json.loads(out.read_text())
+        targets = _loo_targets(rows, split)
+        assert result["examples"] == len(targets) == USERS
+        assert result["candidates"] == vocab.size  # every movie of the store, never padding / OOV
+        table = pq.read_table(topk).to_pydict()
+        assert set(table) == {"user_id", "rank", "item_id"}
+        lists: dict[int, list] = {}
+        for u, r, i in zip(table["user_id"], table["rank"], table["item_id"]):
+            lists.setdefault(u, []).append((r, i))
+        assert sorted(lists) == sorted(targets)
+        for k in KS:
+            hits, ndcg = [], []
+            for u, target in targets.items():
+                ranked = [i for _, i in sorted(lists[u])]
+                assert len(ranked) == max(KS) and len(set(ranked)) == len(ranked)
+                assert all(1 <= i <= MOVIES for i in ranked)  # raw MovieLens ids
+                rank = ranked.index(target) + 1 if target in ranked[:k] else 0
+                hits.append(rank > 0)
+                ndcg.append(1.0 / np.log2(rank + 1) if rank else 0.0)
+            assert result["metrics"][f"recall@{k}"] == pytest.approx(np.mean(hits))
+            assert result["metrics"][f"ndcg@{k}"] == pytest.approx(np.mean(ndcg))
+        # the popularity baseline: train-split counts (every rating but each user's valid and test targets)
+        counts = np.zeros(MOVIES + 1)
+        held = [_loo_targets(rows, s) for s in ("valid", "test")]
+        for _, i, _, _ in rows:
+            counts[i] += 1
+        for h in held:
+            for i in h.values():
+                counts[i] -= 1
+        order = sorted(range(1, MOVIES + 1), key=lambda i: (-counts[i], vocab.encode(np.array([i]))[0]))
+        top = order[: max(KS)]
+        pop = [1.0 / np.log2(top.index(t) + 2) if t in top[:10] else 0.0 for t in targets.values()]
+        assert result["popularity"]["ndcg@10"] == pytest.approx(np.mean(pop))
+
+
+def test_cli_errors_name_the_problem(movielens, trained, tmp_path, capsys):
+    tmp, _, vocab = movielens
+    _, work, _ = trained
+    base = ["--config", str(CONFIGS / "movielens_foundation.yaml"), "--split", "test", "--json", str(tmp_path / "o")]
+    base += _foundation_overrides(tmp, vocab.num_indices, work)
+    assert evaluate.main(base + ["--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert evaluate.main(base + ["--checkpoint", str(work), "--k", "0,x"]) == 2
+    assert "--k" in capsys.readouterr().err
+    assert evaluate.main(base) == 2
+    assert "--checkpoint is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, tmp_path):
+    """The evaluator's top-K (corpus looked up through the sharded engine, scored and ranked on the mesh)
+    equals scoring on the host with the dense table and ranking with `jaxscale.ranking`."""
+    from flax import nnx
+
+    from jaxscale.data import make_data
+    from jaxscale_models.foundation import foundation_ids
+
+    tmp, _, vocab = movielens
+    _, work, _ = trained
+    cfg = load_config(
+        str(CONFIGS / "movielens_foundation.yaml"),
+        _foundation_overrides(tmp, vocab.num_indices, work, mesh, ["embedding.topology=2d_a2a"] if mesh[0] > 1 else []),
+    )
+    trainer = Trainer(cfg, workdir=str(work), progress=False, log=False)
+    state, _ = evaluate.restore(trainer, work / "best" / "checkpoints")
+    source = make_data(cfg, split="test")
+    got = evaluate.RankingEvaluator(trainer, KS).evaluate(state, source)
+    table = np.asarray(trainer.ec.to_dense(state["emb"])["item_h0"])
+    model = nnx.merge(trainer.graphdef, state["dense"], state["rest"])
+    model.eval()
+    ex = evaluate.examples_of(source)
+    batch = ex.examples(np.arange(len(ex)))
+    ids = foundation_ids(trainer.model_cfg, batch)
+    emb = {f: jnp.asarray(table[np.maximum(v, 0)] * (v >= 0)[..., None]) for f, v in ids.items()}
+    scores, target = trainer.spec.score(model, emb, {k: jnp.asarray(v) for k, v in batch.items()})
+    want = ranking.topk_from_scores(np.asarray(scores, np.float64), max(KS))
+    np.testing.assert_array_equal(np.asarray(target), got.targets)
+    agree = (want == got.topk).mean()
+    assert agree > 0.98, agree  # float summation order may swap near-ties
+    assert ranking.ranking_metrics(want, got.targets, KS)["ndcg@10"] == pytest.approx(got.metrics["ndcg@10"], abs=0.03)
+
+
+def test_full_softmax_loss_is_cross_entropy_over_every_row():
+    from jaxscale_models.foundation import FoundationConfig, full_softmax
+
+    cfg = FoundationConfig(
+        item_rows=12,
+        item_dim=4,
+        d_model=8,
+        max_seq_len=5,
+        retrieval_loss="full_softmax",
+        similarity="dot",
+        temperature=0.5,
+        reserved_rows=2,
+    )
+    rng = np.random.default_rng(0)
+    b, l, e = 3, 5, 4
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
+    items = np.where(mask, rng.integers(2, 12, (b, l)), -1).astype(np.int32)
+    target = np.array([5, -1, 7], np.int32)
+    query = rng.normal(size=(b, l, e)).astype(np.float32)
+    corpus = rng.normal(size=(4, 3, e)).astype(np.float32)  # 12 rows laid over a batch of 4
+    batch = {"item_ids": items, "mask": mask, "target_item_ids": target}
+    loss, _, count = full_softmax(cfg, {"query": jnp.asarray(query), "corpus": jnp.asarray(corpus)}, batch)
+    rows = corpus.reshape(-1, e)
+    nll = []
+    for i in range(b):
+        n = int(mask[i].sum())
+        nxt = list(items[i, 1:n]) + ([target[i]] if target[i] >= 0 else [])
+        for t, y in enumerate(nxt):
+            logits = rows @ query[i, t] / 0.5
+            logits[:2] = -np.inf
+            nll.append(np.log(np.exp(logits[2:] - logits[2:].max()).sum()) + logits[2:].max() - logits[y])
+    assert int(count) == len(nll)
+    assert float(loss) == pytest.approx(np.mean(nll), rel=1e-5)
+
+
+def test_contextual_two_tower_ranks_with_the_label_genre_as_context(movielens, tmp_path):
+    tmp, rows, vocab = movielens
+    m = "model.contextual_two_tower."
+    overrides = [
+        f"data.sequences.store={tmp / 'store'}",
+        f"data.sequences.defs={tmp / 'defs.json'}",
+        f"{m}item_rows={vocab.num_indices}",
+        f"{m}item_dim=8",
+        f"{m}d_model=16",
+        f"{m}embed_dim=8",
+        f"{m}max_seq_len={L}",
+        f"{m}num_layers=1",
+        "train.batch_size=16",
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.early_stopping_patience=0",
+        "train.warmup_steps=1",
+        f"train.workdir={tmp_path / 'tt'}",
+    ]
+    cfg = load_config(str(CONFIGS / "movielens_two_tower.yaml"), overrides)
+    trainer = Trainer(cfg, progress=False)
+    out = trainer.run()
+    assert {"eval_recall@10", "eval_ndcg@10"} <= set(out["eval"][-1])
+    ex = evaluate.examples_of(trainer.eval_data)
+    assert ex.split == "valid" and len(ex) == USERS
+    genre_of = {
+        int(i): int(c)
+        for i, c in zip(
+            pq.read_table(tmp / "events" / "items.parquet")["item_id"].to_numpy(),
+            pq.read_table(tmp / "events" / "items.parquet")["category"].to_numpy(),
+        )
+    }
+    valid = _loo_targets(rows, "valid")
+    for j in range(len(ex)):
+        e = ex[j]
+        user = ex.anchor(j)[0]
+        genre = genre_of[valid[user]]
+        assert int(vocab.decode(np.array([e["label_item"]]))[0]) == valid[user]
+        if genre >= 0:
+            assert int(e["context_category"]) == genre and float(e["context_confidence"]) == 1.0
+        else:  # a movie without a genre: the missing bucket as label, no context
+            assert int(e["label_category"]) == cfg.model.params.num_categories and int(e["context_category"]) == -1
+    result = evaluate.evaluate_checkpoint(cfg, tmp_path / "tt", "test", KS, baseline=False)
+    assert result["examples"] == USERS and result["candidates"] == vocab.size
+    assert 0.0 <= result["metrics"]["recall@10"] <= 1.0
+    jax.clear_caches()
