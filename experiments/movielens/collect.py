@@ -9,7 +9,11 @@ validation curve), the import manifest (users, items) and the SASRec reference's
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -51,7 +55,17 @@ def trained_model(out: Path, name: str) -> dict:
     }
 
 
-def collect(out: Path) -> dict:
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def collect(out: Path, seconds: float | None = None, commit: str = "unknown") -> dict:
     manifest = _json(out / "events" / "movielens.json")
     models = {name: trained_model(out, name) for name in TRAINED}
     models["popularity"] = {
@@ -84,12 +98,24 @@ def collect(out: Path) -> dict:
         "evaluated_users": test["examples"],
         "candidates": test["candidates"],
         "models": models,
+        "run": {
+            "seconds": seconds,
+            "cores": os.cpu_count(),
+            "cpu": cpu_model(),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit,
+        },
     }
 
 
 def main(argv=None) -> int:
-    out = Path((argv or sys.argv[1:])[0])
-    metrics = collect(out)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--seconds", type=float, default=None, help="wall time of the run (run.sh passes it)")
+    ap.add_argument("--commit", default="unknown")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    metrics = collect(out, args.seconds, args.commit)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     table = {k: {s: v["test"].get(s) for s in ("recall@10", "ndcg@10")} for k, v in metrics["models"].items()}
     print(json.dumps(table))

@@ -1,0 +1,42 @@
+"""Records validation-only tuning runs of the MovieLens foundation model into a JSON the write-up renders.
+
+Each run is a `python -m jaxscale.train --config experiments/configs/movielens_foundation.yaml ...` with a few
+overrides (train.workdir=DIR); this reads each run's metrics log and keeps the best validation NDCG@10.
+
+    python experiments/movielens/tune.py --out experiments/results/movielens_tuning.json \\
+        NAME=DIR:"override override ..." ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def summarize(name: str, run_dir: Path, overrides: list[str]) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_ndcg@10"]) for r in rows if "eval_ndcg@10" in r]
+    steps = max((r["step"] for r in rows if "loss" in r and "eval_ndcg@10" not in r), default=0)
+    best_step, best = max(evals, key=lambda e: e[1]) if evals else (0, None)
+    return {"name": name, "overrides": overrides, "best": best, "best_step": best_step, "steps": steps, "curve": evals}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("runs", nargs="+", metavar='NAME=DIR:"OVERRIDES"')
+    args = ap.parse_args(argv)
+    runs = []
+    for spec in args.runs:
+        name, _, rest = spec.partition("=")
+        run_dir, _, overrides = rest.partition(":")
+        runs.append(summarize(name, Path(run_dir), overrides.split()))
+    Path(args.out).write_text(json.dumps({"metric": "eval_ndcg@10 (validation)", "runs": runs}, indent=2) + "\n")
+    print(json.dumps([{k: r[k] for k in ("name", "best", "best_step")} for r in runs]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
