@@ -115,6 +115,16 @@ class FoundationConfig:
     engine, as an extra feature laid over the batch (`corpus_feature`)."""
     similarity: Literal["cosine", "dot"] = "cosine"
     """Query-item score: cosine (both L2-normalised) or the raw dot product (as SASRec scores)."""
+    loss_last_positions: int = 0
+    """Full softmax: only the last k events of each history predict their next item (the last one the
+    target); 0 = every event. With a reader that yields every target as an example (leave-one-out), each
+    target is otherwise predicted from up to max_seq_len overlapping windows per epoch, most of them with a
+    truncated context; k small trains each target mostly from its full history, as SASRec does (k = 1)."""
+    seen_item_bias: bool = False
+    """Full softmax: a learned score offset (one scalar, 0 at init) added to the items already in the user's
+    history (at position t: the items of events <= t). It lets the model learn from the data how likely a
+    user is to come back to an item (in MovieLens a movie is rated once, so it learns to demote them);
+    evaluation still ranks every item (nothing is masked)."""
     reserved_rows: int = 0
     """Rows [0, reserved_rows) are never candidates: a sequence store's vocabulary reserves 0 (padding) and
     1 (out of vocabulary), so set 2 when the store has one."""
@@ -145,10 +155,13 @@ class FoundationConfig:
         check_int(o, self, "max_seq_len", 2)
         check_int(o, self, "max_negatives", 0)
         check_int(o, self, "reserved_rows", 0)
+        check_int(o, self, "loss_last_positions", 0)
         if self.reserved_rows >= self.item_rows:
             raise field_error(o, "reserved_rows", f"must be < item_rows={self.item_rows}, got {self.reserved_rows}")
         check_choice(o, self, "retrieval_loss", RETRIEVAL_LOSSES)
         check_choice(o, self, "similarity", SIMILARITIES)
+        if self.seen_item_bias and self.retrieval_loss != "full_softmax":
+            raise field_error(o, "seen_item_bias", "needs retrieval_loss='full_softmax'")
         if self.item_vocab is not None:
             check_int(o, self, "item_vocab", 1)
             if self.item_vocab > 2**31 - 1:
@@ -456,6 +469,8 @@ class FoundationModel(SequenceEncoder):
         self.engage_item = nnx.Linear(e, d, rngs=rngs)
         self.engage_hidden = nnx.Linear(2 * d, d, rngs=rngs)
         self.engage_out = nnx.Linear(d, 1, rngs=rngs)
+        if cfg.seen_item_bias:
+            self.seen_bias = nnx.Param(jnp.zeros((), jnp.float32))
 
     def __call__(self, embeddings: Mapping, batch: Mapping) -> dict:
         mask = jnp.asarray(batch["mask"], bool)
@@ -469,6 +484,8 @@ class FoundationModel(SequenceEncoder):
         z = jax.nn.gelu(self.engage_hidden(jnp.concatenate([hidden[:, :-1], nxt], axis=-1)))
         out = {"hidden": hidden, "query": query, "item": item_n, "engage_logits": self.engage_out(z)[..., 0]}
         corpus = corpus_feature(self.cfg)
+        if self.cfg.seen_item_bias:
+            out["seen_bias"] = jnp.broadcast_to(self.seen_bias[...], mask.shape[:1])  # batch-major, as all outputs
         if corpus is not None:
             vectors = jnp.asarray(embeddings[corpus], jnp.float32)
             out["corpus"] = _l2norm(vectors) if unit else vectors
@@ -532,6 +549,10 @@ def next_items(cfg: FoundationConfig, batch: Mapping):
         at_last = (jnp.arange(mask.shape[1])[None] == last[:, None]) & (target[:, None] >= 0)
         nxt = jnp.where(at_last, target[:, None], nxt)
         valid = valid | at_last
+    if cfg.loss_last_positions:
+        pos = jnp.arange(mask.shape[1])[None]
+        last = jnp.max(jnp.where(valid, pos, -1), axis=1)  # the last position that has a next item
+        valid = valid & (pos > last[:, None] - cfg.loss_last_positions)
     return nxt, valid & (nxt >= cfg.reserved_rows)
 
 
@@ -541,18 +562,33 @@ def corpus_matrix(cfg: FoundationConfig, out: Mapping) -> jax.Array:
     return c.reshape(-1, c.shape[-1])[: cfg.item_rows]
 
 
-def candidate_scores(cfg: FoundationConfig, query, corpus):
-    """query [..., E] x corpus [N, E] -> scores [..., N] / temperature; reserved rows are -inf."""
+def candidate_scores(cfg: FoundationConfig, query, corpus, seen=None, seen_bias=None):
+    """query [..., E] x corpus [N, E] -> scores [..., N] / temperature, plus `seen_bias` where `seen` [..., N]
+    (items already in the history); reserved rows are -inf."""
     scores = jnp.einsum("...e,ne->...n", query, corpus, preferred_element_type=jnp.float32) / cfg.temperature
+    if seen is not None:
+        scores = scores + seen_bias * seen
     keep = jnp.arange(corpus.shape[0]) >= cfg.reserved_rows
     return jnp.where(keep, scores, -jnp.inf)
+
+
+def seen_items(cfg: FoundationConfig, batch: Mapping, *, causal: bool):
+    """float [B, L, N] (causal: the items of events <= t at position t) or [B, N] (the whole history): 1 where
+    the item row occurs in the history."""
+    rows = jnp.asarray(foundation_ids(cfg, {"item_ids": jnp.asarray(batch["item_ids"])})[item_features(cfg)[0]])
+    hot = jax.nn.one_hot(rows, cfg.item_rows, dtype=jnp.float32)  # -1 (padding) is all zeros
+    if causal:
+        return jnp.minimum(jnp.cumsum(hot, axis=1), 1.0)
+    return jnp.minimum(jnp.sum(hot, axis=1), 1.0)
 
 
 def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
     """Cross-entropy of every position's next item against every table row (SASRec's objective).
     Returns (mean loss, recall@recall_k, number of predicted positions)."""
     nxt, valid = next_items(cfg, batch)
-    logits = candidate_scores(cfg, out["query"], corpus_matrix(cfg, out))  # [B, L, N]
+    seen = seen_items(cfg, batch, causal=True) if cfg.seen_item_bias else None
+    bias = out["seen_bias"][0] if cfg.seen_item_bias else None
+    logits = candidate_scores(cfg, out["query"], corpus_matrix(cfg, out), seen, bias)  # [B, L, N]
     target = jnp.clip(nxt, 0, cfg.item_rows - 1)
     pos = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - pos
@@ -574,7 +610,9 @@ def foundation_score(model: FoundationModel, embeddings: Mapping, batch: Mapping
     mask = jnp.asarray(batch["mask"], bool)
     last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
     query = jnp.take_along_axis(out["query"], last[:, None, None], axis=1)[:, 0]
-    scores = candidate_scores(cfg, query, corpus_matrix(cfg, out))
+    seen = seen_items(cfg, batch, causal=False) if cfg.seen_item_bias else None
+    bias = out["seen_bias"][0] if cfg.seen_item_bias else None
+    scores = candidate_scores(cfg, query, corpus_matrix(cfg, out), seen, bias)
     if TARGET_KEY in batch:
         target = hash_ids(jnp.asarray(batch[TARGET_KEY], jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
     else:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from movielens_helpers import MOVIES, USERS, loo_targets, write_ml100k
 
 from jaxscale import evaluate, ranking
 from jaxscale.config import load_config
@@ -23,54 +24,14 @@ from jaxscale.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"
-USERS, MOVIES, L = 40, 60, 8
+L = 8
 KS = (3, 10)
-
-
-def _write_ml100k(d: Path, seed: int = 0) -> list[tuple[int, int, int, int]]:
-    """u.data + u.item in ml-100k's layout; ratings in file order (user, item, rating, ts in seconds)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for u in range(1, USERS + 1):
-        n = int(rng.integers(4, 14))
-        t0 = 880_000_000 + int(rng.integers(0, 10**6))
-        ts = t0 + np.sort(rng.integers(0, 6, n)) * 86_400 // 3  # few distinct times: many ties
-        items = rng.choice(np.arange(1, MOVIES + 1), n, replace=False, p=_zipf(MOVIES))
-        rows += [(u, int(i), int(rng.integers(1, 6)), int(t)) for i, t in zip(items, ts)]
-    order = rng.permutation(len(rows))  # users interleaved: file order is not (user, ts) order
-    rows = [rows[i] for i in order]
-    d.mkdir(parents=True)
-    (d / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
-    genres = "|".join("0" * 19)
-    lines = []
-    for m in range(1, MOVIES + 1):
-        flags = ["0"] * 19
-        if m % 7:  # every 7th movie has no genre: the 'missing' category
-            flags[1 + m % 18] = "1"
-        lines.append(f"{m}|Movie {m} (1995)|01-Jan-1995||http://x|{'|'.join(flags)}\n")
-    (d / "u.item").write_text("".join(lines))
-    assert len(genres)
-    return rows
-
-
-def _zipf(n):
-    p = 1.0 / np.arange(1, n + 1)
-    return p / p.sum()
-
-
-def _loo_targets(rows, split: str) -> dict[int, int]:
-    """Brute force: per user, ratings ordered by (ts, file order); the last is test, the one before valid."""
-    by_user: dict[int, list] = {}
-    for pos, (u, i, _, t) in enumerate(rows):
-        by_user.setdefault(u, []).append((t, pos, i))
-    back = 1 if split == "test" else 2
-    return {u: sorted(evs)[-back][2] for u, evs in by_user.items() if len(evs) > back}
 
 
 @pytest.fixture(scope="module")
 def movielens(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ml")
-    rows = _write_ml100k(tmp / "raw")
+    rows = write_ml100k(tmp / "raw")
     import_movielens(tmp / "raw", tmp / "events")
     defs = compile_definitions(ROOT / "experiments/movielens/movielens_defs.py", tmp / "defs.json")
     backfill(defs, tmp / "events" / "events", tmp / "store", sources={"items": str(tmp / "events" / "items.parquet")})
@@ -132,7 +93,7 @@ def test_cli_topk_file_and_raw_ratings_reproduce_the_json(movielens, trained, tm
         argv += ["--split", split, "--k", "3,10", "--json", str(out), "--topk", str(topk), *overrides]
         assert evaluate.main(argv) == 0
         result = json.loads(out.read_text())
-        targets = _loo_targets(rows, split)
+        targets = loo_targets(rows, split)
         assert result["examples"] == len(targets) == USERS
         assert result["candidates"] == vocab.size  # every movie of the store, never padding / OOV
         table = pq.read_table(topk).to_pydict()
@@ -154,7 +115,7 @@ def test_cli_topk_file_and_raw_ratings_reproduce_the_json(movielens, trained, tm
             assert result["metrics"][f"ndcg@{k}"] == pytest.approx(np.mean(ndcg))
         # the popularity baseline: train-split counts (every rating but each user's valid and test targets)
         counts = np.zeros(MOVIES + 1)
-        held = [_loo_targets(rows, s) for s in ("valid", "test")]
+        held = [loo_targets(rows, s) for s in ("valid", "test")]
         for _, i, _, _ in rows:
             counts[i] += 1
         for h in held:
@@ -213,7 +174,8 @@ def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, t
     assert ranking.ranking_metrics(want, got.targets, KS)["ndcg@10"] == pytest.approx(got.metrics["ndcg@10"], abs=0.03)
 
 
-def test_full_softmax_loss_is_cross_entropy_over_every_row():
+@pytest.mark.parametrize("last_k,bias", [(0, None), (2, None), (0, 0.7)])
+def test_full_softmax_loss_is_cross_entropy_over_every_row(last_k, bias):
     from jaxscale_models.foundation import FoundationConfig, full_softmax
 
     cfg = FoundationConfig(
@@ -225,6 +187,8 @@ def test_full_softmax_loss_is_cross_entropy_over_every_row():
         similarity="dot",
         temperature=0.5,
         reserved_rows=2,
+        loss_last_positions=last_k,
+        seen_item_bias=bias is not None,
     )
     rng = np.random.default_rng(0)
     b, l, e = 3, 5, 4
@@ -234,14 +198,20 @@ def test_full_softmax_loss_is_cross_entropy_over_every_row():
     query = rng.normal(size=(b, l, e)).astype(np.float32)
     corpus = rng.normal(size=(4, 3, e)).astype(np.float32)  # 12 rows laid over a batch of 4
     batch = {"item_ids": items, "mask": mask, "target_item_ids": target}
-    loss, _, count = full_softmax(cfg, {"query": jnp.asarray(query), "corpus": jnp.asarray(corpus)}, batch)
+    out = {"query": jnp.asarray(query), "corpus": jnp.asarray(corpus)}
+    if bias is not None:
+        out["seen_bias"] = jnp.full((b,), bias, jnp.float32)
+    loss, _, count = full_softmax(cfg, out, batch)
     rows = corpus.reshape(-1, e)
     nll = []
     for i in range(b):
         n = int(mask[i].sum())
         nxt = list(items[i, 1:n]) + ([target[i]] if target[i] >= 0 else [])
-        for t, y in enumerate(nxt):
+        first = len(nxt) - last_k if last_k else 0
+        for t, y in list(enumerate(nxt))[max(first, 0) :]:
             logits = rows @ query[i, t] / 0.5
+            if bias is not None:
+                logits[list(set(items[i, : t + 1]))] += bias  # the items of events <= t
             logits[:2] = -np.inf
             nll.append(np.log(np.exp(logits[2:] - logits[2:].max()).sum()) + logits[2:].max() - logits[y])
     assert int(count) == len(nll)
@@ -280,7 +250,7 @@ def test_contextual_two_tower_ranks_with_the_label_genre_as_context(movielens, t
             pq.read_table(tmp / "events" / "items.parquet")["category"].to_numpy(),
         )
     }
-    valid = _loo_targets(rows, "valid")
+    valid = loo_targets(rows, "valid")
     for j in range(len(ex)):
         e = ex[j]
         user = ex.anchor(j)[0]

@@ -7,7 +7,9 @@
 # Environment: JAXSCALE_CACHE (where the recbole wheel is kept; default ~/.cache/jaxscale),
 # MOVIELENS_SASREC=1 to also train the SASRec reference (RecBole 1.2.1's model in PyTorch, which the TorchRec
 # baseline install brings; about an hour on 2 CPU cores, so it is not part of the 25-minute run: its recorded
-# result is experiments/results/sasrec_recbole_ml100k.json), MOVIELENS_FAST=1 for a short smoke version.
+# result is experiments/results/sasrec_recbole_ml100k.json), MOVIELENS_FAST=1 for a short smoke version
+# (40 steps per model), MOVIELENS_PATH=DIR_OR_ZIP to import a MovieLens copy you have instead of fetching
+# the wheel (any layout `python -m jaxscale.sequences import movielens` reads).
 set -euo pipefail
 OUT=${1:?usage: bash experiments/movielens/run.sh OUT}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,8 +20,12 @@ OUT=$(cd "$OUT" && pwd)
 START=$(date +%s)
 log() { echo "[movielens $(($(date +%s) - START)) s] $*"; }
 
-log "fetch"
-WHEEL=$("$PY" -m jaxscale.sequences fetch-movielens --cache "$CACHE")
+if [[ -n "${MOVIELENS_PATH:-}" ]]; then
+  WHEEL=$MOVIELENS_PATH
+else
+  log "fetch"
+  WHEEL=$("$PY" -m jaxscale.sequences fetch-movielens --cache "$CACHE")
+fi
 log "import $WHEEL"
 "$PY" -m jaxscale.sequences import movielens --path "$WHEEL" --out "$OUT/events" >/dev/null
 log "compile + backfill"
@@ -32,7 +38,7 @@ log "store built; item table rows (vocabulary + padding + out-of-vocabulary): $R
 
 DATA=("data.sequences.store=$OUT/store" "data.sequences.defs=$OUT/defs.json")
 FAST=()
-if [[ "${MOVIELENS_FAST:-0}" == 1 ]]; then FAST=("train.steps=200" "train.eval_every=100"); fi
+if [[ "${MOVIELENS_FAST:-0}" == 1 ]]; then FAST=("train.steps=40" "train.eval_every=20"); fi
 
 train_and_score() {  # name config model-section [overrides...]
   local name=$1 config=$2 section=$3
