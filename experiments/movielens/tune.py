@@ -26,6 +26,7 @@ def summarize(name: str, run_dir: Path, overrides: list[str]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--base", default="", help="what the runs' overrides apply to (the starting config)")
     ap.add_argument("runs", nargs="+", metavar='NAME=DIR:"OVERRIDES"')
     args = ap.parse_args(argv)
     runs = []
@@ -33,7 +34,8 @@ def main(argv=None) -> int:
         name, _, rest = spec.partition("=")
         run_dir, _, overrides = rest.partition(":")
         runs.append(summarize(name, Path(run_dir), overrides.split()))
-    Path(args.out).write_text(json.dumps({"metric": "eval_ndcg@10 (validation)", "runs": runs}, indent=2) + "\n")
+    record = {"metric": "eval_ndcg@10 (validation)", "base": args.base, "runs": runs}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps([{k: r[k] for k in ("name", "best", "best_step")} for r in runs]))
     return 0
 

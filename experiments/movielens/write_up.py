@@ -88,7 +88,8 @@ def findings(m: dict) -> list[str]:
 
 
 def tuning_table(t: dict) -> list[str]:
-    lines = ["| run | changes from the committed config | best valid NDCG@10 | at step | steps run |"]
+    lines = [f"Starting config: {t.get('base') or 'the committed one'}.", ""]
+    lines.append("| run | overrides | best valid NDCG@10 | at step | steps run |")
     lines.append("|---|---|---|---|---|")
     for r in t["runs"]:
         lines.append(
