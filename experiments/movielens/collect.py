@@ -82,6 +82,8 @@ def collect(out: Path, seconds: float | None = None, commit: str = "unknown") ->
             "steps": s["steps"],
             "epochs": s["epochs"],
             "best_epoch": s["best_epoch"],
+            "early_stopped": s.get("early_stopped"),
+            "threads": s.get("threads"),
             "curve": [{"step": c["steps"], "eval_ndcg@10": c["ndcg@10"]} for c in s["curve"]],
         }
     for m in models.values():
