@@ -133,7 +133,7 @@ class RankingEvaluator:
             candidates = int(_gather(cand))
         topk = np.concatenate(tops)[:n].astype(np.int64)
         target = np.concatenate(targets)[:n].astype(np.int64)
-        users = np.array([examples.anchor(i)[0] for i in range(n)], np.int64)
+        users = np.asarray(examples.users, np.int64)
         metrics = ranking.ranking_metrics(topk, target, self.ks)
         return RankingResult(users, target, topk, metrics, candidates)
 

@@ -535,16 +535,21 @@ def foundation_forward(model: FoundationModel, embeddings: Mapping, batch: Mappi
     return model(embeddings, batch)
 
 
+def table_rows(cfg: FoundationConfig, item_ids):
+    """Rows of the (single, full-softmax) item table of raw item ids, -1 kept: the first table's mapping."""
+    return hash_ids(jnp.asarray(item_ids, jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
+
+
 def next_items(cfg: FoundationConfig, batch: Mapping):
     """(table rows [B, L], valid [B, L]): the item each position should predict. Position t predicts event
     t+1 of the history; the last event predicts the example's target (`target_item_ids`) when the batch has
     one (a sequence store's examples do), so every target of the data is trained on."""
     mask = jnp.asarray(batch["mask"], bool)
-    rows = jnp.asarray(foundation_ids(cfg, {"item_ids": jnp.asarray(batch["item_ids"])})[item_features(cfg)[0]])
+    rows = table_rows(cfg, batch["item_ids"])
     nxt = jnp.concatenate([rows[:, 1:], jnp.full_like(rows[:, :1], -1)], axis=1)
     valid = jnp.concatenate([mask[:, :-1] & mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
     if TARGET_KEY in batch:
-        target = hash_ids(jnp.asarray(batch[TARGET_KEY], jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
+        target = table_rows(cfg, batch[TARGET_KEY])
         last = jnp.sum(mask, axis=1) - 1  # the last event of a right-padded history
         at_last = (jnp.arange(mask.shape[1])[None] == last[:, None]) & (target[:, None] >= 0)
         nxt = jnp.where(at_last, target[:, None], nxt)
@@ -575,7 +580,7 @@ def candidate_scores(cfg: FoundationConfig, query, corpus, seen=None, seen_bias=
 def seen_items(cfg: FoundationConfig, batch: Mapping, *, causal: bool):
     """float [B, L, N] (causal: the items of events <= t at position t) or [B, N] (the whole history): 1 where
     the item row occurs in the history."""
-    rows = jnp.asarray(foundation_ids(cfg, {"item_ids": jnp.asarray(batch["item_ids"])})[item_features(cfg)[0]])
+    rows = table_rows(cfg, batch["item_ids"])
     hot = jax.nn.one_hot(rows, cfg.item_rows, dtype=jnp.float32)  # -1 (padding) is all zeros
     if causal:
         return jnp.minimum(jnp.cumsum(hot, axis=1), 1.0)
@@ -614,7 +619,7 @@ def foundation_score(model: FoundationModel, embeddings: Mapping, batch: Mapping
     bias = out["seen_bias"][0] if cfg.seen_item_bias else None
     scores = candidate_scores(cfg, query, corpus_matrix(cfg, out), seen, bias)
     if TARGET_KEY in batch:
-        target = hash_ids(jnp.asarray(batch[TARGET_KEY], jnp.int32), 0, cfg.item_rows, num_tables=1, vocab=cfg.vocab)
+        target = table_rows(cfg, batch[TARGET_KEY])
     else:
         target = jnp.full(mask.shape[:1], -1, jnp.int32)
     return scores, target

@@ -140,8 +140,10 @@ def test_cli_errors_name_the_problem(movielens, trained, tmp_path, capsys):
     assert "--checkpoint is required" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mesh", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
-def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, tmp_path):
+@pytest.mark.parametrize(
+    "mesh,topology", [((1, 8), "1d"), ((2, 4), "2d_a2a"), ((4, 2), "2d_ar")], ids=["1x8-1d", "2x4-2d_a2a", "4x2-2d_ar"]
+)
+def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, topology, tmp_path):
     """The evaluator's top-K (corpus looked up through the sharded engine, scored and ranked on the mesh)
     equals scoring on the host with the dense table and ranking with `jaxscale.ranking`."""
     from flax import nnx
@@ -153,7 +155,7 @@ def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, t
     _, work, _ = trained
     cfg = load_config(
         str(CONFIGS / "movielens_foundation.yaml"),
-        _foundation_overrides(tmp, vocab.num_indices, work, mesh, ["embedding.topology=2d_a2a"] if mesh[0] > 1 else []),
+        _foundation_overrides(tmp, vocab.num_indices, work, mesh, [f"embedding.topology={topology}"]),
     )
     trainer = Trainer(cfg, workdir=str(work), progress=False, log=False)
     state, _ = evaluate.restore(trainer, work / "best" / "checkpoints")
