@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxscale
+from jaxscale.embedding.ids import ShardedIds
 
 T = [
     jaxscale.TableConfig("items", rows=100, dim=8, pooling="sum", features=("a", "b")),
@@ -114,6 +115,31 @@ def test_plan_for_another_mesh_is_refused():
 def test_bad_ids_are_refused(ec, state, bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ec.lookup(state, ids(**bad))
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 2), (8, 3, 1, 1), ()])
+def test_ids_of_another_rank_are_refused_by_shard_batch_and_lookup(ec, state, shape):
+    """[B, L] or [B] only: a 3-D batch into a pooled table must not come back as a silently reshaped lookup."""
+    bad = np.zeros(shape, np.int32)
+    with pytest.raises(ValueError, match=r"feature 'a': ids must be \[B\] or \[B, L\], got shape"):
+        ec.shard_batch({"a": bad})
+    with pytest.raises(ValueError, match=r"feature 'a': ids must be \[B\] or \[B, L\], got shape"):
+        ec.shard_batch({"a": bad, "label": np.zeros(8, np.float32)})  # a mixed batch is checked too
+    if shape:
+        placed = jax.device_put(bad, ec.batch_sharding)  # already global arrays: the lookup checks them
+        with pytest.raises(ValueError, match=r"feature 'a': ids must be \[B\] or \[B, L\], got shape"):
+            ec.lookup(state, {"a": placed})
+        with pytest.raises(ValueError, match=r"feature 'a': ids must be \[B\] or \[B, L\]"):
+            jax.jit(ec.lookup)(state, {"a": placed})
+
+
+def test_one_id_per_example_is_a_batch_of_length_one(ec, state):
+    flat = np.arange(8, dtype=np.int32)
+    sharded = ec.shard_batch({"a": flat, "seq": flat})
+    assert isinstance(sharded, ShardedIds) and sharded["a"].shape == (8, 1)
+    out = ec.lookup(state, sharded)
+    np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(ec.lookup(state, {"a": flat[:, None]})["a"]))
+    assert out["seq"].shape == (8, 1, 8)
 
 
 def test_batch_not_divisible_by_devices(ec, state):

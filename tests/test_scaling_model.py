@@ -210,6 +210,21 @@ def test_nested_counts_equal_the_library_counts(row_assignment):
             assert fast == ref, (nodes, topology)
 
 
+def test_recount_generates_the_models_own_ids_node_slice_by_node_slice():
+    """`run_ablation.py --recount`'s first steps on a small config: one global batch, each node's slice the
+    trainer's own batch for that process, hashed into the model's tables."""
+    from jaxscale_models.foundation import FoundationConfig
+    from jaxscale_models.foundation_data import SyntheticFoundationData
+
+    cfg = FoundationConfig()
+    raw = C.generate_ids(cfg, 2, 2, 4, seed=3, log=lambda _: None)
+    assert raw.shape[0] == 2 * 2 * 4
+    data = SyntheticFoundationData(cfg, global_batch=16, seed=3)
+    np.testing.assert_array_equal(raw[8:], data.batch(0, 1, 2)["item_ids"])
+    ids = C.device_ids(cfg, raw, 4)
+    assert all(a.shape[0] == 4 for a in ids.values()) and C.ids_per_device(raw, 4) > 0
+
+
 def test_raw_row_ids_keep_hot_ids_in_the_first_block():
     raw = np.array([[0, 1, 5, -1], [7, 3, 1, 2]])
     t = TableConfig("a", 4, 8, pooling=None, features=("f",))

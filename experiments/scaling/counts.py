@@ -179,7 +179,7 @@ class NestedCounts:
 
 def generate_ids(cfg, max_nodes: int, local: int, batch_per_device: int, seed: int = 0, step: int = 0, log=print):
     """Raw item ids [max_nodes * local * batch_per_device, L] of one global batch, node slice by node slice."""
-    from jaxscale.data import SyntheticFoundationData
+    from jaxscale_models.foundation_data import SyntheticFoundationData
 
     data = SyntheticFoundationData(cfg, global_batch=max_nodes * local * batch_per_device, seed=seed)
     t0 = time.perf_counter()

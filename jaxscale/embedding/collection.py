@@ -334,9 +334,12 @@ class EmbeddingCollection:
         every process must pass the same value.
         """
         host = {name: np.asarray(x) for name, x in batch.items()}
-        is_ids = bool(host) and all(
-            n in self.feature_table and x.ndim == 2 and np.issubdtype(x.dtype, np.integer) for n, x in host.items()
-        )
+        for name, x in host.items():
+            if name in self.feature_table:
+                _check_ids_rank(name, x.shape)
+        is_ids = bool(host) and all(n in self.feature_table and np.issubdtype(x.dtype, np.integer) for n in host)
+        if is_ids:
+            host = {n: x if x.ndim == 2 else x[:, None] for n, x in host.items()}
         pending = (
             self._start_capacities({n: x.astype(np.int32, copy=False) for n, x in host.items()}, recount)
             if is_ids
@@ -361,6 +364,7 @@ class EmbeddingCollection:
                     raise ValueError(f"feature {f!r} has no table; known features: {sorted(self.feature_table)}")
                 if not jnp.issubdtype(x.dtype, jnp.integer):
                     raise TypeError(f"feature {f!r}: ids must be int32, got {x.dtype}")
+                _check_ids_rank(f, x.shape)
             if isinstance(ids, ShardedIds) and all(x.ndim == 2 and x.dtype == jnp.int32 for x in ids.values()):
                 return ids
             caps = ids.capacities if isinstance(ids, ShardedIds) else None
@@ -986,3 +990,9 @@ def _process_gather_executable():
     # check_vma=False: every device ends with the same rows (JAX types an all-to-all's result as varying)
     gather = jax.shard_map(body, mesh=mesh, in_specs=P("process"), out_specs=P(), check_vma=False)
     return mesh, jax.jit(gather)
+
+
+def _check_ids_rank(feature: str, shape: tuple[int, ...]) -> None:
+    """Ids are [B, L] or [B]: any other rank would come back as a silently reshaped lookup, so refuse it."""
+    if len(shape) not in (1, 2):
+        raise ValueError(f"feature {feature!r}: ids must be [B] or [B, L], got shape {tuple(shape)}")
