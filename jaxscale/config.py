@@ -213,10 +213,15 @@ class SequencesConfig:
     split: Literal["day", "leave_one_out"] = "day"
     """How examples split into train / held-out: 'day' (the last `eval_days` days are held out) or
     'leave_one_out' (per user: last event = test, the one before = validation, the rest = train)."""
+    as_of_mode: Literal["event", "ingest"] = "event"
+    """Which events a day-split history at ts holds: 'event' (event time < ts) or 'ingest' (also received by
+    the platform before ts: what serving answered then; see jaxscale.sequences.training)."""
 
     def __post_init__(self):
         if self.split not in ("day", "leave_one_out"):
             raise _err("split", f"must be one of ['day', 'leave_one_out'], got {self.split!r}")
+        if self.as_of_mode not in ("event", "ingest"):
+            raise _err("as_of_mode", f"must be one of ['event', 'ingest'], got {self.as_of_mode!r}")
         if self.eval_days < 0:
             raise _err("eval_days", f"must be >= 0, got {self.eval_days}")
         if self.min_history < 1:

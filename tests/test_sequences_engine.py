@@ -164,3 +164,64 @@ def test_rerun_into_store_of_other_definition_is_refused(tmp_path):
         backfill(make_defs(max_length=9), tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
     shutil.rmtree(store / "s1")
     backfill(make_defs(max_length=9), tmp_path / "events", store, sources={"items": tmp_path / "items.parquet"})
+
+
+@pytest.mark.parametrize("spill_budget", [0, 4096, 1 << 30])
+def test_backfill_spilling_to_disk_equals_brute_force(tmp_path, spill_budget):
+    """The backfill keeps frames in memory up to its budget and spills the rest per day: every budget (all
+    spilled, some, none) and thread count stores the brute force's rows, and leaves no spill file."""
+    defs = make_defs()
+    raw, items = random_log(7, tmp_path, files=3, rows=250, days=3, late=0.4, row_group_size=40)
+    store = tmp_path / "store"
+    report = backfill(defs, tmp_path / "events", store, sources={"items": items}, spill_budget=spill_budget, threads=2)
+    want, _ = reference_store(raw, defs, pd.read_parquet(items))
+    for s in defs.sequences:
+        assert_frames_equal(store_frame(read_sequence(store, s.name)), want[s.name])
+        assert not list((store / s.name / ".staging").rglob("*.arrow"))
+    assert (report.extra["spilled_bytes"] > 0) == (spill_budget < 1 << 30)
+    one = backfill(defs, tmp_path / "events", tmp_path / "one", sources={"items": items}, threads=1)
+    for s in defs.sequences:
+        assert read_sequence(tmp_path / "one", s.name).equals(read_sequence(store, s.name))
+    assert one.partitions == report.partitions
+
+
+def test_backfill_threads_must_be_positive(tmp_path):
+    random_log(8, tmp_path, files=1, rows=20, days=1)
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        backfill(
+            make_defs(),
+            tmp_path / "events",
+            tmp_path / "store",
+            sources={"items": tmp_path / "items.parquet"},
+            threads=0,
+        )
+
+
+def _mixed_rows() -> pa.Table:
+    """Good rows, a repeated event, and rows with a null in a hashed string column."""
+    return pa.table(
+        {
+            "user_id": [7, 8, None, 9, 7, 10],
+            "ts": [1000, 2000, 3000, 4000, 1000, 5000],
+            "event_type": ["click", None, "save", "save", "click", "repin"],
+            "item_id": [5, 6, 7, 8, 5, 9],
+            "surface": ["home_feed", "search", "search", None, "home_feed", "related"],
+        }
+    )
+
+
+def test_row_event_ids_are_pinned_and_equal_for_dictionary_encoded_strings():
+    """Event ids are part of the store's contract (a restarted consumer must recognise stored events): the
+    values are pinned, and reading the string columns dictionary-encoded (as backfills do) changes nothing."""
+    from jaxscale.sequences.events import validate_rows
+
+    plain = _mixed_rows()
+    encoded = plain.set_column(2, "event_type", plain.column("event_type").dictionary_encode())
+    encoded = encoded.set_column(4, "surface", encoded.column("surface").dictionary_encode())
+    want = [4551700401981622424, 4551700401981622424, 2873410072392262638]
+    for table in (plain, encoded):
+        df, bad = validate_rows(table, "log.parquet")
+        assert df.get_column("event_id").to_list() == want
+        assert df.get_column("row").to_list() == [0, 4, 5]
+        assert df.get_column("surface").cast(str).to_list() == ["home_feed", "home_feed", "related"]
+        assert bad == {"null user_id": 1, "null event_type": 1, "null surface": 1}

@@ -52,10 +52,12 @@ def random_log(
     late: float = 0.1,
     bad: bool = True,
     row_group_size: int = 64,
+    ingest: bool = False,
 ) -> tuple[pd.DataFrame, Path]:
     """Writes `files` raw Parquet files (arrival order) and an items table; returns (all raw rows with
     their file rank and row index, items path). With `bad`, some rows have nulls or unparsable values
-    (one file stores ts as strings, one item_id as floats)."""
+    (one file stores ts as strings, one item_id as floats). With `ingest`, files carry an `ingest_ts` column
+    (the arrival clock: late events arrive up to 2 days after their ts; 5% nulls, which mean ingest_ts = ts)."""
     rng = np.random.default_rng(seed)
     folder = Path(folder)
     (folder / "events").mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,9 @@ def random_log(
             for col in ("user_id", "ts", "event_type", "item_id", "surface"):
                 df.loc[rng.random(n) < 0.02, col] = None
         table = _to_arrow(df, f, rng, bad)
+        if ingest:
+            nulls = rng.random(n) < 0.05
+            table = table.append_column("ingest_ts", pa.array(arrival.astype(np.int64), pa.int64(), mask=nulls))
         pq.write_table(table, folder / "events" / f"part-{f:03d}.parquet", row_group_size=row_group_size)
         raw = pd.DataFrame(table.to_pylist())
         raw["file_rank"], raw["row"], raw["file"] = f, np.arange(len(raw)), f"part-{f:03d}.parquet"
@@ -127,6 +132,10 @@ def _to_arrow(df: pd.DataFrame, f: int, rng, bad: bool) -> pa.Table:
 # ------------------------------------------------------------------------------------------ reference
 
 
+def _is_null(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
 def _as_int(v):
     """Brute-force conversion of one raw value to int64 (None if it is not one)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -144,8 +153,12 @@ def _as_int(v):
 def reference_store(
     raw: pd.DataFrame, defs: Definitions, items: pd.DataFrame, lo_ms=None, hi_ms=None
 ) -> tuple[dict[str, pd.DataFrame], dict[str, dict[str, int]]]:
-    """({sequence: stored rows in store order}, {file: {bad reason: count}}), one row at a time."""
+    """({sequence: stored rows in store order}, {file: {bad reason: count}}), one row at a time.
+
+    An event is stored once per (sequence, day), its first arrival: events are the same when their
+    `event_id`s are (if the row has one), else when all five required values are."""
     raw_map = {r: et.name for et in defs.event_types for r in et.raw}
+    seen: set = set()
     lookup = {int(r["item_id"]): r for r in items.to_dict("records")}
     enriched = defs.enriched_fields()
     out = {s.name: [] for s in defs.sequences}
@@ -163,6 +176,9 @@ def reference_store(
                 vals[col] = _as_int(v)
                 if vals[col] is None:
                     problem = problem or f"wrong type {col}"
+        ingest = _as_int(rec.get("ingest_ts"))
+        if rec.get("ingest_ts") is not None and not _is_null(rec["ingest_ts"]) and ingest is None:
+            problem = problem or "wrong type ingest_ts"
         if problem:
             bad.setdefault(rec["file"], {}).setdefault(problem, 0)
             bad[rec["file"]][problem] += 1
@@ -170,10 +186,14 @@ def reference_store(
         if (lo_ms is not None and vals["ts"] < lo_ms) or (hi_ms is not None and vals["ts"] >= hi_ms):
             continue
         etype = raw_map.get(vals["event_type"])
+        given = rec.get("event_id")
+        ident = ("id", given) if given is not None and not _is_null(given) else tuple(sorted(vals.items()))
         for s in defs.sequences:
-            if etype not in s.event_types:
+            if etype not in s.event_types or (s.name, vals["ts"] // MS_PER_DAY, ident) in seen:
                 continue
+            seen.add((s.name, vals["ts"] // MS_PER_DAY, ident))
             row = {"user_id": vals["user_id"], "ts": vals["ts"], "arrival": (rec["file_rank"] << 32) + rec["row"]}
+            row["ingest_ts"] = vals["ts"] if ingest is None else ingest  # absent or null: received when it happened
             for f in s.fields:
                 if f == "event_type":
                     row[f] = etype
@@ -191,6 +211,16 @@ def reference_store(
             df = df.sort_values(["user_id", "ts", "arrival"], kind="mergesort").reset_index(drop=True)
         result[s.name] = df
     return result, bad
+
+
+def reference_ingest_query(rows, fields, max_length: int, user: int, as_of=None, limit=None) -> list[dict]:
+    """As `reference_query` in as_of_mode='ingest': among the events that happened (ts < as_of) AND had
+    reached the platform (ingest_ts < as_of) before as_of (brute force)."""
+    if isinstance(rows, pd.DataFrame):
+        rows = by_user(rows)
+    if as_of is not None:
+        rows = {int(user): [r for r in rows.get(int(user), []) if r["ingest_ts"] < as_of]}
+    return reference_query(rows, fields, max_length, user, as_of, limit)
 
 
 def by_user(rows: pd.DataFrame) -> dict[int, list[dict]]:

@@ -131,8 +131,10 @@ def test_cli_serve_on_a_free_port(built):
         status, body = _get(port, "/healthz")
         assert status == 200 and body == {"status": "ok"}
         assert _get(port, "/v1/users/1/sequences/s2")[0] == 200
+        proc.terminate()  # SIGTERM: a graceful stop, exit status 0
+        assert proc.wait(timeout=30) == 0
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=30)
 
 

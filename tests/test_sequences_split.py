@@ -41,8 +41,8 @@ def _log(seed: int, folder, *, users=7, files=3, rows=90, days=3):
             1: [(TWO, 1, "a"), (THREE, 0, "b")],
             2: [(THREE, 0, "a")],
         }[f % 3]
-        for u, day, et in special:
-            df.loc[len(df)] = [u, T0 + day * MS_PER_DAY + 5000, et, 10**9, "home"]
+        for u, day, et in special:  # the item differs per file: identical rows would be one event (event ids)
+            df.loc[len(df)] = [u, T0 + day * MS_PER_DAY + 5000, et, 10**9 * (f % 3 + 1), "home"]
         df = df.sample(frac=1.0, random_state=int(rng.integers(1 << 30))).reset_index(drop=True)
         table = pa.table(
             {

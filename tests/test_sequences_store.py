@@ -144,3 +144,52 @@ def test_recovery_puts_a_moved_aside_partition_back(tmp_path):
         pass
     assert read_partition(partition_dir(seq, "2026-01-05")).equals(table)
     assert not list((seq / STAGING).iterdir())
+
+
+def test_reader_refresh_loads_only_new_files(tmp_path):
+    """While a stream adds a file per micro-batch (and compacts), a reader refreshed after every commit loads
+    exactly the files it has not seen (a compaction's hard-linked files are kept), drops the removed ones,
+    and answers as a reader opened from scratch."""
+    from jaxscale.sequences.query import SequenceReader
+    from jaxscale.sequences.runtime import stream
+    from jaxscale.sequences.store import partition_files
+
+    defs = make_defs()
+    random_log(44, tmp_path, files=2, rows=150, users=5, days=2, late=0.3, bad=False)
+    reader = {}
+    seen: set = set()
+    loads = []
+
+    def check(i, report):
+        if "r" not in reader:
+            reader["r"] = SequenceReader(tmp_path / "store", "s1")
+        r = reader["r"]
+        before = r.stats["files_loaded"]
+        r.refresh()
+        on_disk = {
+            (f.parent.name, f.name, f.stat().st_ino)
+            for p in list_partitions(tmp_path / "store" / "s1").values()
+            for f in partition_files(p)
+        }
+        new = on_disk - seen
+        seen.clear()
+        seen.update(on_disk)
+        loads.append((r.stats["files_loaded"] - before, len(new) if i > 1 else r.stats["files_loaded"] - before))
+        fresh = SequenceReader(tmp_path / "store", "s1")
+        for u in range(5):
+            user = u * 7919 + 10**12
+            for t in (None, 1_767_571_200_000 + 86_400_000, 1_767_571_200_000 + 2 * 86_400_000):
+                assert r.events(user, t, 4) == fresh.events(user, t, 4)
+
+    stream(
+        defs,
+        tmp_path / "events",
+        tmp_path / "store",
+        sources={"items": tmp_path / "items.parquet"},
+        micro_batch=20,
+        max_files=3,
+        on_commit=check,
+    )
+    assert len(loads) >= 10
+    assert all(got == want for got, want in loads[1:]), loads
+    assert reader["r"].stats["files_dropped"] > 0  # compactions replaced files

@@ -57,3 +57,16 @@ def test_stream_is_visible_while_it_runs(tmp_path):
     raw_types = raw.event_type.isin(["a", "a2", "b"]).to_numpy()
     for rows, events in seen:
         assert events == int(raw_types[:rows].sum())
+
+
+def test_file_replay_rerun_adds_nothing(tmp_path):
+    """Re-running a replay into the store it filled (a restart after a crash) stores no event twice."""
+    raw, items = random_log(4, tmp_path, files=2, rows=150, days=2, late=0.3)
+    defs = make_defs()
+    backfill(defs, tmp_path / "events", tmp_path / "b", sources={"items": items})
+    stream(defs, tmp_path / "events", tmp_path / "s", sources={"items": items}, micro_batch=40)
+    again = stream(defs, tmp_path / "events", tmp_path / "s", sources={"items": items}, micro_batch=40)
+    assert again.extra["commits"]["events"] == 0
+    assert again.extra["commits"]["duplicates"] == sum(again.totals().indexed.values()) > 0
+    for name in ("s1", "s2"):
+        assert read_sequence(tmp_path / "s", name).equals(read_sequence(tmp_path / "b", name))

@@ -69,9 +69,12 @@ def test_leaf_and_root_processes_serve_a_request(tmp_path):
         assert fanout["tiny/1"]["features"] == 2 and fanout["tiny/1"]["fail_open"] is None
         expected = np.asarray(exported.call({**features, "spare": np.zeros((6,), np.float32)})["score"])
         assert wire.to_numpy(out, "tiny/1/score").tobytes() == expected.tobytes()
+        for p in reversed(procs):  # SIGTERM: a graceful stop, exit status 0
+            p.terminate()
+            assert p.wait(timeout=30) == 0
     finally:
         for p in procs:
-            p.terminate()
+            p.kill()
             p.wait(timeout=30)
 
 

@@ -42,7 +42,7 @@ REPO = HERE.parents[1]
 
 EVENT_MAP = {"click": "click", "pin_click": "click", "save": "save", "repin": "save", "closeup": "closeup"}
 MS_PER_DAY = 86_400_000
-COLUMNS = ["user_id", "ts", "arrival", "item_id", "event_type", "surface", "category"]
+COLUMNS = ["user_id", "ts", "arrival", "ingest_ts", "item_id", "event_type", "surface", "category"]
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -81,11 +81,12 @@ def checksum(out_dir: Path) -> str:
 # --------------------------------------------------------------------------------- backfill engines
 
 
-def run_jaxscale(events: Path, items: Path, out: Path, defs: Path) -> None:
+def run_jaxscale(events: Path, items: Path, out: Path, defs: Path) -> dict:
     from jaxscale.sequences.definitions import load_definitions
     from jaxscale.sequences.runtime import backfill
 
-    backfill(load_definitions(defs), events, out, sources={"items": items})
+    report = backfill(load_definitions(defs), events, out, sources={"items": items})
+    return {"threads": report.extra["threads"], "spilled_mb": report.extra["spilled_bytes"] / 2**20}
 
 
 def run_duckdb(events: Path, items: Path, out: Path, defs: Path) -> None:
@@ -101,7 +102,8 @@ def run_duckdb(events: Path, items: Path, out: Path, defs: Path) -> None:
     con.execute(
         f"""
         CREATE TEMP TABLE seq AS
-          SELECT e.user_id, e.ts, (r.rank << 32) + e.file_row_number AS arrival, e.item_id, t.name AS event_type,
+          SELECT e.user_id, e.ts, (r.rank << 32) + e.file_row_number AS arrival,
+                 coalesce(e.ingest_ts, e.ts) AS ingest_ts, e.item_id, t.name AS event_type,
                  e.surface, coalesce(i.category, -1) AS category,
                  strftime(make_timestamp((e.ts // {MS_PER_DAY}) * {MS_PER_DAY} * 1000), '%Y-%m-%d') AS dt
           FROM read_parquet(?, filename=true, file_row_number=true) e
@@ -134,6 +136,7 @@ def run_polars(events: Path, items: Path, out: Path, defs: Path) -> None:
             "user_id",
             "ts",
             (pl.col("rank") + pl.col("row").cast(pl.Int64)).alias("arrival"),
+            pl.coalesce("ingest_ts", "ts").alias("ingest_ts"),
             "item_id",
             pl.col("event_type").replace_strict(EVENT_MAP, default=None).alias("event_type"),
             "surface",
@@ -165,12 +168,12 @@ def engine_child(args) -> None:
     import jaxscale.sequences.runtime  # noqa: F401
 
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
+    times, extra = [], None
     for i in range(1 + args.warm):
         out = Path(args.out) / f"run{i}"
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
-        fn(Path(args.events), Path(args.items), out, Path(args.defs))
+        extra = fn(Path(args.events), Path(args.items), out, Path(args.defs))
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     store = Path(args.out) / "run0"
@@ -184,6 +187,7 @@ def engine_child(args) -> None:
                 "peak_rss_mb": peak / 1024,
                 "rss_after_import_mb": base_rss / 1024,
                 "checksum": checksum(out_dir),
+                **(extra or {}),
             }
         )
     )
@@ -470,6 +474,22 @@ def machine() -> dict:
     }
 
 
+def backfill_run_lines(res: dict) -> list[str]:
+    """The backfill's own machine line when it was recorded by a separate `--only backfill` run."""
+    run = res.get("backfill_run")
+    if not run:
+        return []
+    m = run["machine"]
+    return [
+        "Recorded by `python experiments/sequences/bench_sequences.py --only backfill "
+        f"--sizes {' '.join(run['sizes'])}` "
+        f"(load average at start {m['load_average'][0]:.1f}, at end {run['load_average_end'][0]:.1f}); the other "
+        "sections below come from the run named above. jaxscale's backfill holds at most `spill_budget` (256 MiB) "
+        "of transformed frames and spills the rest per day (spilled MB in the last column).",
+        "",
+    ]
+
+
 def fmt(x, digits=0):
     return "-" if x is None else f"{x:,.{digits}f}"
 
@@ -488,9 +508,10 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
         "## Backfill (7 days, 3% late events; each engine in a fresh process)",
         "",
+        *backfill_run_lines(res),
         "| events | engine | cold s | cold events/s | warm s | warm events/s | peak RSS MB "
-        "| vs faster reference (warm) | checksum |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| vs faster reference (warm) | checksum | spilled MB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for size in res["backfill"]:
         rows = size["rows"]
@@ -500,10 +521,10 @@ def write_markdown(res: dict, path: Path) -> None:
             lines.append(
                 f"| {r['events']:,} | {r['engine']} | {r['cold_s']:.2f} | {fmt(r['cold_events_per_s'])} | "
                 f"{fmt(r['warm_s'], 2)} | {fmt(r['warm_events_per_s'])} | {r['peak_rss_mb']:.0f} | {ratio:.2f}x | "
-                f"`{r['checksum']}` |"
+                f"`{r['checksum']}` | {fmt(r.get('spilled_mb'))} |"
             )
         same = len({r["checksum"] for r in rows}) == 1
-        lines.append(f"| | | | | | | | | {'all equal' if same else '**MISMATCH**'} |")
+        lines.append(f"| | | | | | | | | {'all equal' if same else '**MISMATCH**'} | |")
     lines += ["", "Target: jaxscale >= 0.8x the faster of DuckDB and Polars.", ""]
     lines += [
         "## Per-batch transform backends (one raw file)",
@@ -570,6 +591,33 @@ def update_docs(lines: list[str]) -> None:
     DOCS.write_text(f"{head}{START}\n{body}\n{END}{tail}")
 
 
+def generate_log(work: Path, n: int) -> Path:
+    """make_events.py's log of n events over 7 days (cached under `work`)."""
+    log = work / f"log-{n}"
+    if not (log / "items.parquet").exists():
+        print(f"generating {n:,} events", flush=True)
+        sh([sys.executable, str(HERE / "make_events.py"), "--out", str(log), "--events", str(n), "--days", "7"])
+    return log
+
+
+def only_backfill(args, work: Path, defs: Path) -> None:
+    """The backfill part alone, merged into the recorded results.json (its machine and load recorded beside it)."""
+    results = Path(args.out).parent / "results.json"
+    res = json.loads(results.read_text())
+    run = {"sizes": args.sizes, "machine": machine()}
+    res["backfill"] = []
+    for size in args.sizes:
+        n = int(float(size))
+        log = generate_log(work, n)
+        print(f"backfill {n:,} (load average {os.getloadavg()[0]:.1f})", flush=True)
+        res["backfill"].append({"events": n, "rows": bench_backfill(log, defs, work, n, args.warm)})
+    run["load_average_end"] = os.getloadavg()
+    res["backfill_run"] = run
+    results.write_text(json.dumps(res, indent=2) + "\n")
+    write_markdown(res, Path(args.out))
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["1e6", "1e7"])
@@ -578,6 +626,11 @@ def main() -> None:
     ap.add_argument("--serve-seconds", type=float, default=10.0)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
     ap.add_argument("--from-results", help="only rewrite the Markdown from a recorded results.json")
+    ap.add_argument(
+        "--only",
+        choices=["backfill"],
+        help="run only this part and merge it into the recorded results.json (the other parts stay as recorded)",
+    )
     ap.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)
     ap.add_argument("--events", help=argparse.SUPPRESS)
     ap.add_argument("--items", help=argparse.SUPPRESS)
@@ -593,6 +646,8 @@ def main() -> None:
     res = {"sizes": args.sizes, "machine": machine(), "backfill": [], "stream": []}
     defs = work / "defs.json"
     sh([sys.executable, "-m", "jaxscale.sequences", "compile", str(HERE / "engagement.py"), "--out", str(defs)])
+    if args.only == "backfill":
+        return only_backfill(args, work, defs)
     logs = {}
     for size in args.sizes:
         n = int(float(size))

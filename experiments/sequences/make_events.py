@@ -12,6 +12,8 @@ and <out>/items.parquet (item_id int64, category int64).
 - Event types include ones no sequence uses (impression, hide) and raw aliases (pin_click, repin).
 - A fraction `--late` of events arrives hours to two days after its timestamp (late, out of order); the
   rest within seconds. A fraction `--bad` of rows has a null in a required column (reported by backfill).
+- Every event carries `ingest_ts`, the epoch ms at which it reached the platform (its arrival time: the
+  order of the log), so `as_of_mode="ingest"` can reproduce what serving saw.
 - Extra columns (session_id, client) that the raw schema allows.
 """
 
@@ -51,7 +53,7 @@ def sample_rows(rng, weights: np.ndarray) -> np.ndarray:
 def make_log(
     events: int, days: int, users: int, items: int, categories: int, late: float, bad: float, seed: int
 ) -> tuple[pa.Table, pa.Table]:
-    """(events in arrival order with an `arrival_ms` column, items table)."""
+    """(events in arrival order with their arrival time as `ingest_ts`, items table)."""
     rng = np.random.default_rng(seed)
     item_ids = rng.choice(2**40, size=items, replace=False).astype(np.int64)
     item_cat = rng.integers(0, categories, items)
@@ -103,7 +105,7 @@ def make_log(
             "surface": arr(SURFACES[surface], "surface", pa.string()),
             "session_id": pa.array(rng.integers(0, 2**31, events)[order]),
             "client": pa.array(np.array(["ios", "android", "web"])[rng.integers(0, 3, events)][order]),
-            "arrival_ms": pa.array(arrival[order]),
+            "ingest_ts": pa.array(arrival[order]),
         }
     )
     items_table = pa.table({"item_id": item_ids[in_table], "category": item_cat[in_table].astype(np.int64)})
@@ -114,8 +116,8 @@ def write_log(out: Path, table: pa.Table, items: pa.Table, rows_per_file: int) -
     """Events partitioned by arrival day (rows in arrival order within and across files), items table."""
     out = Path(out)
     (out / "events").mkdir(parents=True, exist_ok=True)
-    arrival_day = table.column("arrival_ms").to_numpy() // MS_PER_DAY
-    events = table.drop_columns(["arrival_ms"])
+    arrival_day = table.column("ingest_ts").to_numpy() // MS_PER_DAY
+    events = table
     files = 0
     for day in np.unique(arrival_day):
         lo, hi = np.searchsorted(arrival_day, [day, day + 1])

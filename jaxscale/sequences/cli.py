@@ -1,4 +1,4 @@
-"""`python -m jaxscale.sequences {compile,backfill,stream,serve}`.
+"""`python -m jaxscale.sequences {compile,backfill,stream,produce,serve}`.
 
 Errors (a bad definition, a missing column, a locked store) print `error: ...` and exit with status 2.
 Runs print their report as JSON on stdout and save it under <store>/_reports/.
@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from jaxscale.http_server import add_server_arguments, server_options
 from jaxscale.sequences.definitions import DefinitionError
 from jaxscale.sequences.engine import EnrichmentError
 from jaxscale.sequences.events import EventsError
@@ -35,6 +36,38 @@ def _tables_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", action="append", metavar="NAME=PATH", help="table for enrichment source NAME")
 
 
+def _consume(defs, args):
+    """`stream --source`: one consumer until idle or SIGTERM/SIGINT (the micro-batch in hand finishes first)."""
+    import signal
+    import threading
+
+    from jaxscale.sequences.broker import StreamConsumer, serve_metrics
+
+    if not args.group:
+        raise ValueError("stream --source needs --group (the consumer group)")
+    consumer = StreamConsumer(
+        defs,
+        args.source,
+        args.group,
+        args.out,
+        micro_batch=args.micro_batch,
+        consumer=args.consumer,
+        partition=args.partition,
+        partitions=args.partitions,
+        sources=_sources(args),
+        max_files=args.max_files,
+        block_ms=args.block_ms,
+        claim_idle_ms=args.claim_idle_ms,
+    )
+    if args.metrics_port is not None:
+        server, _ = serve_metrics(consumer.metrics, args.metrics_port, args.metrics_host)
+        print(f"metrics on http://{args.metrics_host}:{server.server_port}/metrics", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return consumer.run(until_idle=args.until_idle, stop=stop)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m jaxscale.sequences", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -53,12 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("embedded", "ray"), default="embedded", help="where the engine runs")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (--engine ray; default: local)")
 
-    p = sub.add_parser("stream", help="replay raw events in arrival order in micro-batches, indexing incrementally")
+    p = sub.add_parser(
+        "stream", help="index events in micro-batches: from a broker (--source) or a file replay (--events)"
+    )
     p.add_argument("--defs", required=True)
-    p.add_argument("--events", required=True)
-    p.add_argument("--out", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--events", help="replay these raw Parquet files once, in arrival order")
+    src.add_argument("--source", metavar="redis://HOST:PORT/STREAM", help="consume a Redis stream (consumer group)")
+    p.add_argument("--out", "--store", dest="out", required=True, help="store directory")
     _tables_args(p)
-    p.add_argument("--micro-batch", type=int, required=True, metavar="N", help="rows per micro-batch")
+    p.add_argument("--micro-batch", type=int, required=True, metavar="N", help="events per micro-batch (at most)")
+    p.add_argument("--max-files", type=int, default=8, help="files a partition holds before its small ones merge")
+    b = p.add_argument_group("broker (--source)")
+    b.add_argument("--group", help="consumer group (created at the start of the stream if absent)")
+    b.add_argument("--consumer", help="consumer name, stable across restarts (default consumer-PARTITION)")
+    b.add_argument("--partition", type=int, default=0, help="the partition this consumer reads (0-based)")
+    b.add_argument("--partitions", type=int, default=1, help="partitions the stream is published in")
+    b.add_argument("--until-idle", type=float, metavar="SECONDS", help="stop once no entry arrived for SECONDS")
+    b.add_argument("--block-ms", type=int, default=200, help="how long one read waits for new entries")
+    b.add_argument("--claim-idle-ms", type=int, default=60_000, help="claim other consumers' entries pending this long")
+    b.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port (0 = any free one)")
+    b.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics exporter")
+
+    p = sub.add_parser("produce", help="publish raw event Parquet files to a Redis stream, in arrival order")
+    p.add_argument("--events", required=True, help="a Parquet file or a directory of them (any layout)")
+    p.add_argument("--target", required=True, metavar="redis://HOST:PORT/STREAM")
+    p.add_argument("--partitions", type=int, default=1, help="streams STREAM.0..N-1, by user (1: STREAM itself)")
+    p.add_argument("--batch", type=int, default=1024, help="events per stream entry (at most 4096)")
 
     p = sub.add_parser("serve", help="HTTP API over a store")
     p.add_argument("--store", required=True)
@@ -66,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded")
     p.add_argument("--access-log", action="store_true")
+    add_server_arguments(p)
 
     p = sub.add_parser("import", help="convert a public dataset into raw event Parquet + an items table")
     p.add_argument("dataset", choices=("movielens",))
@@ -89,10 +144,19 @@ def run(args) -> int:
         from jaxscale.sequences.definitions import load_definitions
 
         defs = load_definitions(args.defs)
-        if args.command == "stream":
+        if args.command == "stream" and args.source:
+            report = _consume(defs, args)
+        elif args.command == "stream":
             from jaxscale.sequences.runtime import stream
 
-            report = stream(defs, args.events, args.out, sources=_sources(args), micro_batch=args.micro_batch)
+            report = stream(
+                defs,
+                args.events,
+                args.out,
+                sources=_sources(args),
+                micro_batch=args.micro_batch,
+                max_files=args.max_files,
+            )
         elif args.engine == "ray":
             from jaxscale.sequences.distributed import backfill_ray
 
@@ -120,15 +184,24 @@ def run(args) -> int:
         from jaxscale.sequences.server import SequenceServer
 
         server = SequenceServer(
-            args.store, args.host, args.port, refresh_seconds=args.refresh_seconds, access_log=args.access_log
+            args.store,
+            args.host,
+            args.port,
+            refresh_seconds=args.refresh_seconds,
+            access_log=args.access_log,
+            **server_options(args),
         )
-        print(f"serving {args.store} on {server.url} (sequences: {sorted(server.store.readers)})", flush=True)
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.server_close()
+
+        def announce(url: str) -> None:
+            print(f"serving {args.store} on {url} (sequences: {sorted(server.store.readers)})", flush=True)
+
+        server.serve_forever(announce)  # until SIGTERM/SIGINT; in-flight requests finish first
+        return 0
+    if args.command == "produce":
+        from jaxscale.sequences.broker import Producer
+
+        producer = Producer(args.target, partitions=args.partitions, batch=args.batch)
+        print(json.dumps(producer.publish_files(args.events)))
         return 0
     if args.command == "import":
         from jaxscale.sequences.movielens import import_movielens

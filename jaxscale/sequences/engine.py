@@ -5,8 +5,9 @@ the normalized and enriched events with their day; `assemble(frames)` sorts a da
 store's order, (user_id, ts, arrival). Backfill, stream and the distributed runtime call exactly these two
 functions; only the way chunks are produced and days are written differs.
 
-Columnar work runs in Polars (Arrow memory, multi-threaded) and the final ordering in NumPy's lexsort;
-there is no loop over rows. experiments/sequences/RESULTS.md times the same per-batch work in Polars,
+Columnar work runs in Polars (Arrow memory, multi-threaded), the final ordering too (an arg sort over one
+rechunked frame); enrichment tables are sorted once and looked up by binary search; there is no loop over
+rows. experiments/sequences/RESULTS.md times the same per-batch work in Polars,
 pyarrow compute and DuckDB: DuckDB is the slowest for one batch, Polars and pyarrow compute trade places
 between runs on a shared 2-core machine.
 """
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxscale.sequences.definitions import RAW_FIELDS, Definitions, Enrichment, Sequence
+from jaxscale.sequences.eventid import EVENT_ID, first_arrivals
 from jaxscale.sequences.events import validate_rows
 from jaxscale.sequences.store import MS_PER_DAY, STORE_SORT_KEYS
 
@@ -35,9 +37,10 @@ class EnrichmentError(ValueError):
 
 
 def stored_columns(defs: Definitions, seq: Sequence) -> dict[str, str]:
-    """Columns of a sequence in the store, name -> type: user_id, ts, arrival, then its other fields."""
+    """Columns of a sequence in the store, name -> type: user_id, ts, arrival, ingest_ts (when the event reached
+    the platform, see `jaxscale.sequences.events`), then its other fields."""
     enriched = defs.enriched_fields()
-    cols = {"user_id": "int64", "ts": "int64", "arrival": "int64"}
+    cols = {"user_id": "int64", "ts": "int64", "arrival": "int64", "ingest_ts": "int64"}
     for f in seq.fields:
         if f not in cols:
             cols[f] = RAW_FIELDS[f] if f in RAW_FIELDS else enriched[f].fields[f]
@@ -151,27 +154,49 @@ class Engine:
     def __init__(self, defs: Definitions, tables: dict[str, pl.DataFrame]):
         self.defs = defs
         self.tables = tables
+        self._lookups: dict[str, tuple[np.ndarray, pl.DataFrame]] = {}
         self.raw_to_type = {r: et.name for et in defs.event_types for r in et.raw}
         used = {t for s in defs.sequences for t in s.event_types}
         self.raw_used = {r: t for r, t in self.raw_to_type.items() if t in used}
         self.columns = {s.name: stored_columns(defs, s) for s in defs.sequences}
         self.schemas = {name: arrow_schema(cols) for name, cols in self.columns.items()}
+        # What a partition file holds: the declared columns plus the event id (kept out of `columns`, the
+        # sequence's meta, so readers that do not deduplicate never load it).
+        self.file_columns = {name: [*cols, EVENT_ID] for name, cols in self.columns.items()}
+        self.file_schemas = {
+            name: schema.append(pa.field(EVENT_ID, pa.int64())) for name, schema in self.schemas.items()
+        }
+        clash = [name for name, cols in self.columns.items() if EVENT_ID in cols]
+        if clash:
+            raise EnrichmentError(
+                f"sequences {clash} have a field named {EVENT_ID!r}, which the store keeps for event ids"
+            )
         missing = [en.name for en in needed_enrichments(defs) if en.name not in tables]
         if missing:
             raise EnrichmentError(f"enrichments {missing} have no table")
 
     def transform(
-        self, table: pa.Table, file: str, arrival_start: int, lo_ms: int | None = None, hi_ms: int | None = None
+        self,
+        table: pa.Table,
+        file: str,
+        arrival_start: int | np.ndarray,
+        lo_ms: int | None = None,
+        hi_ms: int | None = None,
     ) -> tuple[dict[str, pl.DataFrame], ChunkStats]:
         """One raw chunk -> {sequence: normalized events with `day`}, and the chunk's row accounting.
 
-        `arrival_start` is the arrival id of the chunk's first row; events with ts outside [lo_ms, hi_ms)
-        are counted as outside the range and left out.
+        `arrival_start` is the arrival id of the chunk's first row (rows follow consecutively), or an array of
+        one arrival id per row (a broker's entries); events with ts outside [lo_ms, hi_ms) are counted as
+        outside the range and left out.
         """
         stats = ChunkStats(rows=table.num_rows)
         df, bad = validate_rows(table, file)
         stats.bad.update(bad)
-        df = df.with_columns((pl.col("row") + arrival_start).alias("arrival")).drop("row")
+        if isinstance(arrival_start, np.ndarray):  # one arrival per row of `table` (a broker's entries)
+            arrival = pl.Series("arrival", arrival_start[df.get_column("row").to_numpy()], dtype=pl.Int64)
+            df = df.with_columns(arrival).drop("row")
+        else:
+            df = df.with_columns((pl.col("row") + arrival_start).alias("arrival")).drop("row")
         if df.height:
             lo, hi = df.select(pl.col("ts").min().alias("lo"), pl.col("ts").max().alias("hi")).row(0)
             stats.first_day, stats.last_day = lo // MS_PER_DAY, hi // MS_PER_DAY
@@ -193,24 +218,58 @@ class Engine:
         out = {}
         for s in self.defs.sequences:
             sel = df.filter(pl.col("event_type").is_in(list(s.event_types))) if len(s.event_types) else df
-            out[s.name] = sel.select([*self.columns[s.name], "day"])
+            out[s.name] = sel.select([*self.file_columns[s.name], "day"])
             stats.indexed[s.name] += sel.height
         return out, stats
 
     def _enrich(self, df: pl.DataFrame) -> pl.DataFrame:
+        """Each used enrichment's fields looked up by key (a left join; a key not in the table gets the
+        field's default). The table is sorted by key once (`_lookups`) and each chunk binary-searched into it:
+        a hash join rebuilt its hash table from the whole table for every chunk, which dominated a backfill
+        of a large catalogue."""
         for en in needed_enrichments(self.defs):
-            table = self.tables[en.name]
-            df = df.join(table, on=en.key, how="left", coalesce=True)
-            df = df.with_columns(pl.col(f).fill_null(en.defaults[f]) for f in en.fields)
+            keys, table = self._lookup(en)
+            k = df.get_column(en.key).to_numpy()
+            if len(keys):
+                pos = np.minimum(sorted_positions(keys, k), len(keys) - 1)
+                hit = pl.Series(keys[pos] == k)
+            else:
+                pos, hit = np.zeros(len(k), np.int64), pl.Series(np.zeros(len(k), bool))
+            rows = pl.Series(pos, dtype=pl.Int64)
+            df = df.with_columns(
+                pl.when(hit).then(table.get_column(f).gather(rows)).otherwise(pl.lit(en.defaults[f])).alias(f)
+                for f in en.fields
+            )
         return df
+
+    def _lookup(self, en: Enrichment) -> tuple[np.ndarray, pl.DataFrame]:
+        """(sorted keys, fields in that order) of an enrichment table, built on first use."""
+        if en.name not in self._lookups:  # two threads may both build it: the same value either way
+            table = self.tables[en.name].sort(en.key)
+            self._lookups[en.name] = (table.get_column(en.key).to_numpy(), table.select(list(en.fields)))
+        return self._lookups[en.name]
 
     def assemble(self, name: str, frames: list[pl.DataFrame]) -> pa.Table:
         """A day's events of sequence `name` in store order (user_id, ts, arrival), as the stored schema."""
         df = pl.concat(frames, how="vertical", rechunk=False) if len(frames) > 1 else frames[0]
-        df = df.select(list(self.columns[name]))
-        # NumPy's lexsort on the three int64 keys measured ~1.7x faster than a multi-column DataFrame sort.
-        order = np.lexsort([df.get_column(k).to_numpy() for k in reversed(STORE_SORT_KEYS)])
-        return df[order].to_arrow().cast(self.schemas[name])
+        # One contiguous chunk first: a gather across the frames' chunks cost ~10x a gather from one, and
+        # Polars' multi-threaded arg sort then beat NumPy's lexsort ~2x (625k rows).
+        df = df.select(self.file_columns[name]).rechunk()
+        order = df.select(pl.arg_sort_by(list(STORE_SORT_KEYS)).alias("order")).get_column("order")
+        df = df[order]
+        keep = first_arrivals(df.get_column(EVENT_ID).to_numpy(), df.get_column("arrival").to_numpy())
+        if keep is not None:  # an event delivered twice: its first arrival is the one stored
+            df = df.filter(pl.Series(keep))
+        return df.to_arrow().cast(self.file_schemas[name])
+
+
+def sorted_positions(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """np.searchsorted(keys, values) for unsorted `values`, searched in sorted order (NumPy's search then
+    starts from the previous answer: ~5x faster than random probes into a large table)."""
+    order = np.argsort(values)
+    pos = np.empty(len(values), np.int64)
+    pos[order] = np.searchsorted(keys, values[order])
+    return pos
 
 
 def split_days(df: pl.DataFrame) -> dict[int, pl.DataFrame]:

@@ -1,9 +1,16 @@
 """Raw event logs: the schema, file discovery in arrival order, and per-row validation.
 
 Raw events are Parquet files with columns `user_id` int64, `ts` int64 (epoch ms), `event_type` string,
-`item_id` int64, `surface` string; extra columns are ignored. Files are found recursively (any layout,
-`dt=` partitions included) and read in sorted path order: that order, then row order, is arrival order.
-Each event's `arrival` = file rank * 2**32 + row index, a total order that breaks ties in `ts`.
+`item_id` int64, `surface` string; extra columns are ignored. Optional columns (`OPTIONAL_FIELDS`) are used
+when a file has them: `ingest_ts` int64 is the epoch ms at which the platform received the event (its
+ingestion time, what `as_of_mode="ingest"` reads). A log that never recorded arrival has no `ingest_ts`:
+every event then counts as received when it happened (ingest_ts = ts), and so does a null in the column.
+`event_id` (an integer or a string) identifies an event that a log or a broker may deliver twice; without
+it an event is identified by the hash of its required columns (`jaxscale.sequences.eventid`).
+
+Files are found recursively (any layout, `dt=` partitions included) and read in sorted path order: that
+order, then row order, is arrival order. Each event's `arrival` = file rank * 2**32 + row index, a total
+order that breaks ties in `ts`.
 
 A file missing a required column, or holding it in a type that no row could convert (a list, a bool),
 fails the run before anything is written. Row-level problems (a null, an unparsable string, a float that is
@@ -23,8 +30,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxscale.sequences.definitions import RAW_FIELDS
+from jaxscale.sequences.eventid import HASHED_STRINGS, dictionary_hashes, event_ids, is_string_dictionary
 
 ARRIVAL_ROW_BITS = 32
+INGEST_TS = "ingest_ts"
+EVENT_ID = "event_id"
+OPTIONAL_FIELDS: dict[str, str] = {INGEST_TS: "int64", EVENT_ID: "int64 or string"}
+"""Raw columns read when present: column -> type (see the module doc)."""
 MAX_FILES = 2**31 - 1
 
 
@@ -63,6 +75,8 @@ def find_event_files(events) -> list[EventFile]:
 def _convertible(typ: pa.DataType, target: str) -> bool:
     if pa.types.is_dictionary(typ):
         return _convertible(typ.value_type, target)
+    if target == "int64 or string":  # `event_id`: an integer, or a string (hashed, jaxscale.sequences.eventid)
+        return pa.types.is_integer(typ) or pa.types.is_null(typ) or _convertible(typ, "string")
     if target == "int64":
         return (
             pa.types.is_integer(typ)
@@ -83,6 +97,11 @@ def _convertible(typ: pa.DataType, target: str) -> bool:
     )
 
 
+def can_hold(typ: pa.DataType, column: str) -> bool:
+    """Whether an Arrow type can hold a raw column (required or optional) of the schema."""
+    return _convertible(typ, {**RAW_FIELDS, **OPTIONAL_FIELDS}[column])
+
+
 def check_schema(f: EventFile) -> pq.ParquetFile:
     """Opens a raw file and checks its required columns exist in a usable type (EventsError otherwise)."""
     try:
@@ -90,8 +109,10 @@ def check_schema(f: EventFile) -> pq.ParquetFile:
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise EventsError(f"events file {f.path}: not a readable Parquet file ({e})") from None
     schema = pf.schema_arrow
-    for col, target in RAW_FIELDS.items():
+    for col, target in {**RAW_FIELDS, **OPTIONAL_FIELDS}.items():
         if col not in schema.names:
+            if col in OPTIONAL_FIELDS:
+                continue
             raise EventsError(
                 f"events file {f.path}: required column {col!r} is missing (has {schema.names}); "
                 f"raw events need {dict(RAW_FIELDS)}"
@@ -130,6 +151,19 @@ def _ts_range_disjoint(pf: pq.ParquetFile, rg: int, lo_ms: int | None, hi_ms: in
     return (hi_ms is not None and st.min >= hi_ms) or (lo_ms is not None and st.max < lo_ms)
 
 
+def dictionary_columns(pf: pq.ParquetFile) -> list[str]:
+    """The hashed string columns of a file that `read_chunks` reads dictionary-encoded: decoding a string
+    page into a dictionary skips building each row's string, and the event id then hashes each distinct
+    value once (`validate_rows`)."""
+    schema = pf.schema_arrow
+    return [c for c in HASHED_STRINGS if pa.types.is_string(schema.field(c).type)]
+
+
+def read_columns(pf: pq.ParquetFile) -> list[str]:
+    """The raw columns to read from a file: the required ones, then the optional ones it has."""
+    return [*RAW_FIELDS, *(c for c in OPTIONAL_FIELDS if c in pf.schema_arrow.names)]
+
+
 def read_chunks(
     files: list[EventFile], *, lo_ms: int | None = None, hi_ms: int | None = None, row_groups=None
 ) -> Iterator[Chunk]:
@@ -137,9 +171,12 @@ def read_chunks(
 
     `row_groups` ({rank: [row group indices]}) restricts the read (the distributed runtime's work units).
     """
-    columns = list(RAW_FIELDS)
     for f in files:
         pf = check_schema(f)
+        columns = read_columns(pf)
+        dictionaries = dictionary_columns(pf)
+        if dictionaries:
+            pf = pq.ParquetFile(f.path, read_dictionary=dictionaries)
         offset = 0
         for rg in range(pf.num_row_groups):
             n = pf.metadata.row_group(rg).num_rows
@@ -157,7 +194,7 @@ def read_stream(files: list[EventFile], micro_batch: int) -> Iterator[list[Chunk
     for f in files:
         pf = check_schema(f)
         offset = 0
-        for batch in pf.iter_batches(batch_size=max(micro_batch, 1024), columns=list(RAW_FIELDS)):
+        for batch in pf.iter_batches(batch_size=max(micro_batch, 1024), columns=read_columns(pf)):
             table = pa.Table.from_batches([batch])
             while table.num_rows:
                 take = min(micro_batch - have, table.num_rows)
@@ -213,16 +250,39 @@ def _str_column(s: pl.Series) -> tuple[pl.Series, pl.Series]:
     if dtype == pl.Binary:
         v = s.cast(pl.String, strict=False)
         return v, (v.is_null() & s.is_not_null())
+    if dtype == pl.Categorical:  # kept encoded: only the rows that are stored are decoded (`Engine.assemble`)
+        return s, _no_rows(s)
     return s.cast(pl.String), _no_rows(s)
+
+
+def _ingest_column(df: pl.DataFrame, optional: list[str], ts: pl.Series, reasons: list, file: str) -> pl.Series:
+    """`ingest_ts` as Int64: the column's values (null -> ts), or ts when the table has no such column.
+    Appends its 'wrong type' reason to `reasons`."""
+    if INGEST_TS not in optional:
+        return ts.alias(INGEST_TS)
+    s = df.get_column(INGEST_TS)
+    try:
+        v, wrong = _int_column(s)
+    except TypeError:
+        raise EventsError(
+            f"events file {file}: column {INGEST_TS!r} has type {s.dtype}, which cannot hold int64"
+        ) from None
+    reasons.append((f"wrong type {INGEST_TS}", wrong.to_numpy()))
+    return pl.select(pl.coalesce(v, ts).alias(INGEST_TS)).to_series()
 
 
 def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, int]]:
     """The required columns coerced to their types plus `row` (position in `table`), good rows only,
     and {reason: count} of the bad ones ('null <col>', 'bad <col>' for a value of the wrong type).
 
-    A row with several problems is counted once, under its first problem in schema order.
+    A row with several problems is counted once, under its first problem in schema order. `ingest_ts` is
+    always in the output: the table's (a null -> ts, an unconvertible value -> 'wrong type ingest_ts'), or
+    ts for a table without it. So is `event_id` (int64): the log's, else the row's hash (see
+    `jaxscale.sequences.eventid`).
     """
-    df = pl.from_arrow(table.select(list(RAW_FIELDS)), rechunk=False)
+    optional = [c for c in OPTIONAL_FIELDS if c in table.column_names]
+    table, hashed = _decode_string_dictionaries(table.select([*RAW_FIELDS, *optional]))
+    df = pl.from_arrow(table, rechunk=False)
     if not isinstance(df, pl.DataFrame):  # pragma: no cover - one-column edge of from_arrow
         df = df.to_frame()
     n = df.height
@@ -239,6 +299,7 @@ def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, i
         reasons.append((f"null {col}", null.to_numpy()))
         reasons.append((f"wrong type {col}", wrong.to_numpy()))
         cols[col] = v
+    cols[INGEST_TS] = _ingest_column(df, optional, cols["ts"], reasons, file)
     bad = np.zeros(n, bool)
     counts: dict[str, int] = {}
     for reason, mask in reasons:
@@ -248,6 +309,21 @@ def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, i
             counts[reason] = k
         bad |= mask
     out = pl.DataFrame(cols).with_columns(pl.Series("row", np.arange(n, dtype=np.int64)))
+    raw_ids = df.get_column(EVENT_ID) if EVENT_ID in optional else None
     if bad.any():
         out = out.filter(pl.Series(~bad))
-    return out, counts
+        raw_ids = raw_ids.filter(pl.Series(~bad)) if raw_ids is not None else None
+        hashed = {col: h[~bad] for col, h in hashed.items()}
+    return out.with_columns(event_ids(out, raw_ids, hashed)), counts
+
+
+def _decode_string_dictionaries(table: pa.Table) -> tuple[pa.Table, dict[str, np.ndarray]]:
+    """`table` with its dictionary-encoded hashed string columns (`read_chunks` reads them so) as plain
+    strings, and {column: per-row BLAKE2b-64} of those columns, taken from the dictionaries (each distinct
+    string hashed once; see `jaxscale.sequences.eventid.dictionary_hashes`)."""
+    hashed = {}
+    for col in HASHED_STRINGS:
+        typ = table.schema.field(col).type
+        if is_string_dictionary(typ):
+            hashed[col] = dictionary_hashes(table.column(col))
+    return table, hashed

@@ -2,12 +2,15 @@
 
 backfill: every chunk of the log (row groups whose ts statistics fall outside --start/--end are skipped),
 grouped by (sequence, day), each day assembled and installed atomically. Days of the range with no events
-are removed, so re-running a day replaces it exactly.
+are removed, so re-running a day replaces it exactly. Transformed chunks are spilled per day and the days
+assembled one at a time (`jaxscale.sequences.spill`), so memory is bounded by a day, not the log.
 
 stream: the log replayed in arrival order in micro-batches of N rows; each micro-batch's events are
 assembled per (sequence, day) and added to their partitions as new sorted files (late events go to their
-own, older, day). A partition with more than `max_files` files is merged into one; at the end every
-touched partition is merged, so the final store holds what a backfill of the same log holds.
+own, older, day) by `jaxscale.sequences.incremental.IncrementalWriter`, which drops events already stored
+(by event id), so a re-run adds only what is missing. A partition with more than `max_files` files is
+merged into one; at the end every touched partition is merged, so the final store holds what a backfill of
+the same log holds. The broker consumer (`jaxscale.sequences.broker`) commits through the same writer.
 
 Vocabularies (`Sequence.vocabularies`, see `jaxscale.sequences.vocabulary`) are written before the
 partitions they cover: the backfill counts the whole store as it will be after the run (the days it writes
@@ -25,16 +28,18 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import polars as pl
 
 from jaxscale.sequences.definitions import Definitions
 from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
-from jaxscale.sequences.events import check_schema, find_event_files, read_chunks, read_stream
+from jaxscale.sequences.events import check_schema, find_event_files, read_stream
+from jaxscale.sequences.incremental import IncrementalWriter
+from jaxscale.sequences.spill import SPILL_BUDGET, DaySpill, default_threads, install_spilled_days, spill_chunks
 from jaxscale.sequences.store import (
     MS_PER_DAY,
-    add_partition_file,
     day_name,
     day_number,
     ensure_sequence_meta,
@@ -139,33 +144,54 @@ def backfill(
     sources: dict[str, str] | None = None,
     start: str | None = None,
     end: str | None = None,
+    threads: int | None = None,
+    spill_budget: int = SPILL_BUDGET,
 ) -> RunReport:
-    """Indexes the log into the store, replacing each day of the range exactly (see module doc)."""
+    """Indexes the log into the store, replacing each day of the range exactly (see module doc). Memory is
+    bounded by `spill_budget` bytes of transformed frames plus the chunks and days in flight, not by the
+    log (`jaxscale.sequences.spill`); `threads` worker threads (default: the usable CPUs)."""
     t0 = time.perf_counter()
     lo_ms, hi_ms = day_range_ms(start, end)
     files, engine = prepare(defs, events, sources)
     report = RunReport("backfill", str(events))
-    with open_sequences(defs, engine, store):
-        frames: dict[tuple[str, int], list[pl.DataFrame]] = defaultdict(list)
-        for chunk in read_chunks(files, lo_ms=lo_ms, hi_ms=hi_ms):
-            out, stats = engine.transform(chunk.table, chunk.file.name, chunk.arrival_start, lo_ms, hi_ms)
-            report.add(chunk.file.name, stats)
-            for name, df in out.items():
-                for day, part in split_days(df).items():
-                    frames[(name, day)].append(part)
-        total = report.totals()
-        first = day_number(start) if start else total.first_day
-        last = day_number(end) if end else total.last_day
-        days = range(first, last + 1) if first is not None and last is not None else range(0)
+    threads = default_threads() if threads is None else _check_threads(threads)
+    with open_sequences(defs, engine, store), ThreadPoolExecutor(threads) as pool:
         vocab = VocabularyWriter(store, defs)
-        for s in defs.sequences:
-            if s.vocabularies:
-                update_vocabularies(vocab, Path(store) / s.name, frames, days)
-        for s in defs.sequences:
-            report.partitions[s.name], report.removed[s.name] = install_days(engine, Path(store) / s.name, days, frames)
+        counters = {s.name: {f: IdCounter() for f in vocab.fields(s.name)} for s in defs.sequences}
+        spill = DaySpill(Path(store), [s.name for s in defs.sequences], spill_budget)
+        try:
+            for file, stats in spill_chunks(engine, files, spill, counters, lo_ms, hi_ms, pool, threads):
+                report.add(file, stats)
+            total = report.totals()
+            first = day_number(start) if start else total.first_day
+            last = day_number(end) if end else total.last_day
+            days = range(first, last + 1) if first is not None and last is not None else range(0)
+            saved = pool.submit(save_vocabularies, vocab, defs, Path(store), days, counters)
+            for s in defs.sequences:
+                seq_dir = Path(store) / s.name
+                written, removed = install_spilled_days(engine, seq_dir, days, spill, pool, threads, saved)
+                report.partitions[s.name], report.removed[s.name] = written, removed
+            saved.result()
+        finally:
+            spill.remove()
     report.seconds = time.perf_counter() - t0
+    report.extra["threads"] = threads
+    report.extra["spilled_bytes"] = spill.spilled_bytes
     report.extra["range"] = {"start": day_name(days[0]), "end": day_name(days[-1])} if len(days) else None
     return report
+
+
+def save_vocabularies(vocab: VocabularyWriter, defs: Definitions, store: Path, days, counters) -> None:
+    """A backfill's vocabularies (the ids counted in its map phase) extended and saved, every sequence."""
+    for s in defs.sequences:
+        if s.vocabularies:
+            update_vocabularies(vocab, store / s.name, {}, days, counters[s.name])
+
+
+def _check_threads(threads) -> int:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    return threads
 
 
 def update_vocabularies(vocab: VocabularyWriter, seq_dir: Path, frames, days=None, counters=None) -> None:
@@ -238,47 +264,40 @@ def stream(
     t0 = time.perf_counter()
     files, engine = prepare(defs, events, sources)
     report = RunReport("stream", str(events))
-    token = uuid.uuid4().hex[:8]
-    touched: dict[str, set[str]] = {s.name: set() for s in defs.sequences}
     with open_sequences(defs, engine, store):
-        vocab = VocabularyWriter(store, defs)
-        for s in defs.sequences:  # a vocabulary exists (maybe empty) from the start of the run
-            for f in s.vocabularies:
-                if vocab.current[(s.name, f)] is None:
-                    vocab.update(s.name, f, IdCounter())
+        writer = IncrementalWriter(defs, engine, store, max_files=max_files)
+        writer.start()
         batches = 0
         for batches, chunks in enumerate(read_stream(files, micro_batch), start=1):
             frames: dict[tuple[str, int], list[pl.DataFrame]] = defaultdict(list)
             for chunk in chunks:
                 out, stats = engine.transform(chunk.table, chunk.file.name, chunk.arrival_start)
                 report.add(chunk.file.name, stats)
-                for name, df in out.items():
-                    for day, part in split_days(df).items():
-                        frames[(name, day)].append(part)
-            for s in defs.sequences:  # the micro-batch's new ids first, then its files
-                if s.vocabularies:
-                    update_vocabularies(vocab, Path(store) / s.name, frames)
-            for (name, day_num), parts in sorted(frames.items()):
-                day = day_name(day_num)
-                table = engine.assemble(name, parts)
-                add_partition_file(Path(store) / name, day, table, f"part-{batches:010d}-{token}.parquet")
-                touched[name].add(day)
-                if len(partition_files(partition_dir(Path(store) / name, day))) > max_files:
-                    compact_partition(engine, store, name, day, keep_largest=True)
+                add_frames(frames, out)
+            writer.commit(frames, batches)
             if on_commit is not None:
                 on_commit(batches, report)
-        for name, days in touched.items():
-            for day in sorted(days):
-                compact_partition(engine, store, name, day)
-    for s in defs.sequences:
-        parts = list_partitions(Path(store) / s.name)
-        report.partitions[s.name] = {
-            d: sum(_rows(f) for f in partition_files(p)) for d, p in parts.items() if d in touched[s.name]
-        }
-    report.seconds = time.perf_counter() - t0
+        writer.finish()
+    finish_stream_report(report, writer, store, t0)
     report.extra["micro_batches"] = batches
     report.extra["micro_batch"] = micro_batch
     return report
+
+
+def add_frames(frames: dict[tuple[str, int], list[pl.DataFrame]], out: dict[str, pl.DataFrame]) -> None:
+    """Files one transformed chunk ({sequence: frame}) under its (sequence, day) keys."""
+    for name, df in out.items():
+        for day, part in split_days(df).items():
+            frames[(name, day)].append(part)
+
+
+def finish_stream_report(report: RunReport, writer: IncrementalWriter, store, t0: float) -> None:
+    """Rows of every partition the stream touched, what its commits did, and the run's time."""
+    for name, days in writer.touched.items():
+        parts = list_partitions(Path(store) / name)
+        report.partitions[name] = {d: sum(_rows(f) for f in partition_files(p)) for d, p in parts.items() if d in days}
+    report.extra["commits"] = writer.totals.to_json()
+    report.seconds = time.perf_counter() - t0
 
 
 def _rows(path: Path) -> int:

@@ -1,18 +1,26 @@
-"""The serving API: a threaded HTTP server over the store's in-memory index.
+"""The serving API over the store's in-memory index, on the shared HTTP layer (`jaxscale.http_server`).
 
-    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense
+    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense&as_of_mode=event|ingest
       200 {"user_id": 42, "sequence": "engagement", "events": [{"item_id": ..., "ts": ..., ...}, ...]}
           the user's last min(N, max_length) events with ts < T (epoch ms; every indexed event when as_of
           is absent), oldest first, ties in ts in arrival order; a user without events gets an empty list.
           ids=dense (default raw): the sequence's vocabulary fields hold dense indices (OOV = 1)
+          as_of_mode=ingest (default event): only events that had arrived by T (the store's ingestion time)
       400 {"error": ...}  user_id, as_of or limit malformed (not an integer, out of range, negative limit),
                           ids neither raw nor dense, ids=dense on a sequence without a stored vocabulary,
-                          a parameter repeated or unknown
+                          as_of_mode neither event nor ingest, a parameter repeated or unknown
       404 {"error": ...}  unknown sequence (or path)
+      405 {"error": ...}  a method other than GET (except batchGet below)
+    POST /v1/sequences/{name}:batchGet   body {"user_ids": [...], "as_of": T?, "limit": N?, "ids": "raw|dense"?,
+                                               "as_of_mode": "event|ingest"?}
+      200 {"sequence": name, "results": [{"user_id": u, "events": [...]}, ...]}  in request order, each result's
+          events equal to the GET answer for that user; at most MAX_BATCH_USERS user ids (413 above)
+      400 {"error": "<field>: ..."}  a malformed body or field, an unknown field
     GET /v1/sequences   the store's sequences with their fields, max_length, days and event counts
-    GET /healthz        {"status": "ok"}
+    GET /healthz        {"status": "ok"}     GET /metrics   Prometheus text
 
-The index reloads changed partitions in the background every `refresh_seconds`, so a running backfill or
+With a tokens file, a token must grant the sequence named in the path (401 without/unknown token, 403 without
+access). The index reloads changed partitions in the background every `refresh_seconds`, so a running backfill or
 stream becomes visible without a restart (each partition is swapped in whole).
 """
 
@@ -21,20 +29,35 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs
 
+from jaxscale.http_server import (
+    BackgroundServer,
+    Request,
+    Response,
+    Route,
+    ServerConfig,
+    Service,
+    path_resource,
+    serve_until_signal,
+)
 from jaxscale.sequences.query import ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
-_ROUTE = re.compile(r"^/v1/users/([^/]+)/sequences/([^/]+)$")
 _INT = re.compile(r"^[+-]?[0-9]+$")
-PARAMS = ("as_of", "limit", "ids")
+PARAMS = ("as_of", "limit", "ids", "as_of_mode")
+AS_OF_MODES = ("event", "ingest")
+BATCH_FIELDS = ("user_ids", "as_of", "limit", "ids", "as_of_mode")
+MAX_BATCH_USERS = 1000
+USER_ROUTE = "/v1/users/{user_id}/sequences/{name}"
 
 
 class BadRequest(ValueError):
+    pass
+
+
+class TooLarge(ValueError):
     pass
 
 
@@ -49,8 +72,8 @@ def parse_int(name: str, raw: str, minimum: int = INT64_MIN) -> int:
     return value
 
 
-def parse_query(query: str) -> tuple[int | None, int | None, str]:
-    """(as_of, limit, ids) from a query string, strictly (ids: 'raw', the default, or 'dense')."""
+def parse_query(query: str) -> tuple[int | None, int | None, str, str]:
+    """(as_of, limit, ids, as_of_mode) from a query string, strictly (defaults: ids 'raw', as_of_mode 'event')."""
     try:
         params = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=16)
     except ValueError as e:
@@ -66,7 +89,51 @@ def parse_query(query: str) -> tuple[int | None, int | None, str]:
     ids = params["ids"][0] if "ids" in params else "raw"
     if ids not in ID_MODES:
         raise BadRequest(f"ids must be one of {list(ID_MODES)}, got {ids!r}")
-    return as_of, limit, ids
+    mode = params["as_of_mode"][0] if "as_of_mode" in params else "event"
+    if mode not in AS_OF_MODES:
+        raise BadRequest(f"as_of_mode must be one of {list(AS_OF_MODES)}, got {mode!r}")
+    return as_of, limit, ids, mode
+
+
+def _json_int(name: str, value, minimum: int = INT64_MIN) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{name}: must be an integer, got {json.dumps(value)[:80]}")
+    if not minimum <= value <= INT64_MAX:
+        low = "0" if minimum == 0 else "-2**63"
+        raise BadRequest(f"{name}: must be in [{low}, 2**63 - 1], got {value}")
+    return value
+
+
+def _json_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise BadRequest(f"{name}: must be one of {list(choices)}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def parse_batch(body: bytes) -> tuple[list[int], int | None, int | None, str, str]:
+    """(user_ids, as_of, limit, ids, as_of_mode) from a batchGet body, strictly; BadRequest names the field."""
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise BadRequest(f"body: must be a JSON object: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest('body: must be a JSON object {"user_ids": [...], ...}')
+    unknown = sorted(set(doc) - set(BATCH_FIELDS))
+    if unknown:
+        raise BadRequest(f"{unknown[0]}: unknown field (known: {list(BATCH_FIELDS)})")
+    if "user_ids" not in doc:
+        raise BadRequest("user_ids: required")
+    users = doc["user_ids"]
+    if not isinstance(users, list):
+        raise BadRequest(f"user_ids: must be a list of integers, got {json.dumps(users)[:80]}")
+    if len(users) > MAX_BATCH_USERS:
+        raise TooLarge(f"user_ids: {len(users)} users exceed the limit of {MAX_BATCH_USERS} per request")
+    user_ids = [_json_int(f"user_ids[{i}]", u) for i, u in enumerate(users)]
+    as_of = None if doc.get("as_of") is None else _json_int("as_of", doc["as_of"])
+    limit = None if doc.get("limit") is None else _json_int("limit", doc["limit"], minimum=0)
+    ids = _json_choice("ids", doc.get("ids", "raw"), ID_MODES)
+    mode = _json_choice("as_of_mode", doc.get("as_of_mode", "event"), AS_OF_MODES)
+    return user_ids, as_of, limit, ids, mode
 
 
 class SequenceStore:
@@ -103,86 +170,114 @@ def _describe(vocab) -> dict | None:
     return None if vocab is None else {"version": vocab.version, "size": vocab.size, "num_indices": vocab.num_indices}
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connection
-    server_version = "jaxscale-sequences/1"
+def _compact(body, status: int = 200) -> Response:
+    text = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return Response(status, text.encode())
 
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        if self.server.access_log:
-            super().log_message(format, *args)
 
-    def _send(self, status: int, body) -> None:
-        data = (body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+def _unrouted(request: Request, allowed: list[str]) -> Response:
+    """The API's historical answers: 405 for any method but GET, else 404 naming the path."""
+    if request.method != "GET":
+        return _compact({"error": f"method {request.method} not allowed; use GET"}, 405)
+    return _compact({"error": f"no route {request.path!r}; use /v1/users/{{user_id}}/sequences/{{name}}"}, 404)
 
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        try:
-            status, body = self.route()
-        except BadRequest as e:
-            status, body = HTTPStatus.BAD_REQUEST, {"error": str(e)}
-        except Exception as e:  # never leave the client without an answer
-            status, body = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"}
-        self._send(status, body)
 
-    def _not_allowed(self):
-        length = self.headers.get("Content-Length")
-        if length and length.isdigit() and int(length) <= 1 << 20:
-            self.rfile.read(int(length))  # keep the connection's framing intact
-        else:
-            self.close_connection = True
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"method {self.command} not allowed; use GET"})
+class SequenceAPI:
+    """The route handlers over one `SequenceStore`."""
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
+    def __init__(self, store: SequenceStore):
+        self.store = store
 
-    def route(self) -> tuple[int, dict]:
-        url = urlsplit(self.path)
-        store: SequenceStore = self.server.store
-        if url.path == "/healthz":
-            return HTTPStatus.OK, {"status": "ok"}
-        if url.path == "/v1/sequences":
-            return HTTPStatus.OK, {"sequences": store.describe()}
-        m = _ROUTE.match(url.path)
-        if not m:
-            return HTTPStatus.NOT_FOUND, {
-                "error": f"no route {url.path!r}; use /v1/users/{{user_id}}/sequences/{{name}}"
-            }
-        name = unquote(m.group(2))
-        reader = store.readers.get(name)
+    def routes(self) -> list[Route]:
+        seq = path_resource("name")
+        return [
+            Route("GET", "/healthz", lambda r: _compact({"status": "ok"}), public=True, inline=True),
+            Route("GET", "/v1/sequences", lambda r: _compact({"sequences": self.store.describe()})),
+            Route("GET", USER_ROUTE, self._guard(self.get_user), resources=seq),
+            Route("POST", "/v1/sequences/{name}:batchGet", self._guard(self.batch_get), resources=seq),
+        ]
+
+    @staticmethod
+    def _guard(handler):
+        def guarded(request: Request) -> Response:
+            try:
+                return handler(request)
+            except BadRequest as e:
+                return _compact({"error": str(e)}, 400)
+            except TooLarge as e:
+                return _compact({"error": str(e)}, 413)
+
+        return guarded
+
+    def _reader(self, name: str) -> SequenceReader | Response:
+        reader = self.store.readers.get(name)
         if reader is None:
-            return HTTPStatus.NOT_FOUND, {"error": f"unknown sequence {name!r}; the store has {sorted(store.readers)}"}
-        user_id = parse_int("user_id", unquote(m.group(1)))
-        as_of, limit, ids = parse_query(url.query)
+            return _compact({"error": f"unknown sequence {name!r}; the store has {sorted(self.store.readers)}"}, 404)
+        return reader
+
+    @staticmethod
+    def _events(reader, user_id: int, as_of, limit, ids: str, mode: str) -> str:
+        kw = {"as_of_mode": mode} if mode == "ingest" else {}
         try:
-            events = reader.events_json(user_id, as_of, limit, ids=ids)
+            return reader.events_json(user_id, as_of, limit, ids=ids, **kw)
         except ValueError as e:  # ids=dense without a vocabulary
             raise BadRequest(str(e)) from None
-        return HTTPStatus.OK, f'{{"user_id":{user_id},"sequence":{json.dumps(name)},"events":{events}}}'
+
+    def get_user(self, request: Request) -> Response:
+        name = request.params["name"]
+        reader = self._reader(name)
+        if isinstance(reader, Response):
+            return reader
+        user_id = parse_int("user_id", request.params["user_id"])
+        as_of, limit, ids, mode = parse_query(request.query_string)
+        events = self._events(reader, user_id, as_of, limit, ids, mode)
+        return _compact(f'{{"user_id":{user_id},"sequence":{json.dumps(name)},"events":{events}}}')
+
+    def batch_get(self, request: Request) -> Response:
+        name = request.params["name"]
+        reader = self._reader(name)
+        if isinstance(reader, Response):
+            return reader
+        user_ids, as_of, limit, ids, mode = parse_batch(request.body)
+        results = ",".join(
+            f'{{"user_id":{u},"events":{self._events(reader, u, as_of, limit, ids, mode)}}}' for u in user_ids
+        )
+        return _compact(f'{{"sequence":{json.dumps(name)},"results":[{results}]}}')
 
 
-class SequenceServer(ThreadingHTTPServer):
-    """`ThreadingHTTPServer` over a store, with a background refresh thread."""
+class SequenceServer:
+    """The API over a store on the shared HTTP layer, with a background refresh thread.
 
-    daemon_threads = True
+    ``SequenceServer(store, host, port, refresh_seconds=..., **options)``: ``options`` are `ServerConfig` fields
+    (max_in_flight, tokens_file, tls_cert, tls_key, ...). `start()` serves on a background thread (then
+    `shutdown()` + `server_close()`, or `stop()`); `serve_forever()` serves in the foreground until SIGTERM."""
 
-    def __init__(
-        self, store, host: str = "127.0.0.1", port: int = 0, *, refresh_seconds: float = 1.0, access_log=False
-    ):
+    def __init__(self, store, host: str = "127.0.0.1", port: int = 0, *, refresh_seconds: float = 1.0, **options):
+        self.config = ServerConfig(host=host, port=port, **options)
         self.store = SequenceStore(store)
-        self.access_log = access_log
         self.refresh_seconds = refresh_seconds
+        self.service = Service(
+            SequenceAPI(self.store).routes(),
+            self.config,
+            name="jaxscale-sequences",
+            metrics_prefix="jaxscale_sequences",
+            unrouted=_unrouted,
+        )
+        self._background: BackgroundServer | None = None
         self._stop = threading.Event()
-        super().__init__((host, port), Handler)
-        self._refresher = threading.Thread(target=self._refresh_loop, name="store-refresh", daemon=True)
-        self._refresher.start()
+        self._refresher: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.service.url
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        return self.service.address
+
+    def _start_refresh(self) -> None:
+        self._refresher = threading.Thread(target=self._refresh_loop, name="store-refresh", daemon=True)
+        self._refresher.start()
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_seconds):
@@ -191,13 +286,32 @@ class SequenceServer(ThreadingHTTPServer):
             except Exception as e:  # keep serving the last good index
                 print(f"warning: store refresh failed: {e}", flush=True)
 
-    def server_close(self) -> None:
+    def start(self) -> SequenceServer:
+        self._background = BackgroundServer(self.service).start()
+        self._start_refresh()
+        return self
+
+    def stop(self) -> None:
+        """Graceful: in-flight requests finish first."""
         self._stop.set()
-        super().server_close()
+        if self._background is not None:
+            self._background.stop()
+            self._background = None
+
+    shutdown = stop
+
+    def server_close(self) -> None:
+        self.stop()
+
+    def serve_forever(self, announce=lambda url: None) -> None:
+        """Serve until SIGTERM/SIGINT, then finish in-flight requests and return."""
+        self._start_refresh()
+        try:
+            serve_until_signal(self.service, announce)
+        finally:
+            self._stop.set()
 
 
 def serve_in_thread(store, host: str = "127.0.0.1", port: int = 0, **kw) -> SequenceServer:
     """Starts a server on a background thread (tests, notebooks); `shutdown()` + `server_close()` stop it."""
-    server = SequenceServer(store, host, port, **kw)
-    threading.Thread(target=server.serve_forever, name="sequence-server", daemon=True).start()
-    return server
+    return SequenceServer(store, host, port, **kw).start()

@@ -20,6 +20,12 @@ Two ways to split the store into examples (`split_mode`, the config's `data.sequ
   Examples are ordered by (user_id, position): valid and test hold one example per user, in increasing
   user id (`users_of_split()`).
 
+`as_of_mode` (the config's `data.sequences.as_of_mode`, day split only) says which events a history at ts
+may hold: 'event' (default) every stored event with event time < ts; 'ingest' only those that had also
+reached the platform before ts (ingest_ts < ts), i.e. exactly what serving answered at that moment, so a
+late event never appears in a history it could not have been served in. Anchors and `min_history` are
+the same in both modes (they count stored events by event time).
+
 Batches have the foundation model's format (see `jaxscale.data`), right-padded to `max_seq_len`:
 
     item_ids    int32  raw item id if in [0, 2**31 - 2], otherwise splitmix64(id) mod (2**31 - 1); -1 pad
@@ -57,7 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxscale.sequences.definitions import Definitions, load_definitions
-from jaxscale.sequences.query import SequenceReader, open_reader
+from jaxscale.sequences.query import AS_OF_MODES, SequenceReader, open_reader
 
 INT32_ID_LIMIT = 2**31 - 1
 """Raw ids in [0, INT32_ID_LIMIT) are kept; others are hashed into that range."""
@@ -156,6 +162,7 @@ class PointInTimeExamples:
         eval_days: int = 1,
         min_history: int = 1,
         split_mode: str = "day",
+        as_of_mode: str = "event",
     ):
         self.store, self.sequence_name = str(store), sequence
         self.defs = defs if isinstance(defs, Definitions) else load_definitions(defs)
@@ -166,6 +173,14 @@ class PointInTimeExamples:
         if split_mode not in SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {SPLIT_MODES}, got {split_mode!r}")
         self.split_mode = split_mode
+        if as_of_mode not in AS_OF_MODES:
+            raise ValueError(f"as_of_mode must be one of {list(AS_OF_MODES)}, got {as_of_mode!r}")
+        if as_of_mode != "event" and split_mode != "day":
+            raise ValueError(
+                f"as_of_mode={as_of_mode!r} needs split_mode='day' (a leave_one_out history is positional, not "
+                "a point in time)"
+            )
+        self.as_of_mode = as_of_mode
         if split_mode == "leave_one_out":
             if split not in (*LOO_SPLITS, "eval"):
                 raise ValueError(
@@ -329,7 +344,7 @@ class PointInTimeExamples:
         in leave_one_out the events just before its target in (ts, arrival) order."""
         if self.split_mode == "day":
             return self.example(int(self.users[index]), int(self.anchor_ts[index]))
-        return self._fill(self._slices_before(index))
+        return self._fill([(part, slice(lo, hi)) for part, lo, hi in self._slices_before(index)])
 
     def _slices_before(self, index: int):
         """[(partition, lo, hi)], oldest first: the user's last min(max_seq_len, max_length) stored events
@@ -382,20 +397,22 @@ class PointInTimeExamples:
         }
 
     def example(self, user_id: int, as_of: int) -> dict[str, np.ndarray]:
-        """A point-in-time history: the user's last max_seq_len events with ts < as_of, in the model's format
-        (the day split's history; no target keys)."""
-        return self._fill(self.reader.slices(user_id, as_of, self.max_seq_len))
+        """A point-in-time history: the user's last max_seq_len events before as_of (in `as_of_mode`), in the
+        model's format (the day split's history; no target keys)."""
+        return self._fill(self.reader.slices(user_id, as_of, self.max_seq_len, as_of_mode=self.as_of_mode))
 
     def _fill(self, slices) -> dict[str, np.ndarray]:
-        """The padded history arrays of [(partition, lo, hi)] slices, oldest first."""
+        """The padded history arrays of [(partition or segment, rows)] pieces (rows: a slice or an index
+        array), oldest first."""
         out = self._padding()
         at = 0
-        for part, lo, hi in slices:
+        for part, rows in slices:
             cols = self._model_columns(part)
+            n = rows.stop - rows.start if isinstance(rows, slice) else len(rows)
             for k in out:
                 if k in cols:
-                    out[k][at : at + hi - lo] = cols[k][lo:hi]
-            at += hi - lo
+                    out[k][at : at + n] = cols[k][rows]
+            at += n
         out["mask"][:at] = True
         return out
 
@@ -429,9 +446,18 @@ class SequenceBatches:
         max_seq_len, num_actions, num_surfaces) and any options a subclass adds (`model_options`)."""
         s = config.data.sequences
         split_mode = getattr(s, "split", "day")
+        as_of_mode = getattr(s, "as_of_mode", "event")
+        params = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        if as_of_mode != "event":
+            if "as_of_mode" not in params and not takes_any:
+                raise ValueError(
+                    f"data.sequences.as_of_mode={as_of_mode!r}: the data source {cls.__qualname__} supports only "
+                    "the event mode (it takes no as_of_mode)"
+                )
+            model_options = {"as_of_mode": as_of_mode, **model_options}
         if split_mode != "day":
-            params = inspect.signature(cls.__init__).parameters
-            if "split_mode" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            if "split_mode" not in params and not takes_any:
                 raise ValueError(
                     f"data.sequences.split={split_mode!r}: the data source {cls.__qualname__} supports only the "
                     f"day split (it takes no split_mode)"
@@ -471,6 +497,7 @@ class SequenceBatches:
         eval_days: int = 1,
         min_history: int = 1,
         split_mode: str = "day",
+        as_of_mode: str = "event",
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
@@ -488,6 +515,8 @@ class SequenceBatches:
         # split_mode reaches the source only when it is not the default, so a subclass's source that predates
         # it keeps working in the day split
         extra = {} if split_mode == "day" else {"split_mode": split_mode}
+        if as_of_mode != "event":
+            extra["as_of_mode"] = as_of_mode
         self.source = self._make_source(
             store,
             sequence,

@@ -2,8 +2,11 @@
 
     POST /predict     Arrow IPC features -> Arrow IPC outputs (one column per output)
     GET  /signature   the model's signature (JSON)
-    GET  /metrics     Prometheus text
+    GET  /metrics     Prometheus text (the HTTP layer's metrics and the leaf's own)
     GET  /healthz
+
+Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict and /signature need a
+token granting the model's name.
 
 A request must carry every feature the model uses, with the declared dtype and shape (else 400 naming the
 feature). Declared features the compiled function never reads may be absent: the leaf passes zeros for them,
@@ -17,17 +20,28 @@ import argparse
 import bisect
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
 import pyarrow as pa
 
+from jaxscale.http_server import (
+    BackgroundServer,
+    HTTPError,
+    Request,
+    Response,
+    Route,
+    ServerConfig,
+    Service,
+    add_server_arguments,
+    serve_until_signal,
+    server_options,
+)
 from jaxscale.serving import wire
 from jaxscale.serving.export import ExportedModel, load_model
-from jaxscale.serving.http import BackgroundServer, HTTPError, Request, Response
-from jaxscale.serving.metrics import PROMETHEUS_MEDIA_TYPE, MetricDef, Metrics
+from jaxscale.serving.metrics import MetricDef, Metrics
 from jaxscale.serving.signature import FeatureError
 
 log = logging.getLogger(__name__)
@@ -52,11 +66,9 @@ class LeafConfig:
     store: str | Path
     model: str
     version: str
-    host: str = "127.0.0.1"
-    port: int = 0
     batch_buckets: tuple[int, ...] = ()
     warmup: bool = False  # compile every bucket at start-up
-    max_body_bytes: int = 256 << 20
+    server: ServerConfig = field(default_factory=ServerConfig)  # host, port, in-flight bound, tokens, TLS, ...
 
     def __post_init__(self):
         buckets = tuple(self.batch_buckets)
@@ -75,9 +87,10 @@ class Leaf:
         self._call = jax.jit(self.model.exported.call)
         self.metrics = Metrics("jaxscale_leaf", LEAF_METRICS)
         self._server: BackgroundServer | None = None
-        if config.warmup:
+        if config.warmup:  # compile every bucket, and load what decoding a request imports (pyarrow -> pandas)
             for b in config.batch_buckets:
-                self._run(self._zeros(b))
+                batch = wire.to_record_batch(self._zeros(b))
+                self._run({s.name: wire.to_numpy(batch, s.name) for s in self.signature.features})
 
     # ------------------------------------------------------------------------------------------- predicting
 
@@ -152,21 +165,28 @@ class Leaf:
         finally:
             self.metrics.inc("requests", status=status)
 
-    def routes(self):
+    def _model_resource(self, request: Request) -> tuple[str]:
+        """What a bearer token must grant to call this leaf: its model's name."""
+        return (self.signature.model,)
+
+    def routes(self) -> list[Route]:
         label = {"model": self.signature.model, "version": self.signature.version}
-        return {
-            ("POST", "/predict"): self._predict,
-            ("GET", "/signature"): lambda r: Response.json(self.signature.to_json()),
-            ("GET", "/metrics"): lambda r: Response(200, self.metrics.prometheus(), PROMETHEUS_MEDIA_TYPE),
-            ("GET", "/healthz"): lambda r: Response.json({"status": "ok", **label}),
-        }
+        model = self._model_resource
+        return [
+            Route("POST", "/predict", self._predict, resources=model),
+            Route("GET", "/signature", lambda r: Response.json(self.signature.to_json()), resources=model),
+            Route("GET", "/healthz", lambda r: Response.json({"status": "ok", **label}), public=True, inline=True),
+        ]
+
+    def service(self) -> Service:
+        return Service(
+            self.routes(), self.config.server, name="jaxscale-leaf", metrics_prefix="jaxscale_leaf",
+            collectors=[self.metrics],
+        )  # fmt: skip
 
     def start(self) -> Leaf:
         """Serve in a background thread; ``url`` tells where."""
-        cfg = self.config
-        self._server = BackgroundServer(
-            self.routes(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-leaf"
-        ).start()
+        self._server = BackgroundServer(self.service()).start()
         log.info("leaf %s serving on %s", self.signature.label, self._server.url)
         return self
 
@@ -197,12 +217,11 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--batch-buckets", default="", help="comma-separated batch sizes to pad to, e.g. 1,8,64,512")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+    add_server_arguments(p)
     args = p.parse_args(argv)
     buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
-    cfg = LeafConfig(args.store, args.model, args.version, args.host, args.port, buckets, args.warmup)
-    leaf = Leaf(cfg)
-    server = BackgroundServer(
-        leaf.routes(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-leaf"
-    )
-    print(f"leaf {leaf.signature.label} serving on {server.url}", flush=True)
-    server.serve_forever()
+    server = ServerConfig(host=args.host, port=args.port, **server_options(args))
+    leaf = Leaf(LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server))
+    serve_until_signal(
+        leaf.service(), lambda url: print(f"leaf {leaf.signature.label} serving on {url}", flush=True)
+    )  # until SIGTERM/SIGINT; in-flight requests finish first

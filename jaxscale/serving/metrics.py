@@ -1,7 +1,8 @@
 """Thread-safe counters for the root and leaf servers, readable from Python and as Prometheus text.
 
-Each server owns one `Metrics` (declared names, types, help, label names); `/metrics` renders it through
-prometheus_client's exposition format, and `snapshot()` / `value()` read the same numbers in-process.
+Each server owns one `Metrics` (declared names, types, help, label names). It is a prometheus_client collector:
+the HTTP layer registers it in the server's registry, so `/metrics` shows it beside the layer's own request
+metrics, and `snapshot()` / `value()` read the same numbers in-process.
 """
 
 from __future__ import annotations
@@ -9,10 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(frozen=True)
@@ -34,8 +32,6 @@ class Metrics:
         for d in defs:
             if not d.labels:
                 self._values[d.name][()] = 0.0
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
 
     def _key(self, name: str, labels: dict) -> tuple[str, ...]:
         d = self._defs[name]
@@ -84,6 +80,3 @@ class Metrics:
             for key, val in sorted(values[name].items()):
                 metric.add_metric(list(key), val)
             yield metric
-
-    def prometheus(self) -> bytes:
-        return generate_latest(self.registry)

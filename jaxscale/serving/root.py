@@ -4,8 +4,12 @@ the features its model's signature says it uses.
     POST /predict[?models=m/v,...]   Arrow IPC features -> Arrow IPC outputs, columns "<model>/<version>/<output>"
     GET  /routes                     the current map model/version -> allowed features (JSON)
     POST /admin/reload               rescan the signatures now; answers the new map
-    GET  /metrics                    Prometheus text
+    GET  /metrics                    Prometheus text (the HTTP layer's metrics and the root's own)
     GET  /healthz
+
+Served by the shared HTTP layer (`jaxscale.http_server`); leaves are called with its keep-alive `Client` (https
+with ``leaf_ca_file``, a bearer token with ``leaf_token``). With a tokens file, /predict needs a token granting
+every model it targets (all served models when ``models`` is absent), /admin/reload one granting "admin".
 
 Response headers: ``X-Jaxscale-Routes-Generation`` (the map the request used) and ``X-Jaxscale-Fanout``
 (JSON: per leaf, the features and bytes sent and whether it failed open).
@@ -25,9 +29,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from jaxscale.http_server import (
+    JSON,
+    BackgroundServer,
+    Client,
+    HTTPError,
+    Request,
+    Response,
+    Route,
+    ServerConfig,
+    Service,
+    add_server_arguments,
+    serve_until_signal,
+    server_options,
+)
 from jaxscale.serving import wire
-from jaxscale.serving.http import JSON, BackgroundServer, Client, HTTPError, Request, Response
-from jaxscale.serving.metrics import PROMETHEUS_MEDIA_TYPE, MetricDef, Metrics
+from jaxscale.serving.metrics import MetricDef, Metrics
 from jaxscale.serving.routes import OK, RouteTable
 from jaxscale.serving.signature import FeatureError, check_name
 from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
@@ -87,11 +104,11 @@ class RootConfig:
     leaves: tuple[LeafAddress, ...]
     trim: bool = True
     compression: str | None = None  # None | "zstd" | "lz4": Arrow IPC buffer compression of leaf requests
-    host: str = "127.0.0.1"
-    port: int = 0
     rescan_interval_s: float = 0.0
     leaf_timeout_s: float = 30.0
-    max_body_bytes: int = 256 << 20
+    server: ServerConfig = field(default_factory=ServerConfig)  # host, port, in-flight bound, tokens, TLS, ...
+    leaf_ca_file: str | Path | None = None  # CA that signed the leaves' certificates (https leaves)
+    leaf_token: str | None = field(default=None, repr=False)  # bearer token sent to the leaves
 
     def __post_init__(self):
         object.__setattr__(self, "leaves", tuple(self.leaves))
@@ -140,6 +157,21 @@ class FanoutResult:
         return pa.RecordBatch.from_arrays(cols, names=names)
 
 
+class _Run:
+    """A call made now on the calling thread, read back like a `Future` (``result()`` returns or re-raises)."""
+
+    def __init__(self, fn, *args):
+        try:
+            self._value, self._error = fn(*args), None
+        except Exception as e:
+            self._value, self._error = None, e
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class UnknownModelError(ValueError):
     """A request names a model version no leaf of this root serves."""
 
@@ -160,7 +192,12 @@ class Root:
         self.config = config
         self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
         self.targets = tuple((a.model, a.version) for a in config.leaves)
-        self._clients = {(a.model, a.version): Client(a.url, config.leaf_timeout_s) for a in config.leaves}
+        self._clients = {
+            (a.model, a.version): Client(
+                a.url, config.leaf_timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
+            )
+            for a in config.leaves
+        }
         self._planner = FanoutPlanner()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
         self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
@@ -251,7 +288,9 @@ class Root:
         t0 = time.perf_counter()
         plans = self._planner.plan(batch, routes, targets, trim=self.config.trim)
         self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-        futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans]
+        # the last leaf is called on this thread (one leaf: no hand-off to the pool at all)
+        futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans[:-1]]
+        futures.append(_Run(self._call_leaf, plans[-1], batch))
         result = FanoutResult(routes.generation)
         errors = []
         for plan, fut in zip(plans, futures):
@@ -303,20 +342,27 @@ class Root:
     def _reload(self, request: Request) -> Response:
         return Response.json(self.reload().to_json())
 
-    def routes_http(self):
-        return {
-            ("POST", "/predict"): self._predict,
-            ("GET", "/routes"): lambda r: Response.json(self.routes.current().to_json()),
-            ("POST", "/admin/reload"): self._reload,
-            ("GET", "/metrics"): lambda r: Response(200, self.metrics.prometheus(), PROMETHEUS_MEDIA_TYPE),
-            ("GET", "/healthz"): lambda r: Response(200, b'{"status": "ok"}\n', JSON),
-        }
+    def _predict_models(self, request: Request) -> list[str]:
+        """The model names a /predict request targets (what its bearer token must grant)."""
+        wanted = [m for m in request.query.get("models", "").split(",") if m]
+        return [m.partition("/")[0] for m in wanted] if wanted else [m for m, _ in self.targets]
+
+    def routes_http(self) -> list[Route]:
+        return [
+            Route("POST", "/predict", self._predict, resources=self._predict_models),
+            Route("GET", "/routes", lambda r: Response.json(self.routes.current().to_json())),
+            Route("POST", "/admin/reload", self._reload, resources=lambda r: ("admin",)),
+            Route("GET", "/healthz", lambda r: Response(200, b'{"status": "ok"}\n', JSON), public=True, inline=True),
+        ]
+
+    def service(self) -> Service:
+        return Service(
+            self.routes_http(), self.config.server, name="jaxscale-root", metrics_prefix="jaxscale_root",
+            collectors=[self.metrics],
+        )  # fmt: skip
 
     def start(self) -> Root:
-        cfg = self.config
-        self._server = BackgroundServer(
-            self.routes_http(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-root"
-        ).start()
+        self._server = BackgroundServer(self.service()).start()
         return self
 
     @property
@@ -348,19 +394,22 @@ def main(argv=None) -> None:
     p.add_argument("--compression", choices=["none", "zstd", "lz4"], default="none")
     p.add_argument("--no-trim", action="store_true", help="send every feature to every leaf (baseline)")
     p.add_argument("--rescan-interval", type=float, default=10.0, help="seconds between store rescans (0 = off)")
+    p.add_argument("--leaf-ca-file", help="CA certificate (PEM) that signed https leaves' certificates")
+    p.add_argument("--leaf-token-file", help="file holding the bearer token sent to the leaves")
+    add_server_arguments(p)
     args = p.parse_args(argv)
     cfg = RootConfig(
         store=args.store,
         leaves=tuple(LeafAddress.parse(s) for s in args.leaf),
         trim=not args.no_trim,
         compression=None if args.compression == "none" else args.compression,
-        host=args.host,
-        port=args.port,
         rescan_interval_s=args.rescan_interval,
+        server=ServerConfig(host=args.host, port=args.port, **server_options(args)),
+        leaf_ca_file=args.leaf_ca_file,
+        leaf_token=Path(args.leaf_token_file).read_text().strip() if args.leaf_token_file else None,
     )
     root = Root(cfg)
-    server = BackgroundServer(
-        root.routes_http(), cfg.host, cfg.port, max_body_bytes=cfg.max_body_bytes, name="jaxscale-root"
-    )
-    print(f"root serving on {server.url}", flush=True)
-    server.serve_forever()
+    try:
+        serve_until_signal(root.service(), lambda url: print(f"root serving on {url}", flush=True))
+    finally:
+        root.stop()

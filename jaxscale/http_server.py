@@ -1,0 +1,588 @@
+"""The one HTTP layer of jaxscale: sequence serving (`jaxscale.sequences.server`) and the model-serving root and
+leaves (`jaxscale.serving`) all run on it.
+
+Why aiohttp: one maintained library gives the server and a client; its server protocol sets ``TCP_NODELAY`` on
+every accepted connection and writes small responses (headers + body) in one send, so keep-alive requests do not
+wait ~44 ms for Nagle's algorithm and the client's delayed ACK (the stall of the old ``http.server`` servers);
+TLS is a plain `ssl.SSLContext`; graceful shutdown (stop accepting, let in-flight handlers finish within a bound)
+is built into its runner; and it is plain asyncio, with no ASGI layer between the socket and the handler.
+
+Handlers stay plain synchronous functions ``(Request) -> Response``. They run in a bounded thread pool, or on the
+event loop itself when their `Route` says ``inline=True`` (only for cheap handlers that never block). An exception
+becomes a JSON error body: `HTTPError` for a 4xx with a payload, anything else a 500 naming the exception.
+
+Every server also has:
+  * a bound on in-flight requests (`ServerConfig.max_in_flight`): over it the answer is 503 with ``Retry-After``
+    at once, so no unbounded queue builds up;
+  * ``GET /healthz`` (always open; an app may declare its own body) and Prometheus ``GET /metrics`` from one
+    `CollectorRegistry` per server (request counts by route and status, a latency histogram, the in-flight gauge,
+    refusals by status, plus the app's own collectors);
+  * optional bearer tokens from a JSON file ``{"<token>": ["<resource>", ...] | "*"}``: 401 (with
+    ``WWW-Authenticate: Bearer``) without a token or with an unknown one, 403 when the token does not grant a
+    resource the route names (each `Route` says how: a sequence name, a model name; none = any valid token).
+    ``/healthz`` is open; ``/metrics`` needs a valid token (any) when tokens are configured;
+  * TLS from a certificate/key pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import http.client
+import json
+import logging
+import re
+import signal
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+JSON = "application/json"
+PROMETHEUS_MEDIA_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+# ---------------------------------------------------------------------------------------------- handler model
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str  # as sent (percent-encoded), without the query string
+    query: dict[str, str]  # decoded; the last value of a repeated parameter wins
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    params: dict[str, str] = field(default_factory=dict)  # the route's path parameters, percent-decoded
+    query_string: str = ""  # raw, for handlers that parse it strictly
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = JSON
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, obj, status: int = 200, headers: dict | None = None) -> Response:
+        return cls(status, (json.dumps(obj) + "\n").encode(), JSON, headers or {})
+
+
+class HTTPError(Exception):
+    """Raised by a handler to answer ``status`` with the JSON ``payload`` (which carries an "error" message)."""
+
+    def __init__(self, status: int, payload: dict):
+        super().__init__(payload.get("error", ""))
+        self.status, self.payload = status, payload
+
+
+Handler = Callable[[Request], Response]
+Resources = Callable[[Request], Iterable[str]]
+_PARAM = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Route:
+    """``path`` is a template such as ``/v1/users/{user_id}/sequences/{name}`` (a parameter matches one segment).
+
+    ``resources`` names what a bearer token must grant to call it (e.g. the sequence in the path); None = any
+    valid token. ``public`` routes need no token. ``inline`` runs the handler on the event loop (cheap handlers
+    only: it blocks every other request while it runs); inline requests cannot queue, so they are outside the
+    in-flight bound (a saturated server still answers /healthz and /metrics)."""
+
+    method: str
+    path: str
+    handler: Handler
+    resources: Resources | None = None
+    public: bool = False
+    inline: bool = False
+    pattern: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        parts, last = [], 0
+        for m in _PARAM.finditer(self.path):
+            parts += [re.escape(self.path[last : m.start()]), f"(?P<{m.group(1)}>[^/]+)"]
+            last = m.end()
+        parts.append(re.escape(self.path[last:]))
+        object.__setattr__(self, "pattern", re.compile("^" + "".join(parts) + "$"))
+
+    def match(self, path: str) -> dict[str, str] | None:
+        m = self.pattern.match(path)
+        return None if m is None else {k: urllib.parse.unquote(v) for k, v in m.groupdict().items()}
+
+
+def path_resource(param: str) -> Resources:
+    """A route's resource is one of its path parameters (e.g. the sequence name)."""
+    return lambda request: (request.params[param],)
+
+
+def default_unrouted(request: Request, allowed: list[str]) -> Response:
+    """404 for an unknown path, 405 (listing the methods) for a known path with another method."""
+    status = 405 if allowed else 404
+    return Response.json({"error": f"no route {request.method} {request.path}", "allowed": allowed}, status)
+
+
+# ----------------------------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one server listens and protects itself. ``workers`` threads run non-inline handlers; at most
+    ``max_in_flight`` requests are admitted at once (the rest get 503 + ``Retry-After: retry_after_s``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_in_flight: int = 64
+    workers: int = 8
+    retry_after_s: int = 1
+    max_body_bytes: int = 256 << 20
+    tokens_file: str | Path | None = None
+    tls_cert: str | Path | None = None
+    tls_key: str | Path | None = None
+    shutdown_timeout_s: float = 10.0
+    access_log: bool = False
+
+    def __post_init__(self):
+        def check(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: {what}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty string")
+        check(_is_int(self.port) and 0 <= self.port <= 65535, "port", "must be an integer in [0, 65535]")
+        check(_is_int(self.max_in_flight) and self.max_in_flight >= 1, "max_in_flight", "must be an integer >= 1")
+        check(_is_int(self.workers) and self.workers >= 1, "workers", "must be an integer >= 1")
+        check(_is_int(self.retry_after_s) and self.retry_after_s >= 0, "retry_after_s", "must be an integer >= 0")
+        check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 0, "max_body_bytes", "must be an integer >= 0")
+        check(
+            isinstance(self.shutdown_timeout_s, (int, float)) and self.shutdown_timeout_s >= 0,
+            "shutdown_timeout_s",
+            "must be a number >= 0",
+        )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert: TLS needs both tls_cert and tls_key, got {self.tls_cert!r}, {self.tls_key!r}")
+        for name in ("tokens_file", "tls_cert", "tls_key"):
+            value = getattr(self, name)
+            check(value is None or Path(value).is_file(), name, "must be an existing file")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(token: str) -> str:
+    """Tokens are kept and looked up by their SHA-256, so lookups take the same time whatever the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def load_tokens(path: str | Path) -> dict[str, frozenset[str] | None]:
+    """``{sha256(token): resources}`` from ``{"<token>": ["<resource>", ...] | "*"}`` (None = every resource)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokens_file: cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"tokens_file: {path} must hold a JSON object {{token: [resource, ...] | '*'}}")
+    tokens = {}
+    for i, (token, grants) in enumerate(data.items()):
+        if not token.strip() or token != token.strip():
+            raise ValueError(f"tokens_file: token #{i} in {path} is empty or has surrounding spaces")
+        if grants == "*":
+            tokens[_token_key(token)] = None
+        elif isinstance(grants, list) and all(isinstance(g, str) and g for g in grants):
+            tokens[_token_key(token)] = frozenset(grants)
+        else:
+            raise ValueError(f'tokens_file: token #{i} in {path} must map to "*" or a list of resource names')
+    return tokens
+
+
+def server_ssl_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
+# ----------------------------------------------------------------------------------------------------- metrics
+
+
+class HTTPMetrics:
+    """The layer's own Prometheus metrics, in the server's registry (which also holds the app's collectors)."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry):
+        self.requests = Counter(
+            f"{prefix}_http_requests",
+            "HTTP requests answered, by route, method and status",
+            ("route", "method", "status"),
+            registry=registry,
+        )
+        self.latency = Histogram(
+            f"{prefix}_http_request_duration_seconds",
+            "time from a request's arrival to its response, by route",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            f"{prefix}_http_in_flight_requests", "requests admitted and not yet answered", registry=registry
+        )
+        self.refused = Counter(
+            f"{prefix}_http_refused_requests",
+            "requests refused before their handler ran: 503 over the in-flight bound, 401 no or unknown token, "
+            "403 token without access",
+            ("status",),
+            registry=registry,
+        )
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+        if status in (401, 403, 503):
+            self.refused.labels(str(status)).inc()
+
+
+# ------------------------------------------------------------------------------------------------------ server
+
+
+class Service:
+    """An app's routes behind one `ServerConfig`, served by aiohttp on the calling event loop (`open`/`close`)."""
+
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        config: ServerConfig,
+        *,
+        name: str,
+        metrics_prefix: str,
+        collectors: Iterable = (),
+        unrouted: Callable[[Request, list[str]], Response] = default_unrouted,
+    ):
+        self.config, self.name, self.unrouted = config, name, unrouted
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.metrics = HTTPMetrics(metrics_prefix, self.registry)
+        for c in collectors:
+            self.registry.register(c)
+        self.tokens = load_tokens(config.tokens_file) if config.tokens_file else None
+        own = [Route("GET", "/metrics", self._metrics, inline=True)]
+        if not any(r.path == "/healthz" for r in routes):
+            own.append(Route("GET", "/healthz", lambda r: Response.json({"status": "ok"}), public=True, inline=True))
+        self.routes = (*routes, *own)
+        self.in_flight = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix=f"{name}-handler")
+        self._runner: web.AppRunner | None = None
+        self.address: tuple[str, int] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.address is None:
+            raise RuntimeError(f"{self.name} is not listening")
+        return f"{self.config.scheme}://{self.address[0]}:{self.address[1]}"
+
+    def _metrics(self, request: Request) -> Response:
+        return Response(200, generate_latest(self.registry), PROMETHEUS_MEDIA_TYPE)
+
+    # --------------------------------------------------------------------------------------------- lifecycle
+
+    async def open(self) -> None:
+        cfg = self.config
+        app = web.Application(client_max_size=max(cfg.max_body_bytes, 1))
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            shutdown_timeout=cfg.shutdown_timeout_s,
+            access_log=_access_logger(self.name) if cfg.access_log else None,
+        )
+        await self._runner.setup()
+        tls = server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=tls)
+        await site.start()
+        self.address = tuple(self._runner.addresses[0][:2])
+
+    async def close(self) -> None:
+        """Stop accepting, let in-flight requests finish (at most ``shutdown_timeout_s``), close connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------------------------------------- requests
+
+    def _match(self, method: str, path: str) -> tuple[Route | None, dict[str, str], list[str]]:
+        allowed = []
+        for route in self.routes:
+            params = route.match(path)
+            if params is not None:
+                if route.method == method:
+                    return route, params, []
+                allowed.append(route.method)
+        return None, {}, sorted(set(allowed))
+
+    async def _handle(self, req: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        path = req.rel_url.raw_path
+        route, params, allowed = self._match(req.method, path)
+        request = Request(
+            req.method,
+            path,
+            dict(req.query),
+            {k.lower(): v for k, v in req.headers.items()},
+            b"",
+            params,
+            req.rel_url.raw_query_string,
+        )
+        if route is None:
+            response = self.unrouted(request, allowed)
+        else:
+            response = self._refuse(route, request) or await self._admit(route, request, req)
+        self.metrics.observe(route.path if route else "unrouted", req.method, response.status, time.perf_counter() - t0)
+        headers = {**response.headers, "Content-Type": response.content_type}
+        close = headers.pop("Connection", "").lower() == "close"
+        answer = web.Response(status=response.status, body=response.body, headers=headers)
+        if close:  # e.g. a refused body still on the wire: do not keep the connection
+            answer.force_close()
+        return answer
+
+    def _refuse(self, route: Route, request: Request) -> Response | None:
+        """401/403 from the bearer token, or 503 over the in-flight bound; None = admitted."""
+        if self.tokens is not None and not route.public:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return _unauthorized("missing bearer token (Authorization: Bearer <token>)")
+            key = _token_key(token.strip())
+            if key not in self.tokens:
+                return _unauthorized("unknown bearer token")
+            grants = self.tokens[key]
+            if grants is not None and route.resources is not None:
+                denied = [r for r in route.resources(request) if r not in grants]
+                if denied:
+                    return Response.json({"error": f"token has no access to {denied[0]!r}"}, 403)
+        if not route.inline and self.in_flight >= self.config.max_in_flight:
+            return Response.json(
+                {"error": f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})"},
+                503,
+                {"Retry-After": str(self.config.retry_after_s)},
+            )
+        return None
+
+    async def _admit(self, route: Route, request: Request, req: web.Request) -> Response:
+        counted = not route.inline  # inline handlers finish before the loop takes the next request: no queue
+        if counted:
+            self.in_flight += 1
+            self.metrics.in_flight.inc()
+        try:
+            if req.content_length is not None and req.content_length > self.config.max_body_bytes:
+                return _too_large(req.content_length, self.config.max_body_bytes)
+            try:
+                body = await req.read() if req.body_exists else b""
+            except web.HTTPRequestEntityTooLarge:
+                return _too_large(None, self.config.max_body_bytes)
+            request = replace(request, body=body)
+            if route.inline:
+                return _call(route.handler, request)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _call, route.handler, request)
+        finally:
+            if counted:
+                self.in_flight -= 1
+                self.metrics.in_flight.dec()
+
+
+def _access_logger(name: str) -> logging.Logger:
+    """The access log; printed to stderr when the program has configured no logging of its own."""
+    logger = logging.getLogger(f"{name}.access")
+    if not logger.handlers and not logging.getLogger().handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+def _unauthorized(message: str) -> Response:
+    return Response.json({"error": message}, 401, {"WWW-Authenticate": "Bearer"})
+
+
+def _too_large(length: int | None, limit: int) -> Response:
+    what = f"body of {length} bytes" if length is not None else "body"
+    return Response.json({"error": f"{what} exceeds the limit of {limit} bytes"}, 413, {"Connection": "close"})
+
+
+def _call(handler: Handler, request: Request) -> Response:
+    try:
+        return handler(request)
+    except HTTPError as e:
+        return Response.json(e.payload, e.status)
+    except Exception as e:  # a bug must not kill the connection silently: answer 500 and log it
+        log.exception("%s %s failed", request.method, request.path)
+        return Response.json({"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+
+
+# ------------------------------------------------------------------------------------------------------ runners
+
+
+class BackgroundServer:
+    """A `Service` on its own event loop in a daemon thread (tests, notebooks, in-process roots and leaves)."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.service.address
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    def start(self) -> BackgroundServer:
+        self._loop = asyncio.new_event_loop()
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"{self.service.name}-loop", daemon=True)
+        self._thread.start()
+        ready.result(timeout=60)  # re-raises a bind or TLS error here
+        return self
+
+    def _run(self, ready: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.service.open())
+        except BaseException as e:
+            ready.set_exception(e)
+            self._loop.close()
+            return
+        ready.set_result(None)
+        self._loop.run_forever()
+        self._loop.close()
+
+    def stop(self) -> None:
+        """Graceful: in-flight requests finish (within ``shutdown_timeout_s``) before this returns."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        timeout = self.service.config.shutdown_timeout_s + 30
+        asyncio.run_coroutine_threadsafe(self.service.close(), self._loop).result(timeout=timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
+def serve_until_signal(service: Service, announce: Callable[[str], None]) -> None:
+    """Serve in the foreground until SIGTERM or SIGINT, then shut down gracefully and return (exit 0).
+
+    ``announce(url)`` runs once the socket is bound (the CLIs print the URL for whoever started them)."""
+
+    async def main() -> None:
+        await service.open()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        announce(service.url)
+        await stop.wait()
+        log.info("%s: signal received, finishing %d in-flight requests", service.name, service.in_flight)
+        await service.close()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------------------ client
+
+
+class Client:
+    """Keep-alive HTTP(S) client to one server, one connection per calling thread (thread-safe).
+
+    Sets ``TCP_NODELAY`` and sends each request in one write (`http.client` joins headers and a bytes body), so
+    back-to-back requests on a connection do not stall. ``ca_file`` verifies an https server against that CA;
+    ``token`` is sent as ``Authorization: Bearer``."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, *, ca_file: str | Path | None = None, token: str = None):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"URL must be http(s)://host:port, got {url!r}")
+        self.url, self._host, self._timeout = url, parts.hostname, timeout_s
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context(cafile=ca_file) if parts.scheme == "https" else None
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._local = threading.local()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._ssl is not None:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.conn = conn
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def request(self, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+        """-> (status, headers, body). Retries once when a reused keep-alive connection was closed by the peer."""
+        for attempt in (0, 1):
+            reused = getattr(self._local, "conn", None) is not None
+            conn = self._connection()
+            try:
+                conn.request(method, path, body=body, headers={**self._auth, **(headers or {})})
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.getheader("Connection", "").lower() == "close":
+                    self._drop()
+                return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._drop()
+                if attempt or not reused:
+                    raise
+            except Exception:
+                self._drop()
+                raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._drop()
+
+
+# -------------------------------------------------------------------------------------------------- CLI flags
+
+
+def add_server_arguments(parser) -> None:
+    """The flags every jaxscale server shares (host/port stay with each command)."""
+    d = ServerConfig()
+    parser.add_argument(
+        "--max-in-flight", type=int, default=d.max_in_flight, help="requests admitted at once (503 above)"
+    )
+    parser.add_argument("--workers", type=int, default=d.workers, help="threads running request handlers")
+    parser.add_argument("--tokens-file", help='bearer tokens, JSON {"<token>": ["<resource>", ...] | "*"}')
+    parser.add_argument("--tls-cert", help="PEM certificate chain (serve https; needs --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
+    )
+
+
+def server_options(args) -> dict:
+    """`ServerConfig` keyword arguments from `add_server_arguments` flags."""
+    return {
+        "max_in_flight": args.max_in_flight,
+        "workers": args.workers,
+        "tokens_file": args.tokens_file,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "shutdown_timeout_s": args.shutdown_timeout,
+    }
