@@ -147,6 +147,13 @@ def test_ids_of_another_rank_are_refused_by_shard_batch_and_lookup(ec, state, sh
             jax.jit(ec.lookup)(state, {"a": placed})
 
 
+def test_float_arrays_under_a_features_name_are_not_ids(ec):
+    """Gradients or targets keyed by feature name ([B, L, dim] floats) are placed, not read as ids."""
+    grads = {"seq": np.ones((8, 3, 8), np.float32)}
+    placed = ec.shard_batch(grads)
+    assert not isinstance(placed, ShardedIds) and placed["seq"].shape == (8, 3, 8)
+
+
 def test_one_id_per_example_is_a_batch_of_length_one(ec, state):
     flat = np.arange(8, dtype=np.int32)
     sharded = ec.shard_batch({"a": flat, "seq": flat})

@@ -248,7 +248,7 @@ class EmbeddingCollection:
         """
         host = {name: np.asarray(x) for name, x in batch.items()}
         for name, x in host.items():
-            if name in self.feature_table:
+            if name in self.feature_table and np.issubdtype(x.dtype, np.integer):  # ids (float: e.g. gradients)
                 _check_ids_rank(name, x.shape)
         is_ids = bool(host) and all(n in self.feature_table and np.issubdtype(x.dtype, np.integer) for n in host)
         if is_ids:
