@@ -7,7 +7,9 @@ can be used without importing JAX.
 import importlib
 
 _EXPORTS = {
-    "EmbeddingCollection": "jaxscale.embedding",
+    "EmbeddingCollection": "jaxscale.embedding.collection",
+    "EmbeddingSettings": "jaxscale.embedding.settings",
+    "ReplicaSync": "jaxscale.embedding.settings",
     "TableConfig": "jaxscale.tables",
     "SGD": "jaxscale.optimizers",
     "RowWiseAdagrad": "jaxscale.optimizers",

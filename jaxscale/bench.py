@@ -89,7 +89,9 @@ def installed_benchmark(quick: bool) -> int:
 
     rows, batch, hot, dim, steps = (100_000, 1024, 20, 64, 8) if quick else (1_000_000, 4096, 20, 64, 15)
     table = jaxscale.TableConfig("t", rows=rows, dim=dim, pooling="sum")
-    ec = jaxscale.EmbeddingCollection([table], jaxscale.make_mesh(1, 1), optimizer=jaxscale.RowWiseAdagrad(0.01))
+    ec = jaxscale.EmbeddingCollection(
+        [table], jaxscale.make_mesh(1, 1), jaxscale.EmbeddingSettings(optimizer=jaxscale.RowWiseAdagrad(0.01))
+    )
     rng = np.random.default_rng(0)
     w0 = rng.normal(scale=0.01, size=(rows, dim)).astype(np.float32)
     batches = [np.minimum(rng.zipf(1.1, (batch, hot)) - 1, rows - 1).astype(np.int32) for _ in range(steps + 3)]

@@ -46,6 +46,7 @@ import math
 from collections.abc import Sequence
 
 from jaxscale.cluster import ClusterSpec
+from jaxscale.embedding.settings import ReplicaSync
 from jaxscale.mesh import Topology
 from jaxscale.quantization import PRECISIONS, wire_bytes
 
@@ -57,8 +58,6 @@ WEIGHT_BYTES = 4  # fp32 stored weights
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb = 25
 BACKWARD_FRACTION = 2 / 3  # backward = 2x forward FLOPs: the window the dense all-reduce can hide in
 CAPACITY_LADDER = 1.25  # capacities are rounded up to the next step of this geometric ladder
-SYNC_MODES = ("exact", "periodic")
-SYNC_STRATEGIES = {"exact": ("owner", "gather"), "periodic": ("dense", "sparse")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,36 +245,6 @@ class StackCounts:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaSync:
-    """How 2D replicas are kept in sync.
-
-    mode 'exact' (every replica applies the same summed update each step) with strategy 'owner' (each
-    row's gradient to one owner replica, which sums and all-gathers) or 'gather' (all-gather of every
-    replica's touched rows); mode 'periodic' (weights + optimizer state averaged every `every` steps)
-    with strategy 'dense' (the whole shard) or 'sparse' (rows touched since the last sync).
-    """
-
-    mode: str = "exact"
-    strategy: str = "owner"
-    every: int = 1
-
-    def __post_init__(self):
-        if self.mode not in SYNC_MODES:
-            raise ValueError(f"ReplicaSync.mode must be one of {SYNC_MODES}, got {self.mode!r}")
-        if self.strategy not in SYNC_STRATEGIES[self.mode]:
-            raise ValueError(
-                f"ReplicaSync.strategy for mode {self.mode!r} must be one of {SYNC_STRATEGIES[self.mode]}, "
-                f"got {self.strategy!r}"
-            )
-        if not isinstance(self.every, int) or self.every < 1 or (self.mode == "exact" and self.every != 1):
-            raise ValueError(f"ReplicaSync.every must be a positive integer (1 for exact), got {self.every!r}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.mode} {self.strategy}" + (f" k={self.every}" if self.mode == "periodic" else "")
-
-
-@dataclasses.dataclass(frozen=True)
 class Comm:
     """One collective of the step: its category, phase and traffic.
 
@@ -307,9 +276,11 @@ def embedding_comms(
     topology: Topology,
     comm_forward: str = "fp32",
     comm_backward: str = "fp32",
-    sync: ReplicaSync = ReplicaSync(),
+    sync: ReplicaSync | None = None,
 ) -> list[Comm]:
-    """The embedding collectives of one step (see module docstring for the byte formulas)."""
+    """The embedding collectives of one step (see module docstring for the byte formulas); `sync` defaults to
+    the exact owner sync."""
+    sync = ReplicaSync("exact", "owner") if sync is None else sync
     for what, p in (("comm_forward", comm_forward), ("comm_backward", comm_backward)):
         if p not in PRECISIONS:
             raise ValueError(f"{what} must be one of {PRECISIONS}, got {p!r}")
@@ -343,7 +314,10 @@ def embedding_comms(
 
 def _sync_comms(st: StackCounts, replica: Group, rep: int, wb: int, sync: ReplicaSync, tag: str) -> list[Comm]:
     row = ID_BYTES + wb
-    if sync.mode == "exact" and sync.strategy == "owner":
+    strategy = sync.strategy
+    if strategy == "auto":  # the engine's per-batch choice (`embedding.capacity`): fewer slots moved
+        strategy = "owner" if st.owner_sent + st.owned < st.touched else "gather"
+    if sync.mode == "exact" and strategy == "owner":
         return [
             Comm("replica_sync", f"{tag} to owners", "backward", all_to_all(replica, st.owner_sent * row)),
             Comm("replica_sync", f"{tag} owned union", "backward", all_gather(replica, rep * st.owned * row)),

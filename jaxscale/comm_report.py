@@ -1,6 +1,6 @@
 """What one training step sends, per collective, from the compiled train step (nothing is trained).
 
-    python -m jaxscale.comm_report --config experiments/configs/foundation_smoke.yaml mesh.nodes=2 mesh.local=4
+    python -m jaxscale.comm_report --config jaxscale/configs/foundation_smoke.yaml mesh.nodes=2 mesh.local=4
     python -m jaxscale.comm_report --config ... embedding.comm.forward=fp8 --json
 
 Sets the simulated CPU device count to nodes x local before JAX starts, builds the `Trainer`, compiles the
@@ -123,12 +123,9 @@ def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = No
     return "other"
 
 
-def _replica_groups(mesh, topology: str) -> frozenset:
-    """The replica groups of a 2D topology as sets of flat mesh positions (empty for 1d)."""
-    from jaxscale.mesh import Topology
-
-    groups = Topology.of(topology, mesh).replica_groups()
-    return frozenset(frozenset(g) for g in groups if len(g) > 1)
+def _replica_groups(topology) -> frozenset:
+    """The replica groups of the collection's `Topology` as sets of flat mesh positions (empty: no replicas)."""
+    return frozenset(frozenset(g) for g in topology.replica_groups() if len(g) > 1)
 
 
 def comm_report(cfg) -> dict:
@@ -143,15 +140,17 @@ def comm_report(cfg) -> dict:
     nodes, local = cfg.mesh.nodes, cfg.mesh.local
     _set_device_count(nodes * local)
     from jaxscale import comm_inspect
+    from jaxscale.train import plan_run
     from jaxscale.trainer import Trainer
 
-    trainer = Trainer(cfg, log=False, progress=False)
+    cfg, plan = plan_run(cfg, log=None)  # the plan the trainer runs: the planner's, for topology=auto
+    trainer = Trainer(cfg, plan=plan, log=False, progress=False)
     state = trainer.init_state()
     batch = trainer.batch(0)
     compiled = trainer.compile(state, batch)
     collectives = trainer.collectives
     mesh_shape = tuple(trainer.mesh.devices.shape)
-    reps = _replica_groups(trainer.mesh, cfg.embedding.topology)
+    reps = _replica_groups(trainer.ec.topology)
     rows, by_cat = [], defaultdict(lambda: {"intra_node": 0.0, "inter_node": 0.0, "count": 0})
     reduces = [c for c in collectives if c.kind == "all-reduce"]
     largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None
@@ -184,7 +183,7 @@ def comm_report(cfg) -> dict:
     inter = sum(r["inter_node"] for r in rows)
     inspect = comm_inspect.summarize(collectives)
     del compiled, state
-    e = cfg.embedding
+    e = trainer.ec.settings  # what ran (topology=auto resolved)
     reshapes = sorted({t.reshape for t in trainer.tables if t.reshape})
     return {
         "config": {
@@ -194,12 +193,12 @@ def comm_report(cfg) -> dict:
             "topology": e.topology,
             "sharding": e.sharding if isinstance(e.sharding, str) else dict(e.sharding),
             "plan_file": e.plan_file,
+            "plan": trainer.ec.plan.to_dict(),  # what ran: for topology=auto the plan the planner scored
             "comm_forward": e.comm.forward,
             "comm_backward": e.comm.backward,
             "comm": dataclasses.asdict(e.comm),
             "capacity_factor": e.capacity_factor,
-            "replica_sync": e.replica_sync,
-            "sync_every": e.sync_every,
+            "replica_sync": e.replica_sync.to_tree(),
             "model": cfg.model.kind,
             "global_batch": gb,
             "batch_per_device": gb // devices,

@@ -1,15 +1,15 @@
 """The trainer's configuration: a tree of frozen, typed dataclasses loaded from YAML plus dotted overrides.
 
-    cfg = load_config("experiments/configs/foundation_smoke.yaml", ["train.steps=50", "mesh.nodes=2"])
+    cfg = load_config("jaxscale/configs/foundation_smoke.yaml", ["train.steps=50", "mesh.nodes=2"])
 
 Values are type-checked against the field annotations (int, float, str, bool, Literal choices, Optional,
 unions, tuples/lists, dicts, nested dataclasses). Every error is a `ConfigError` naming the full dotted
 key. YAML is parsed with `yaml.safe_load` only: tags such as `!!python/object` are refused.
 The defaults are the smoke foundation run on 8 simulated CPU devices.
 
-The sections mirror the API: `embedding` holds `EmbeddingCollection`'s arguments (its `comm` section IS a
-`jaxscale.CommConfig`, its `optimizer` section builds the sparse optimizer), and `model.<kind>` is the
-config dataclass the model kind registers (`jaxscale.registry`).
+The sections mirror the API: `embedding` IS `jaxscale.EmbeddingSettings`, the collection's one argument
+(its checks, its YAML forms), and `model.<kind>` is the config dataclass the model kind registers
+(`jaxscale.registry`). Loading a config imports no JAX.
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxscale import registry
-from jaxscale.embedding.capacity import SYNC_STRATEGIES
-from jaxscale.embedding.collection import POOLED_COMM_MODES, REPLICA_SYNC_MODES
-from jaxscale.mesh import TOPOLOGIES
-from jaxscale.optimizers import SGD, RowWiseAdagrad
-from jaxscale.plan import SHARDING_TYPES
-from jaxscale.quantization import CommConfig
+from jaxscale.embedding.settings import EmbeddingSettings, SettingError
 
 # Renamed keys: a config that uses the old name gets an error that says the new one.
 RENAMED = {
@@ -69,73 +64,6 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SparseOptimizerConfig:
-    """The tables' sparse optimizer: `RowWiseAdagrad` or `SGD`, field for field."""
-
-    kind: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
-    learning_rate: float = 0.05
-    eps: float = 1e-8
-    """RowWiseAdagrad only."""
-    initial_accumulator_value: float = 0.0
-    """RowWiseAdagrad only."""
-    per_column_shard: bool = False
-    """RowWiseAdagrad only: one accumulator per column shard, as TorchRec (see `RowWiseAdagrad`)."""
-
-    def __post_init__(self):
-        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
-            raise _err("learning_rate", f"must be a finite number >= 0, got {self.learning_rate}")
-        if not self.eps >= 0:
-            raise _err("eps", f"must be >= 0, got {self.eps}")
-        if not self.initial_accumulator_value >= 0:
-            raise _err("initial_accumulator_value", f"must be >= 0, got {self.initial_accumulator_value}")
-
-    def build(self):
-        if self.kind == "sgd":
-            return SGD(self.learning_rate)
-        return RowWiseAdagrad(
-            self.learning_rate,
-            eps=self.eps,
-            initial_accumulator_value=self.initial_accumulator_value,
-            per_column_shard=self.per_column_shard,
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EmbeddingConfig:
-    """Arguments of `EmbeddingCollection` (see its docstring); `EmbeddingCollection.from_config` takes it."""
-
-    topology: Literal[TOPOLOGIES + ("auto",)] = "1d"
-    """'auto': the planner recommends one from the cluster and a sample of the data."""
-    sharding: str | dict[str, str] = "row_wise"
-    """One sharding type for every table, or {table name: type}."""
-    plan_file: str | None = None
-    """A JSON ShardingPlan; overrides `sharding` when set."""
-    optimizer: SparseOptimizerConfig = dataclasses.field(default_factory=SparseOptimizerConfig)
-    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
-    capacity_factor: float | None = None
-    """None = every exchange sized for the batch it carries (counted on the host; never overflows)."""
-    reuse_capacities: bool = False
-    """True: count only the first batch and reuse the largest counted capacities (no host counting, no
-    exchange before the step); a batch that does not fit is skipped and re-run counted."""
-    replica_sync: Literal[REPLICA_SYNC_MODES] = "exact"
-    sync_every: int = 1
-    sync_strategy: Literal[("auto",) + SYNC_STRATEGIES] = "auto"
-    pooled_comm: Literal[POOLED_COMM_MODES] = "auto"
-    sparse_sync_rows: int | None = None
-    """replica_sync=periodic_sparse: rows per shard one sync can move (None: 1/8 of a shard's block)."""
-
-    def __post_init__(self):
-        shardings = [self.sharding] if isinstance(self.sharding, str) else list(self.sharding.values())
-        bad = [s for s in shardings if s not in SHARDING_TYPES]
-        if bad:
-            raise _err("sharding", f"unknown sharding types {bad}; choose from {SHARDING_TYPES}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise _err("capacity_factor", f"must be null or > 0, got {self.capacity_factor}")
-        if self.sync_every < 1:
-            raise _err("sync_every", f"must be >= 1, got {self.sync_every}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """`kind` names a registered model (`jaxscale.registry`); `model.<kind>` is that model's config dataclass.
 
@@ -170,21 +98,20 @@ class ModelConfig:
         raise AttributeError(f"ModelConfig has no attribute or model section {name!r}")
 
     @classmethod
-    def from_tree(cls, data: Mapping, prefix: str) -> ModelConfig:
-        """The YAML form {kind: k, k: {...}, ...} -> ModelConfig (errors name the dotted key)."""
-        dotted = f"{prefix}." if prefix else ""
+    def from_tree(cls, data: Mapping) -> ModelConfig:
+        """The YAML form {kind: k, k: {...}, ...} -> ModelConfig (errors name the key inside the section)."""
         kind = data.get("kind", "foundation")
         if not isinstance(kind, str) or kind not in registry.kinds():
-            raise _err(f"{dotted}kind", f"must be one of {registry.kinds()}, got {kind!r}")
+            raise _err("kind", f"must be one of {registry.kinds()}, got {kind!r}")
         sections = {}
         for key, value in data.items():
             if key == "kind":
                 continue
             if key not in registry.kinds():
                 close = difflib.get_close_matches(str(key), registry.kinds(), n=1)
-                hint = f" (did you mean {dotted}{close[0]!r}?)" if close else ""
-                raise _err(f"{dotted}{key}", f"unknown key{hint}; the model section has 'kind' and {registry.kinds()}")
-            sections[key] = _build(registry.get(key).config, {} if value is None else value, f"{dotted}{key}")
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise _err(str(key), f"unknown key{hint}; the model section has 'kind' and {registry.kinds()}")
+            sections[key] = _build(registry.get(key).config, {} if value is None else value, key)
         return cls(kind=kind, sections=sections)
 
     def to_tree(self) -> dict:
@@ -302,7 +229,7 @@ class TrainConfig:
     """Save the state of the best evaluation so far to <workdir>/best (`Trainer.restore_best`)."""
     eval_ranking_ks: tuple[int, ...] = ()
     """Full-corpus ranking at each evaluation: every example of the eval split (a leave-one-out split's
-    validation users) scored against the whole item table (`jaxscale.evaluate.RankingEvaluator`), reported
+    validation users) scored against the whole item table (`jaxscale.ranking_eval.RankingEvaluator`), reported
     as eval_recall@K / eval_ndcg@K / eval_mrr@K for these K. Empty: off. Needs a model with `score`."""
 
     def __post_init__(self):
@@ -344,7 +271,7 @@ class TrainConfig:
 class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    embedding: EmbeddingConfig = dataclasses.field(default_factory=EmbeddingConfig)
+    embedding: EmbeddingSettings = dataclasses.field(default_factory=EmbeddingSettings)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
@@ -355,11 +282,6 @@ class Config:
                 "train.batch_size",
                 f"{self.train.batch_size} is not divisible by the "
                 f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh",
-            )
-        if self.embedding.replica_sync != "exact" and self.embedding.topology == "1d":
-            raise _err(
-                "embedding.replica_sync",
-                f"{self.embedding.replica_sync!r} needs replicas: use topology '2d_ar' or '2d_a2a'",
             )
         if self.data.source not in ("synthetic", "parquet", *registry.get(self.model.kind).data_sources):
             known = ["synthetic", "parquet", *registry.get(self.model.kind).data_sources]
@@ -460,14 +382,20 @@ def _build(cls, data, prefix: str):
     where = prefix or "<root>"
     if not isinstance(data, Mapping):
         raise _err(where, f"must be a mapping of {cls.__name__} fields, got {type(data).__name__} {data!r}")
-    if hasattr(cls, "from_tree"):
-        return cls.from_tree(data, prefix)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     dotted = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: str(k))
     for k in data:
         if dotted(k) in RENAMED:
             raise _err(dotted(k), f"was renamed to {RENAMED[dotted(k)]}")
+    if hasattr(cls, "from_tree"):  # a section that reads its own YAML form; its errors name keys inside it
+        try:
+            return cls.from_tree(data)
+        except ConfigError as e:
+            raise _err(dotted(e.key), str(e).split(": ", 1)[1]) from None
+        except SettingError as e:
+            raise _err(dotted(e.field) if e.field else where, e.message) from None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for k in data:
         if k not in fields:
             close = difflib.get_close_matches(str(k), list(fields), n=1)
             hint = f" (did you mean {dotted(close[0])!r}?)" if close else ""
@@ -483,6 +411,8 @@ def _build(cls, data, prefix: str):
     except ConfigError as e:  # raised by __post_init__ with the key relative to `cls`
         key = getattr(e, "key", None)
         raise _err(dotted(key) if key else where, str(e).split(": ", 1)[1] if key else str(e)) from None
+    except SettingError as e:
+        raise _err(dotted(e.field) if e.field else where, e.message) from None
     except ValueError as e:
         field = getattr(e, "field", None)
         raise _err(dotted(field) if field else where, str(e)) from None

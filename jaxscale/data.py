@@ -422,3 +422,16 @@ def make_data(config, *, split: str = "train", process_index: int = 0, process_c
         return spec.data_sources[data.source](mcfg, config, split, process_index, process_count)
     known = ["synthetic", "parquet", *spec.data_sources]
     raise ValueError(f"data.source {data.source!r} is not available for model kind {spec.kind!r}; known: {known}")
+
+
+def planning_sample(config, steps: int = 4) -> dict[str, np.ndarray]:
+    """{feature: engine ids} of the first `steps` GLOBAL training batches, for the planner.
+
+    Read as one process reads the whole batch, so every process of a multi-process run plans from the same
+    sample and reaches the same plan."""
+    from jaxscale import registry
+
+    spec = registry.get(config.model.kind)
+    source = make_data(config, split="train")
+    batches = [spec.ids(config.model.params, source.batch(s)) for s in range(steps)]
+    return {f: np.concatenate([b[f] for b in batches]) for f in batches[0]}

@@ -17,15 +17,45 @@ LOCAL = "local"
 AXES = (NODE, LOCAL)
 BATCH_AXES = (NODE, LOCAL)  # the batch is always sharded over every device
 
-TOPOLOGIES = ("1d", "2d_ar", "2d_a2a")
+# What each topology means, and the only place it is written: the mesh axes its tables are sharded over
+# (the all-to-all group) and the axes that hold replicas of that group (kept equal by the replica sync).
+# Everything else (`Topology`'s groups, peers, shard and replica indices) is derived from this table.
+TOPOLOGY_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "1d": ((NODE, LOCAL), ()),  # shard over every device; no replicas
+    "2d_ar": ((NODE,), (LOCAL,)),  # shard across nodes, replicate inside a node (all-reduce-optimised)
+    "2d_a2a": ((LOCAL,), (NODE,)),  # shard inside a node, replicate across nodes (all-to-all-optimised)
+}
+TOPOLOGIES = tuple(TOPOLOGY_AXES)
 
 # Named clusters (`jaxscale.cluster.ClusterSpec.named`): a link to the repo's meshes/, shipped in the wheel.
 _MESHES_DIR = Path(__file__).resolve().parent / "presets" / "meshes"
 
 
+def check_topology(name) -> str:
+    """`name` if it names a topology, else ValueError listing them."""
+    if name not in TOPOLOGY_AXES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {name!r}")
+    return name
+
+
+def shard_axes(topology: str) -> tuple[str, ...]:
+    """Mesh axes that embedding tables are sharded over (the all-to-all group)."""
+    return TOPOLOGY_AXES[check_topology(topology)][0]
+
+
+def replica_axes(topology: str) -> tuple[str, ...]:
+    """Mesh axes that hold replicas of the tables (kept in sync by the replica sync); () for none."""
+    return TOPOLOGY_AXES[check_topology(topology)][1]
+
+
+def has_replicas(topology: str) -> bool:
+    """Whether the topology keeps replicas on any mesh with more than one device on its replica axes."""
+    return bool(replica_axes(topology))
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """What a topology name means on a (nodes, local) mesh; the one place that meaning is encoded.
+    """A topology (`TOPOLOGY_AXES`) on a (nodes, local) mesh: its groups, peers and sizes.
 
     A topology splits the mesh axes in two: the *shard* axes form the all-to-all group (each member holds
     one shard of the tables) and the *replica* axes hold copies of that group (kept in sync by the replica
@@ -39,8 +69,7 @@ class Topology:
     local: int
 
     def __post_init__(self):
-        if self.name not in TOPOLOGIES:
-            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.name!r}")
+        check_topology(self.name)
         for field in ("nodes", "local"):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -54,12 +83,12 @@ class Topology:
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """Mesh axes the tables are sharded over (the all-to-all group)."""
-        return {"1d": (NODE, LOCAL), "2d_ar": (NODE,), "2d_a2a": (LOCAL,)}[self.name]
+        return shard_axes(self.name)
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """Mesh axes that hold replicas of the tables."""
-        return {"1d": (), "2d_ar": (LOCAL,), "2d_a2a": (NODE,)}[self.name]
+        return replica_axes(self.name)
 
     def _size(self, axes) -> int:
         return int(np.prod([{NODE: self.nodes, LOCAL: self.local}[a] for a in axes], dtype=int))
@@ -71,63 +100,51 @@ class Topology:
 
     @property
     def num_replicas(self) -> int:
-        """Copies of every shard (1 for '1d')."""
+        """Copies of every shard (1 for '1d', and for a 2D topology whose replica axis has one device)."""
         return self._size(self.replica_axes)
 
-    def _positions(self) -> np.ndarray:
-        return np.arange(self.nodes * self.local).reshape(self.nodes, self.local)
+    def _grid(self) -> np.ndarray:
+        """Flat mesh positions as [replicas, shards]: row r is replica r's all-to-all group in shard order."""
+        pos = np.arange(self.nodes * self.local).reshape(self.nodes, self.local)
+        order = [AXES.index(a) for a in self.replica_axes + self.shard_axes]
+        return pos.transpose(order).reshape(self.num_replicas, self.num_shards)
 
     def shard_groups(self) -> tuple[tuple[int, ...], ...]:
         """The all-to-all groups as flat mesh positions (one group per replica), shard order within each."""
-        pos = self._positions()
-        if self.name == "1d":
-            return (tuple(int(v) for v in pos.reshape(-1)),)
-        if self.name == "2d_ar":
-            return tuple(tuple(int(v) for v in col) for col in pos.T)
-        return tuple(tuple(int(v) for v in row) for row in pos)
+        return tuple(tuple(int(v) for v in row) for row in self._grid())
 
     def replica_groups(self) -> tuple[tuple[int, ...], ...]:
         """The groups of devices that hold the same shard, as flat mesh positions (singletons for '1d')."""
-        pos = self._positions()
-        if self.name == "1d":
-            return tuple((int(v),) for v in pos.reshape(-1))
-        if self.name == "2d_ar":
-            return tuple(tuple(int(v) for v in row) for row in pos)
-        return tuple(tuple(int(v) for v in col) for col in pos.T)
+        return tuple(tuple(int(v) for v in col) for col in self._grid().T)
+
+    def _coordinates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(replica, shard) of every flat mesh position."""
+        grid = self._grid()
+        replica, shard = np.empty(grid.size, int), np.empty(grid.size, int)
+        replica[grid], shard[grid] = np.indices(grid.shape)
+        return replica, shard
 
     def shard_of(self, positions):
         """Shard index (within its group) of flat mesh positions (NumPy arrays or ints)."""
-        node, local = np.divmod(np.asarray(positions), self.local)
-        return {"1d": np.asarray(positions), "2d_ar": node, "2d_a2a": local}[self.name]
+        return self._coordinates()[1][np.asarray(positions)]
 
     def replica_of(self, positions):
         """Replica index of flat mesh positions: which copy of the shard group they belong to."""
-        node, local = np.divmod(np.asarray(positions), self.local)
-        return {"1d": np.zeros_like(node), "2d_ar": local, "2d_a2a": node}[self.name]
+        return self._coordinates()[0][np.asarray(positions)]
+
+    def _peers(self, axes) -> tuple[int, int]:
+        inside = self.local if LOCAL in axes else 1
+        return inside - 1, self._size(axes) - inside
 
     @property
     def shard_peers(self) -> tuple[int, int]:
         """(intra-node, inter-node) peers of one device in its all-to-all group."""
-        return {
-            "1d": (self.local - 1, (self.nodes - 1) * self.local),
-            "2d_ar": (0, self.nodes - 1),
-            "2d_a2a": (self.local - 1, 0),
-        }[self.name]
+        return self._peers(self.shard_axes)
 
     @property
     def replica_peers(self) -> tuple[int, int]:
         """(intra-node, inter-node) peers of one device in its replica group."""
-        return {"1d": (0, 0), "2d_ar": (self.local - 1, 0), "2d_a2a": (0, self.nodes - 1)}[self.name]
-
-
-def shard_axes(topology: str) -> tuple[str, ...]:
-    """Mesh axes that embedding tables are sharded over (the all-to-all group)."""
-    return Topology(topology, 1, 1).shard_axes
-
-
-def replica_axes(topology: str) -> tuple[str, ...]:
-    """Mesh axes that hold replicas of the tables (kept in sync by the replica sync)."""
-    return Topology(topology, 1, 1).replica_axes
+        return self._peers(self.replica_axes)
 
 
 def make_mesh(nodes: int, local: int, devices: Sequence | None = None):

@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
-from jaxscale.mesh import TOPOLOGIES, Topology
+from jaxscale.mesh import AXES, TOPOLOGIES, Topology, shard_axes
 from jaxscale.tables import TableConfig, check_tables
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
@@ -169,7 +169,7 @@ def _place(tables, topology, nodes, local, types) -> ShardingPlan:
         kind = types[t.name]
         if kind not in SHARDING_TYPES:
             raise ValueError(f"table {t.name!r}: sharding must be one of {SHARDING_TYPES}, got {kind!r}")
-        if kind == "table_row_wise" and topology != "1d":
+        if kind == "table_row_wise" and shard_axes(topology) != AXES:
             raise ValueError(
                 f"table {t.name!r}: table_row_wise needs topology '1d' (rows over a node's devices, tables "
                 f"across nodes); under {topology!r} the shard group spans one axis only: use row_wise"

@@ -1,25 +1,24 @@
 """The model registry: what the trainer needs to know about each model kind, in one value.
 
-A model module (e.g. `jaxscale_models.foundation`) defines a `ModelSpec` named `SPEC`. The trainer, the
-config loader, the data factory and the comm report ask the registry for the spec of `model.kind`; none
-of them branches on the kind. Built-in kinds are resolved lazily by module path, so importing jaxscale
-imports no model; `register` adds your own.
+A model module (e.g. `jaxscale_models.foundation`) defines a `ModelSpec` named `SPEC` and declares it as an
+entry point of the group "jaxscale.models". The trainer, the config loader, the data factory and the comm
+report ask the registry for the spec of `model.kind`; none of them branches on the kind. A kind's module is
+imported when the kind is first asked for, so importing jaxscale imports no model; `register` adds a kind
+at run time (a notebook, a test).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.metadata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxscale.tables import TableConfig
 
-BUILTIN = {
-    "foundation": "jaxscale_models.foundation",
-    "dlrm": "jaxscale_models.dlrm",
-    "contextual_two_tower": "jaxscale_models.contextual_two_tower",
-}
+ENTRY_POINTS = "jaxscale.models"
+"""The entry-point group of model kinds: each entry is `<kind> = "<module>:SPEC"` (this package's own kinds,
+`jaxscale_models`, are declared in its pyproject.toml the same way)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,18 +78,23 @@ def register(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
+def _entry_points() -> dict:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+
+
 def kinds() -> list[str]:
-    return sorted(set(BUILTIN) | set(_SPECS))
+    return sorted(set(_entry_points()) | set(_SPECS))
 
 
 def get(kind: str) -> ModelSpec:
-    """The spec of `kind`; ValueError listing the known kinds otherwise."""
+    """The spec of `kind` (registered, or loaded from its entry point); ValueError listing the kinds otherwise."""
     if kind in _SPECS:
         return _SPECS[kind]
-    if kind in BUILTIN:
-        spec = importlib.import_module(BUILTIN[kind]).SPEC
-        if spec.kind != kind:
-            raise RuntimeError(f"{BUILTIN[kind]}.SPEC is for kind {spec.kind!r}, registered as {kind!r}")
-        _SPECS[kind] = spec
-        return spec
-    raise ValueError(f"unknown model kind {kind!r}; known kinds: {kinds()}")
+    ep = _entry_points().get(kind)
+    if ep is None:
+        raise ValueError(f"unknown model kind {kind!r}; known kinds: {kinds()}")
+    spec = ep.load()
+    if not isinstance(spec, ModelSpec) or spec.kind != kind:
+        raise RuntimeError(f"entry point {kind} = {ep.value!r} is not the ModelSpec of kind {kind!r}")
+    _SPECS[kind] = spec
+    return spec

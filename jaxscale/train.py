@@ -1,7 +1,7 @@
 """`python -m jaxscale.train`: train a model from a YAML config with dotted overrides, on one or many hosts.
 
     python -m jaxscale.train                                   # smoke foundation model, 8 simulated CPU devices
-    python -m jaxscale.train --config experiments/configs/foundation_smoke.yaml mesh.nodes=2 mesh.local=4 \\
+    python -m jaxscale.train --config jaxscale/configs/foundation_smoke.yaml mesh.nodes=2 mesh.local=4 \\
         embedding.topology=2d_a2a --steps 50
     # N hosts (one process per host; 'node' = process):
     python -m jaxscale.train --config cfg.yaml --coordinator HOST0:1234 --num-processes N --process-id I
@@ -12,12 +12,32 @@ Kept short on purpose: the work is in `jaxscale.trainer`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-# Shipped inside the package (a copy of experiments/configs/foundation_smoke.yaml), so the default run works
-# from any directory after a plain `pip install`.
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "presets" / "configs" / "foundation_smoke.yaml")
+# The package's own default configs (jaxscale/configs/): the default run works from any directory after a
+# plain `pip install`.
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent / "configs" / "foundation_smoke.yaml")
+
+
+def plan_run(cfg, log=print):
+    """(cfg with its embedding settings resolved, the ShardingPlan to run): planning as a stage before the
+    trainer (`jaxscale.planner.resolve`). `embedding.topology: auto` draws the planner's data sample (the
+    first global batches' engine ids) and counts the model's dense parameters (its all-reduce shares the
+    links); any other topology places `embedding.sharding` (or reads `plan_file`)."""
+    from jaxscale import planner, registry
+    from jaxscale.data import planning_sample
+    from jaxscale.embedding.settings import AUTO_TOPOLOGY
+
+    tables = registry.get(cfg.model.kind).tables(cfg.model.params)
+    sample, dense = None, 0
+    if cfg.embedding.topology == AUTO_TOPOLOGY:
+        from jaxscale.trainer import dense_param_count
+
+        sample, dense = planning_sample(cfg), dense_param_count(cfg)
+    settings, plan = planner.resolve(cfg, tables, sample, dense_params=dense, log=log)
+    return dataclasses.replace(cfg, embedding=settings), plan
 
 
 def parse_args(argv=None):
@@ -76,9 +96,16 @@ def main(argv=None) -> int:
         local_devices=cfg.mesh.local if multi else cfg.mesh.nodes * cfg.mesh.local,
     )
 
+    import jax
+
     from jaxscale.trainer import CheckpointError, Trainer
 
-    trainer = Trainer(cfg, progress=not args.no_progress)
+    try:  # every process plans from the same global sample: the same plan everywhere; process 0 prints it
+        cfg, plan = plan_run(cfg, log=print if jax.process_index() == 0 else None)
+    except ValueError as e:
+        print(f"planning error: {e}", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, plan=plan, progress=not args.no_progress)
     if trainer.is_writer:
         print(trainer.ec.describe())
     try:

@@ -41,8 +41,9 @@ from jaxscale.checkpoint import Checkpointer, CheckpointError, shapes
 from jaxscale.checkpoint import host as _host
 from jaxscale.config import Config, config_to_dict
 from jaxscale.data import make_data, to_global
-from jaxscale.embedding import EmbeddingCollection, ShardedIds
-from jaxscale.embedding.ids import check_ids, pad_invalid
+from jaxscale.embedding.collection import EmbeddingCollection
+from jaxscale.embedding.ids import ShardedIds, check_ids, pad_invalid
+from jaxscale.embedding.settings import AUTO_TOPOLOGY, EmbeddingSettings
 from jaxscale.mesh import BATCH_AXES, make_mesh
 from jaxscale.plan import ShardingPlan
 
@@ -62,18 +63,28 @@ class Batch(NamedTuple):
     info: dict  # host-side facts about the batch (e.g. truncated sequences of a Parquet source)
 
 
-def make_collection(cfg: Config, mesh, tables, capacity_factor="config") -> EmbeddingCollection:
-    """The collection the config's `embedding` section describes (a `plan_file` overrides `sharding`)."""
-    e = cfg.embedding
-    if e.topology == "auto":
-        raise ValueError("embedding.topology=auto is resolved by the Trainer (it needs a data sample)")
-    plan = None
-    if e.plan_file:
+def make_collection(
+    cfg: Config, mesh, tables, settings: EmbeddingSettings | None = None, plan: ShardingPlan | None = None
+) -> EmbeddingCollection:
+    """The collection of the config's `embedding` settings (or `settings`) running `plan` (the planner's,
+    `jaxscale.planner.resolve`); without one, a `plan_file` replaces `sharding`."""
+    settings = cfg.embedding if settings is None else settings
+    if settings.topology == AUTO_TOPOLOGY:
+        raise ValueError("embedding.topology=auto is resolved by the planner (jaxscale.train.plan_run) first")
+    if plan is None and settings.plan_file:
         try:
-            plan = ShardingPlan.from_json(Path(e.plan_file).read_text())
+            plan = ShardingPlan.from_json(Path(settings.plan_file).read_text())
         except OSError as err:
-            raise ValueError(f"embedding.plan_file: cannot read {e.plan_file!r}: {err}") from err
-    return EmbeddingCollection.from_config(tables, mesh, e, plan=plan, capacity_factor=capacity_factor)
+            raise ValueError(f"embedding.plan_file: cannot read {settings.plan_file!r}: {err}") from err
+    return EmbeddingCollection(tables, mesh, settings, plan)
+
+
+def dense_param_count(cfg: Config) -> int:
+    """Dense parameters of the config's model (what its gradient all-reduce carries), from abstract shapes."""
+    spec = registry.get(cfg.model.kind)
+    model = nnx.eval_shape(lambda: spec.build(cfg.model.params, nnx.Rngs(cfg.train.seed)))
+    _, dense, _ = nnx.split(model, nnx.Param, ...)
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(dense))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -224,6 +235,7 @@ class Trainer:
         cfg: Config,
         mesh=None,
         *,
+        plan: ShardingPlan | None = None,
         data=None,
         eval_data=None,
         workdir: str | None = None,
@@ -250,10 +262,12 @@ class Trainer:
         model = self.spec.build(self.model_cfg, nnx.Rngs(cfg.train.seed))
         self.graphdef, dense, rest = nnx.split(model, nnx.Param, ...)
         self._dense_host, self._rest_host = _host_tree(dense), _host_tree(rest)  # numpy: see init_state
-        self.topology_choice = None
-        if cfg.embedding.topology == "auto":
-            cfg = self.cfg = self._choose_topology(cfg)
-        self.ec = make_collection(cfg, self.mesh, self.tables)
+        if cfg.embedding.topology == AUTO_TOPOLOGY and plan is None:
+            raise ValueError(
+                "embedding.topology=auto is chosen by the planner before the trainer is built: "
+                "cfg, plan = jaxscale.train.plan_run(cfg); Trainer(cfg, plan=plan)"
+            )
+        self.ec = make_collection(cfg, self.mesh, self.tables, plan=plan)
         self.tx = make_optimizer(cfg)
         self.replicated = NamedSharding(self.mesh, P())
         self.checkpointer = Checkpointer(
@@ -270,51 +284,6 @@ class Trainer:
         self.comm = None
         self.collectives = None
         self._stop_requested = False
-
-    def _choose_topology(self, cfg: Config, sample_steps: int = 4) -> Config:
-        """`embedding.topology=auto`: the planner's recommendation for this cluster and a data sample.
-
-        The sample is the first `sample_steps` batches' engine ids; the planner predicts the embedding
-        communication per step of 1d, 2d_ar and 2d_a2a (each exact sync strategy) with the dense gradient
-        all-reduce sharing the links, and the run uses the fastest (its report is printed). The resolved
-        topology (and exact sync strategy) is what the config, and so every checkpoint, records.
-        """
-        from jaxscale import planner
-        from jaxscale.cluster import ClusterSpec, known_clusters
-
-        nodes, local = cfg.mesh.nodes, cfg.mesh.local
-        if cfg.mesh.cluster is not None:
-            cluster = ClusterSpec.from_yaml(cfg.mesh.cluster)
-        elif f"{nodes}x{local}" in known_clusters():
-            cluster = ClusterSpec.named(f"{nodes}x{local}")
-        else:
-            cluster = ClusterSpec(nodes, local)
-        if (cluster.nodes, cluster.devices_per_node) != (nodes, local):
-            got = f"{cluster.nodes}x{cluster.devices_per_node}"
-            raise ValueError(f"mesh.cluster describes a {got} cluster, the mesh is {nodes}x{local}")
-        batches = [self.spec.ids(self.model_cfg, self.data.batch(s)) for s in range(sample_steps)]
-        sample = {f: np.concatenate([b[f] for b in batches]) for f in batches[0]}
-        stats = planner.measure_feature_stats(sample, self.tables)
-        dense = sum(int(np.size(x)) for x in jax.tree.leaves(self._dense_host))
-        per_device = cfg.train.batch_size // (nodes * local)
-        choice = planner.recommend_topology(
-            self.tables,
-            stats,
-            cluster,
-            per_device,
-            cfg.embedding.comm,
-            dense_params=dense,
-            dense_precision=cfg.train.dense_grad_precision,
-        )
-        self.topology_choice = choice
-        if self.is_writer:
-            print(choice.report())
-        changes = {"topology": choice.topology}
-        if choice.sync is not None and choice.sync.mode == "exact":
-            changes["sync_strategy"] = choice.sync.strategy
-        if choice.topology == "1d":
-            changes["replica_sync"] = "exact"  # no replicas to sync
-        return dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, **changes))
 
     # -------------------------------------------------------------- state
 
@@ -435,7 +404,7 @@ class Trainer:
     def _ranking(self):
         """The full-corpus evaluator of `train.eval_ranking_ks` (built once: it holds the jitted scorer)."""
         if self._ranker is None:
-            from jaxscale.evaluate import RankingEvaluator
+            from jaxscale.ranking_eval import RankingEvaluator
 
             self._ranker = RankingEvaluator(self, self.cfg.train.eval_ranking_ks)
         return self._ranker
@@ -453,7 +422,7 @@ class Trainer:
             "dense_shapes": shapes({"dense": state["dense"], "opt": state["opt"], "rest": state["rest"]}),
             "layout": self.ec.layout_signature(),
             "mesh": [self.cfg.mesh.nodes, self.cfg.mesh.local],
-            "optimizer_slots": list(self.ec.optimizer.slots),
+            "optimizer_slots": list(self.ec.settings.optimizer.slots),
             "config": config_to_dict(self.cfg),
         }
 
@@ -596,7 +565,7 @@ class Trainer:
                 recount = False
                 if metrics["overflow"] > 0:
                     state = new_state  # the update was skipped: same tables, step counter advanced
-                    if self.ec.reuse_capacities and self.ec.capacity_factor is None:
+                    if self.ec.settings.reuse_capacities and self.ec.settings.capacity_factor is None:
                         state, recount = self._rewind(state), True  # re-run the batch, counted
                         self.reruns += 1
                         continue
@@ -667,7 +636,7 @@ class Trainer:
 
     def _handle_overflow(self, state, metrics, step):
         policy = self.cfg.train.overflow_policy
-        cf = self.ec.capacity_factor
+        cf = self.ec.settings.capacity_factor
         if policy == "error":
             raise CapacityOverflowError(
                 f"step {step}: {int(metrics['overflow'])} looked-up rows did not fit the all-to-all capacity "
@@ -680,7 +649,8 @@ class Trainer:
                 f"step {step}: all-to-all overflow ({int(metrics['overflow'])} rows); growing capacity_factor "
                 f"{cf} -> {new_cf} and recompiling; the step is re-run"
             )
-        self.ec = make_collection(self.cfg, self.mesh, self.tables, capacity_factor=new_cf)
+        grown = self.ec.settings.replace(capacity_factor=new_cf)
+        self.ec = make_collection(self.cfg, self.mesh, self.tables, grown, plan=self.ec.plan)
         self._executables.clear()
         self._eval = None
         return self._rewind(state)

@@ -84,10 +84,12 @@ def run_scenario(mesh) -> dict[str, np.ndarray]:
         ec = jaxscale.EmbeddingCollection(
             tables(),
             mesh,
-            topology=topology,
-            sharding="row_wise" if reuse else sharding,
-            optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
-            reuse_capacities=reuse,
+            jaxscale.EmbeddingSettings(
+                topology=topology,
+                sharding="row_wise" if reuse else sharding,
+                optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS),
+                reuse_capacities=reuse,
+            ),
         )
         state = ec.from_dense(dense_tables())
         reruns = 0

@@ -257,9 +257,9 @@ def test_plan_pairs_every_jaxscale_precision_with_a_torchrec_run():
 def test_technique_ladder():
     ladder = stages.technique_stages()
     assert [s.name for s in ladder] == ["baseline", "+fp8", "+balanced", "+half_dim", "2d_ar", "2d_a2a"]
-    assert (ladder[0].comm_forward, ladder[0].comm_backward) == ("fp32", "fp32")
-    assert all((s.comm_forward, s.comm_backward) == ("fp8", "bf16") for s in ladder[1:])  # fp8 fwd, bf16 bwd
-    assert [s.topology for s in ladder] == ["1d"] * 4 + ["2d_ar", "2d_a2a"]
+    comm = [(s.settings.comm.forward, s.settings.comm.backward) for s in ladder]
+    assert comm == [("fp32", "fp32")] + [("fp8", "bf16")] * 5  # then fp8 fwd, bf16 bwd
+    assert [s.settings.topology for s in ladder] == ["1d"] * 4 + ["2d_ar", "2d_a2a"]
     for before, after in zip(ladder, ladder[1:]):  # cumulative: a technique once on stays on
         assert after.balanced >= before.balanced and after.half_dim >= before.half_dim
 

@@ -44,7 +44,11 @@ def test_counted_capacities_are_the_exact_needs_rounded_up(shape, topology):
         jaxscale.TableConfig("cw", rows=50, dim=16, pooling=None),
     ]
     ec = jaxscale.EmbeddingCollection(
-        tables, mesh, topology=topology, sharding={"seq": "row_wise", "bag": "row_wise", "cw": "column_wise"}
+        tables,
+        mesh,
+        jaxscale.EmbeddingSettings(
+            topology=topology, sharding={"seq": "row_wise", "bag": "row_wise", "cw": "column_wise"}
+        ),
     )
     rng = np.random.default_rng(0)
     ids = {
@@ -77,7 +81,9 @@ def test_overflow_equals_the_rows_actually_dropped(shape, topology):
     mesh = jaxscale.make_mesh(*shape)
     seq = jaxscale.TableConfig("seq", rows=96, dim=8, pooling=None)
     bag = jaxscale.TableConfig("bag", rows=96, dim=8, pooling="sum")
-    ec = jaxscale.EmbeddingCollection([seq, bag], mesh, topology=topology, capacity_factor=0.4)
+    ec = jaxscale.EmbeddingCollection(
+        [seq, bag], mesh, jaxscale.EmbeddingSettings(topology=topology, capacity_factor=0.4)
+    )
     rng = np.random.default_rng(1)
     ids = {"seq": rng.integers(0, 96, (32, 8)).astype(np.int32), "bag": rng.integers(-1, 96, (32, 6)).astype(np.int32)}
     w = {n: 1.0 + np.abs(rng.normal(size=(96, 8))).astype(np.float32) for n in ("seq", "bag")}
@@ -129,13 +135,15 @@ def test_exact_exchange_sends_at_most_twice_the_deduplicated_need():
     x (4 bytes of id + a row forward + a gradient back))."""
     mesh = jaxscale.make_mesh(2, 4)
     t = jaxscale.TableConfig("items", rows=200_000, dim=64, pooling=None)
-    ec = jaxscale.EmbeddingCollection([t], mesh, topology="1d", sharding="row_wise")
+    ec = jaxscale.EmbeddingCollection([t], mesh, jaxscale.EmbeddingSettings(topology="1d", sharding="row_wise"))
     ids = {"items": zipf_ids(np.random.default_rng(2), 200_000, (512, 20))}
     sent = sum(c.bytes_per_device for c in _step_bytes(ec, ids) if c.kind == "all-to-all")
     need = remote_unique_ids(ec, ids) * (4 + 64 * 4 + 64 * 4)
     assert sent <= 2 * need.mean(), (sent, need.mean())
     # the worst-case capacity (what a fixed shape pays) is far above: the test can fail
-    worst = jaxscale.EmbeddingCollection([t], mesh, topology="1d", sharding="row_wise", capacity_factor=8.0)
+    worst = jaxscale.EmbeddingCollection(
+        [t], mesh, jaxscale.EmbeddingSettings(topology="1d", sharding="row_wise", capacity_factor=8.0)
+    )
     padded = sum(c.bytes_per_device for c in _step_bytes(worst, ids) if c.kind == "all-to-all")
     assert padded > 4 * need.mean()
 
@@ -146,7 +154,7 @@ def test_exact_sync_cross_node_bytes_follow_the_union_of_touched_rows():
     local shards x row bytes)."""
     mesh = jaxscale.make_mesh(4, 2)
     t = jaxscale.TableConfig("items", rows=200_000, dim=64, pooling=None)
-    ec = jaxscale.EmbeddingCollection([t], mesh, topology="2d_a2a", sharding="row_wise")
+    ec = jaxscale.EmbeddingCollection([t], mesh, jaxscale.EmbeddingSettings(topology="2d_a2a", sharding="row_wise"))
     ids = {"items": zipf_ids(np.random.default_rng(3), 200_000, (512, 20))}
     cs = _step_bytes(ec, ids)
     inter = sum(split_bytes(c, (4, 2))[1] for c in cs)
@@ -156,7 +164,13 @@ def test_exact_sync_cross_node_bytes_follow_the_union_of_touched_rows():
     # 'auto' (the default) picked the cheaper strategy for this batch
     by = {}
     for strategy in ("gather", "owner"):
-        other = jaxscale.EmbeddingCollection([t], mesh, topology="2d_a2a", sharding="row_wise", sync_strategy=strategy)
+        other = jaxscale.EmbeddingCollection(
+            [t],
+            mesh,
+            jaxscale.EmbeddingSettings(
+                topology="2d_a2a", sharding="row_wise", replica_sync=jaxscale.ReplicaSync(strategy=strategy)
+            ),
+        )
         by[strategy] = sum(split_bytes(c, (4, 2))[1] for c in _step_bytes(other, ids))
     assert inter == min(by.values()), (inter, by)
 
@@ -169,7 +183,13 @@ def test_sync_strategy_follows_how_much_the_nodes_ids_overlap():
     ids = {"items": zipf_ids(np.random.default_rng(6), 20_000, (512, 20), a=2.0)}
     inter = {}
     for strategy in ("auto", "gather", "owner"):
-        ec = jaxscale.EmbeddingCollection([t], mesh, topology="2d_a2a", sharding="row_wise", sync_strategy=strategy)
+        ec = jaxscale.EmbeddingCollection(
+            [t],
+            mesh,
+            jaxscale.EmbeddingSettings(
+                topology="2d_a2a", sharding="row_wise", replica_sync=jaxscale.ReplicaSync(strategy=strategy)
+            ),
+        )
         if strategy == "auto":
             assert ec.shard_batch(ids).capacities["w64"].sync_strategy == "owner"
         inter[strategy] = sum(split_bytes(c, (4, 2))[1] for c in _step_bytes(ec, ids))
@@ -191,11 +211,13 @@ def test_exact_sync_strategies_keep_replicas_identical_and_exact(shape, strategy
         ec = jaxscale.EmbeddingCollection(
             tables,
             mesh,
-            topology="2d_a2a",
-            sync_strategy=strategy,
-            comm=comm,
-            optimizer=jaxscale.RowWiseAdagrad(0.1),
-            sharding={"a": "row_wise", "b": "column_wise"},
+            jaxscale.EmbeddingSettings(
+                topology="2d_a2a",
+                comm=comm,
+                optimizer=jaxscale.RowWiseAdagrad(0.1),
+                sharding={"a": "row_wise", "b": "column_wise"},
+                replica_sync=jaxscale.ReplicaSync(strategy=strategy),
+            ),
         )
         state = ec.from_dense(w0)
         ref_w, ref_acc = dict(w0), {t.name: np.zeros(t.rows, np.float32) for t in tables}
@@ -245,7 +267,9 @@ def test_pair_counts_without_building_pairs_equal_the_request_path(shape, topolo
         jaxscale.TableConfig(f"t{i}", rows=int(rng.integers(50, 500)), dim=16, pooling="sum", features=(f"f{i}",))
         for i in range(3)
     ]
-    ec = jaxscale.EmbeddingCollection(tables, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
+    ec = jaxscale.EmbeddingCollection(
+        tables, jaxscale.make_mesh(*shape), jaxscale.EmbeddingSettings(topology=topology, sharding=sharding)
+    )
     B, L, devices = 64, 7, 8
     ids = {}
     for i, t in enumerate(tables):
@@ -273,14 +297,14 @@ def test_per_process_counts_combine_to_the_single_process_capacities(shape, shar
         jaxscale.TableConfig("seq", rows=400, dim=16, pooling=None),
         jaxscale.TableConfig("bag", rows=150, dim=16, pooling="sum"),
     ]
-    ec = jaxscale.EmbeddingCollection(tables, mesh, topology="1d", sharding=sharding)
+    ec = jaxscale.EmbeddingCollection(tables, mesh, jaxscale.EmbeddingSettings(topology="1d", sharding=sharding))
     rng = np.random.default_rng(zlib.crc32(f"{shape}{sharding}".encode()))
     ids = {
         "seq": zipf_ids(rng, 400, (64, 5)),
         "bag": np.where(rng.random((64, 6)) < 0.2, -1, zipf_ids(rng, 150, (64, 6))),
     }
     args = (ec.layout, ec.feature_table, ec.topology)
-    rest = (ec.pooled_comm, False, "gather", lambda w: 4 * w)
+    rest = (ec.settings.pooled_comm, False, "gather", lambda w: 4 * w)
     alone = capacity.count_local(*args, ids, *rest)
     whole = alone.capacities(alone.maxima[None])
     nodes, local = shape
@@ -315,11 +339,11 @@ def test_per_process_counts_with_exact_sync_equal_one_process_on_every_topology(
         jaxscale.TableConfig("seq", rows=300, dim=16, pooling=None),
         jaxscale.TableConfig("bag", rows=120, dim=16, pooling="sum"),
     ]
-    ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding="row_wise")
+    ec = jaxscale.EmbeddingCollection(tables, mesh, jaxscale.EmbeddingSettings(topology=topology, sharding="row_wise"))
     rng = np.random.default_rng(zlib.crc32(f"{shape}{topology}".encode()))
     ids = {"seq": zipf_ids(rng, 300, (64, 5)), "bag": zipf_ids(rng, 120, (64, 4))}
     args = (ec.layout, ec.feature_table, ec.topology)
-    rest = (ec.pooled_comm, ec._exact_sync, ec.sync_strategy, lambda w: 4 * w)
+    rest = (ec.settings.pooled_comm, ec._exact_sync, ec.settings.replica_sync.strategy, lambda w: 4 * w)
     alone = capacity.count_local(*args, ids, *rest)
     nodes, local = shape
     rows = 64 // nodes
@@ -375,10 +399,14 @@ def test_reused_capacities_skip_an_overflowing_batch_and_the_counted_rerun_is_ex
     replicas = Topology.of(topology, mesh).num_replicas
     if replicas > 1:
         with pytest.raises(ValueError, match="reuse_capacities=True cannot run the exact replica sync"):
-            jaxscale.EmbeddingCollection(tables, mesh, **kwargs, reuse_capacities=True)
-        kwargs.update(replica_sync="periodic", sync_every=2)
+            jaxscale.EmbeddingCollection(tables, mesh, jaxscale.EmbeddingSettings(reuse_capacities=True, **kwargs))
+        kwargs.update(replica_sync=jaxscale.ReplicaSync("periodic", every=2))
     reuse, every = (
-        jaxscale.EmbeddingCollection(tables, mesh, **kwargs, optimizer=jaxscale.RowWiseAdagrad(0.1), reuse_capacities=r)
+        jaxscale.EmbeddingCollection(
+            tables,
+            mesh,
+            jaxscale.EmbeddingSettings(optimizer=jaxscale.RowWiseAdagrad(0.1), reuse_capacities=r, **kwargs),
+        )
         for r in (True, False)
     )
     rng = np.random.default_rng(11)
@@ -438,7 +466,5 @@ def test_reused_capacities_skip_an_overflowing_batch_and_the_counted_rerun_is_ex
 
 
 def test_reuse_capacities_must_be_a_bool():
-    with pytest.raises(TypeError, match="reuse_capacities"):
-        jaxscale.EmbeddingCollection(
-            [jaxscale.TableConfig("t", rows=8, dim=4)], jaxscale.make_mesh(1, 8), reuse_capacities="yes"
-        )
+    with pytest.raises(ValueError, match="^reuse_capacities: must be true or false, got 'yes'"):
+        jaxscale.EmbeddingSettings(reuse_capacities="yes")

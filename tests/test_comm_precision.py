@@ -29,10 +29,12 @@ def make(mesh, precision, **kw):
     return jaxscale.EmbeddingCollection(
         TABLES,
         mesh,
-        sharding="row_wise",
-        optimizer=jaxscale.RowWiseAdagrad(0.05),
-        comm=jaxscale.CommConfig(forward=precision, backward=precision),
-        **kw,
+        jaxscale.EmbeddingSettings(
+            sharding="row_wise",
+            optimizer=jaxscale.RowWiseAdagrad(0.05),
+            comm=jaxscale.CommConfig(forward=precision, backward=precision),
+            **kw,
+        ),
     )
 
 
@@ -108,7 +110,9 @@ def test_fp8_and_half_dim_shrink_the_embedding_all_to_all():
     t = [jaxscale.TableConfig("seq", rows=400, dim=64, pooling=None)]
     half = [jaxscale.TableConfig("seq", rows=400, dim=64, pooling=None, reshape="half_dim")]
     f32 = _a2a_bytes(jaxscale.EmbeddingCollection(t, mesh), ids)
-    fp8 = _a2a_bytes(jaxscale.EmbeddingCollection(t, mesh, comm=jaxscale.CommConfig(forward="fp8")), ids)
+    fp8 = _a2a_bytes(
+        jaxscale.EmbeddingCollection(t, mesh, jaxscale.EmbeddingSettings(comm=jaxscale.CommConfig(forward="fp8"))), ids
+    )
     hd = _a2a_bytes(jaxscale.EmbeddingCollection(half, mesh), ids)
     assert f32 > 0
     assert fp8 <= 0.3 * f32, (fp8, f32)
@@ -135,7 +139,7 @@ def _train_losses(tmp_path, name, *overrides):
     from jaxscale.trainer import Trainer
 
     cfg = load_config(
-        "experiments/configs/foundation_tiny.yaml",
+        "jaxscale/configs/foundation_tiny.yaml",
         [
             "train.steps=200",
             "train.eval_every=0",

@@ -12,7 +12,7 @@ from jaxscale.comm_inspect import Collective
 from jaxscale.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "experiments", "configs", "dlrm_smoke.yaml")
+CONFIG = os.path.join(ROOT, "jaxscale", "configs", "dlrm_smoke.yaml")
 SMALL = [
     "mesh.nodes=2",
     "mesh.local=4",

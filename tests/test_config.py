@@ -8,7 +8,7 @@ import yaml
 from jaxscale.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config
 from jaxscale_models.foundation import FoundationConfig
 
-CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "jaxscale" / "configs"
 FILES = ["foundation_smoke", "dlrm_smoke", "foundation_large", "dlrm_large"]
 
 
@@ -16,7 +16,7 @@ FILES = ["foundation_smoke", "dlrm_smoke", "foundation_large", "dlrm_large"]
 def test_experiment_configs_load_and_round_trip(name):
     path = CONFIGS / f"{name}.yaml"
     first = path.read_text().splitlines()[0]
-    assert first == f"# python -m jaxscale.train --config experiments/configs/{name}.yaml"
+    assert first == f"# python -m jaxscale.train --config jaxscale/configs/{name}.yaml"
     cfg = load_config(str(path), [])
     assert cfg.model.kind == name.split("_")[0]
     assert config_from_dict(config_to_dict(cfg)) == cfg

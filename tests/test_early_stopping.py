@@ -12,7 +12,7 @@ import jaxscale
 from jaxscale.config import ConfigError, load_config
 from jaxscale.trainer import Trainer, _progress
 
-TINY = Path(__file__).resolve().parent.parent / "experiments" / "configs" / "foundation_tiny.yaml"
+TINY = Path(__file__).resolve().parent.parent / "jaxscale" / "configs" / "foundation_tiny.yaml"
 BASE = ["train.steps=12", "train.eval_every=2", "train.checkpoint_every=0", "train.log_every=100"]
 NDCG = {2: 0.1, 4: 0.3, 6: 0.2, 8: 0.3, 10: 0.35, 12: 0.9}  # ties do not improve
 _COMPILED: dict = {}  # one compile of the tiny model's step for the whole module

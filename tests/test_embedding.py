@@ -1,6 +1,7 @@
 """EmbeddingCollection against a single-device NumPy reference, on every mesh/topology/sharding."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -78,10 +79,12 @@ def test_lookup_and_update_match_reference(shape, topology, sharding):
         ec = jaxscale.EmbeddingCollection(
             tables,
             mesh,
-            topology=topology,
-            sharding=sharding,
-            optimizer=optimizer,
-            pooled_comm="rows" if opt == "sgd" else "auto",
+            jaxscale.EmbeddingSettings(
+                topology=topology,
+                sharding=sharding,
+                optimizer=optimizer,
+                pooled_comm="rows" if opt == "sgd" else "auto",
+            ),
         )
         state = ec.from_dense(w0)
         ref_w = {k: v.copy() for k, v in w0.items()}
@@ -134,7 +137,7 @@ def test_one_device_matches_reference(tables, opt):
     w0 = dense_tables(rng, tables)
     lr, eps = 0.05, 1e-8
     optimizer = jaxscale.SGD(lr) if opt == "sgd" else jaxscale.RowWiseAdagrad(lr, eps=eps)
-    ec = jaxscale.EmbeddingCollection(tables, mesh, optimizer=optimizer)
+    ec = jaxscale.EmbeddingCollection(tables, mesh, jaxscale.EmbeddingSettings(optimizer=optimizer))
     assert ec._fused_update([f for t in tables for f in t.features]) == (tables is ONE_FEATURE_TABLES)
     state, ref_w = ec.from_dense(w0), {k: v.copy() for k, v in w0.items()}
     ref_acc = {k: np.zeros(v.shape[0], np.float32) for k, v in w0.items()}
@@ -169,11 +172,17 @@ def test_per_column_shard_adagrad_keeps_torchrec_semantics(shape, topology):
     w0 = dense_tables(rng, tables)
     lr, eps = 0.05, 0.25
     per_shard = jaxscale.RowWiseAdagrad(lr, eps=eps, per_column_shard=True)
-    ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding="column_wise", optimizer=per_shard)
+    ec = jaxscale.EmbeddingCollection(
+        tables, mesh, jaxscale.EmbeddingSettings(topology=topology, sharding="column_wise", optimizer=per_shard)
+    )
     col_parts = {n: ts.col_parts for n, ts in ec.plan.tables.items()}
     assert all(cp > 1 for cp in col_parts.values())
     default = jaxscale.EmbeddingCollection(
-        tables, mesh, topology=topology, sharding="column_wise", optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps)
+        tables,
+        mesh,
+        jaxscale.EmbeddingSettings(
+            topology=topology, sharding="column_wise", optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps)
+        ),
     )
     state, state_default = ec.from_dense(w0), default.from_dense(w0)
     ref_w = {k: v.copy() for k, v in w0.items()}
@@ -203,7 +212,9 @@ def test_dense_round_trip_is_exact(topology, sharding):
     rng = np.random.default_rng(1)
     w = dense_tables(rng)
     for shape in MESH_SHAPES:
-        ec = jaxscale.EmbeddingCollection(TABLES, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
+        ec = jaxscale.EmbeddingCollection(
+            TABLES, jaxscale.make_mesh(*shape), jaxscale.EmbeddingSettings(topology=topology, sharding=sharding)
+        )
         back = ec.to_dense(ec.from_dense(w))
         for name in w:
             np.testing.assert_array_equal(back[name], w[name])
@@ -213,7 +224,9 @@ def test_init_does_not_depend_on_mesh_or_layout():
     layouts = [((1, 8), "1d", "row_wise"), ((2, 4), "2d_a2a", "column_wise"), ((4, 2), "2d_ar", "table_wise")]
     inits = []
     for shape, topology, sharding in layouts:
-        ec = jaxscale.EmbeddingCollection(TABLES, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding)
+        ec = jaxscale.EmbeddingCollection(
+            TABLES, jaxscale.make_mesh(*shape), jaxscale.EmbeddingSettings(topology=topology, sharding=sharding)
+        )
         inits.append(ec.to_dense(ec.init(jax.random.key(7))))
     for t in TABLES:
         first = inits[0][t.name]
@@ -225,7 +238,11 @@ def test_init_does_not_depend_on_mesh_or_layout():
 
 def test_lookup_and_update_inside_user_jit(mesh):
     ec = jaxscale.EmbeddingCollection(
-        TABLES, mesh, topology="2d_a2a" if mesh.shape["node"] > 1 else "1d", optimizer=jaxscale.RowWiseAdagrad(0.1)
+        TABLES,
+        mesh,
+        jaxscale.EmbeddingSettings(
+            topology="2d_a2a" if mesh.shape["node"] > 1 else "1d", optimizer=jaxscale.RowWiseAdagrad(0.1)
+        ),
     )
     rng = np.random.default_rng(2)
     w0 = dense_tables(rng)
@@ -253,7 +270,11 @@ def test_periodic_sync_averages_replicas():
     rng = np.random.default_rng(3)
     w0 = dense_tables(rng)
     ec = jaxscale.EmbeddingCollection(
-        TABLES, mesh, topology="2d_a2a", optimizer=jaxscale.SGD(0.1), replica_sync="periodic", sync_every=2
+        TABLES,
+        mesh,
+        jaxscale.EmbeddingSettings(
+            topology="2d_a2a", optimizer=jaxscale.SGD(0.1), replica_sync=jaxscale.ReplicaSync("periodic", every=2)
+        ),
     )
     state = ec.from_dense(w0)
     ids = make_ids(rng)
@@ -274,7 +295,9 @@ def test_periodic_sync_averages_replicas():
 def test_overflow_is_counted_not_silent():
     mesh = jaxscale.make_mesh(1, 8)
     t = jaxscale.TableConfig("t", rows=64, dim=8, pooling=None)
-    ec = jaxscale.EmbeddingCollection([t], mesh, sharding="row_wise", capacity_factor=1.0, optimizer=jaxscale.SGD(1.0))
+    ec = jaxscale.EmbeddingCollection(
+        [t], mesh, jaxscale.EmbeddingSettings(sharding="row_wise", capacity_factor=1.0, optimizer=jaxscale.SGD(1.0))
+    )
     w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
     state = ec.from_dense({"t": w})
     # every device asks for 8 distinct rows all owned by shard 0 (row % 8 == 0): capacity 1 per shard
@@ -282,7 +305,7 @@ def test_overflow_is_counted_not_silent():
     out, stats = ec.lookup(state, {"t": ids}, return_stats=True)
     assert int(stats["overflow"]) == 8 * 7
     # exact capacity (the default) never overflows and returns the right rows
-    ec_exact = jaxscale.EmbeddingCollection([t], mesh, sharding="row_wise")
+    ec_exact = jaxscale.EmbeddingCollection([t], mesh, jaxscale.EmbeddingSettings(sharding="row_wise"))
     out, stats = ec_exact.lookup(ec_exact.from_dense({"t": w}), {"t": ids}, return_stats=True)
     assert int(stats["overflow"]) == 0
     np.testing.assert_array_equal(np.asarray(out["t"]), w[ids])
@@ -292,7 +315,7 @@ def test_update_can_be_skipped_without_touching_state():
     mesh = jaxscale.make_mesh(2, 4)
     rng = np.random.default_rng(4)
     w0 = dense_tables(rng)
-    ec = jaxscale.EmbeddingCollection(TABLES, mesh, optimizer=jaxscale.RowWiseAdagrad(0.1))
+    ec = jaxscale.EmbeddingCollection(TABLES, mesh, jaxscale.EmbeddingSettings(optimizer=jaxscale.RowWiseAdagrad(0.1)))
     ids = make_ids(rng)
     grads = {f: jnp.ones(out_shape(f), jnp.float32) for f in ids}
     state = ec.update(ec.from_dense(w0), ids, grads, apply=jnp.array(False))
@@ -313,10 +336,11 @@ def test_sparse_periodic_sync_equals_dense_periodic_and_sends_less(shape):
     rng = np.random.default_rng(7)
     tables = [jaxscale.TableConfig("t", rows=512, dim=16, pooling=None)]
     w0 = {"t": rng.normal(size=(512, 16)).astype(np.float32)}
-    kw = dict(topology="2d_a2a", optimizer=jaxscale.RowWiseAdagrad(0.1), sync_every=2)
-    dense = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic", **kw)
-    sparse = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic_sparse", **kw)
-    tiny = jaxscale.EmbeddingCollection(tables, mesh, replica_sync="periodic_sparse", sparse_sync_rows=2, **kw)
+    base = jaxscale.EmbeddingSettings(topology="2d_a2a", optimizer=jaxscale.RowWiseAdagrad(0.1))
+    sync = functools.partial(jaxscale.ReplicaSync, "periodic", every=2)
+    dense = jaxscale.EmbeddingCollection(tables, mesh, base.replace(replica_sync=sync()))
+    sparse = jaxscale.EmbeddingCollection(tables, mesh, base.replace(replica_sync=sync(strategy="sparse")))
+    tiny = jaxscale.EmbeddingCollection(tables, mesh, base.replace(replica_sync=sync(strategy="sparse", sparse_rows=2)))
     states = [ec.from_dense(w0) for ec in (dense, sparse, tiny)]
     for _ in range(4):
         ids = {"t": rng.integers(-1, 512, (16, 3)).astype(np.int32)}

@@ -1,7 +1,7 @@
 """The shipped `engagement` example trains both models end to end: a small store (make_events -> compile ->
 backfill, with the example's item_id vocabulary and its -1 categories for items missing from the items
-table), then a few Trainer steps of the foundation model (experiments/configs/foundation_sequences.yaml) and
-of the contextual two-tower (experiments/configs/two_tower_sequences.yaml), shrunk to CPU size."""
+table), then a few Trainer steps of the foundation model (jaxscale/configs/foundation_sequences.yaml) and
+of the contextual two-tower (jaxscale/configs/two_tower_sequences.yaml), shrunk to CPU size."""
 
 import importlib.util
 from pathlib import Path
@@ -17,7 +17,7 @@ from jaxscale.sequences.store import read_sequence
 from jaxscale.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "experiments" / "configs"
+CONFIGS = ROOT / "jaxscale" / "configs"
 ITEMS, L = 300, 8
 ITEM_ROWS = 304  # >= the vocabulary's num_indices (at most 300 ids + 2), a multiple of the 8 devices
 

@@ -23,7 +23,11 @@ def _collection(mesh, topology, rows=1000, comm=None, sharding="row_wise"):
         jaxscale.TableConfig("seq", rows=300, dim=DIM, pooling=None),
     ]
     return jaxscale.EmbeddingCollection(
-        tables, mesh, topology=topology, sharding=sharding, comm=comm, optimizer=jaxscale.RowWiseAdagrad(0.1)
+        tables,
+        mesh,
+        jaxscale.EmbeddingSettings(
+            topology=topology, sharding=sharding, comm=comm, optimizer=jaxscale.RowWiseAdagrad(0.1)
+        ),
     )
 
 
@@ -146,9 +150,7 @@ def test_update_is_sparse_and_donated(topology):
         ec = jaxscale.EmbeddingCollection(
             [jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum")],
             mesh,
-            topology=topology,
-            sharding="row_wise",
-            optimizer=jaxscale.RowWiseAdagrad(0.1),
+            jaxscale.EmbeddingSettings(topology=topology, sharding="row_wise", optimizer=jaxscale.RowWiseAdagrad(0.1)),
         )
         m = _compiled_update(ec).memory_analysis()
         stats[rows] = (m.temp_size_in_bytes, m.alias_size_in_bytes, _block_bytes(ec))
@@ -206,9 +208,7 @@ def test_update_after_the_lookup_needs_no_table_copy(shape, topology, sharding):
     ec = jaxscale.EmbeddingCollection(
         [jaxscale.TableConfig("items", rows=rows, dim=DIM, pooling="sum")],
         mesh,
-        topology=topology,
-        sharding=sharding,
-        optimizer=jaxscale.RowWiseAdagrad(0.1),
+        jaxscale.EmbeddingSettings(topology=topology, sharding=sharding, optimizer=jaxscale.RowWiseAdagrad(0.1)),
     )
     rng = np.random.default_rng(0)
     ids = {"items": np.minimum(rng.zipf(1.2, (B, L)) - 1, rows - 1).astype(np.int32)}
@@ -258,7 +258,9 @@ def test_1d_step_counters_ride_the_ids_all_to_all(shape, sharding):
     if shape[0] > 1:  # 2d_a2a with replicas (on 1 node it has none: the 1d case again)
         variants.append(("2d_a2a", None))
     for topology, factor in variants:
-        ec = jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding, capacity_factor=factor)
+        ec = jaxscale.EmbeddingCollection(
+            tables, mesh, jaxscale.EmbeddingSettings(topology=topology, sharding=sharding, capacity_factor=factor)
+        )
         state = ec.from_dense({t.name: np.zeros((t.rows, t.dim), np.float32) for t in tables})
 
         def step(state, ids, g, ec=ec):

@@ -16,7 +16,9 @@ T = [
 
 @pytest.fixture(scope="module")
 def ec():
-    return jaxscale.EmbeddingCollection(T, jaxscale.make_mesh(2, 4), optimizer=jaxscale.SGD(0.1))
+    return jaxscale.EmbeddingCollection(
+        T, jaxscale.make_mesh(2, 4), jaxscale.EmbeddingSettings(optimizer=jaxscale.SGD(0.1))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +69,36 @@ def test_mesh_that_does_not_fit_the_devices():
 
 def test_impossible_topology_and_sharding_combinations():
     mesh = jaxscale.make_mesh(2, 4)
-    with pytest.raises(ValueError, match="topology must be one of"):
-        jaxscale.EmbeddingCollection(T, mesh, topology="3d")
+    with pytest.raises(ValueError, match="topology: must be one of"):
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(topology="3d"))
     with pytest.raises(ValueError, match="table_row_wise needs topology '1d'"):
-        jaxscale.EmbeddingCollection(T, mesh, topology="2d_a2a", sharding="table_row_wise")
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(topology="2d_a2a", sharding="table_row_wise"))
     with pytest.raises(ValueError, match="column_wise splits dim 12 over 8 shards"):
-        jaxscale.EmbeddingCollection([jaxscale.TableConfig("t", 100, 12)], mesh, sharding="column_wise")
+        jaxscale.EmbeddingCollection(
+            [jaxscale.TableConfig("t", 100, 12)], mesh, jaxscale.EmbeddingSettings(sharding="column_wise")
+        )
     with pytest.raises(ValueError, match="row_wise over 8 shards needs at least 8 rows"):
-        jaxscale.EmbeddingCollection([jaxscale.TableConfig("t", 5, 8)], mesh, sharding="row_wise")
-    with pytest.raises(ValueError, match="sharding must be one of"):
-        jaxscale.EmbeddingCollection(T, mesh, sharding="diagonal")
+        jaxscale.EmbeddingCollection(
+            [jaxscale.TableConfig("t", 5, 8)], mesh, jaxscale.EmbeddingSettings(sharding="row_wise")
+        )
+    with pytest.raises(ValueError, match="sharding: must be one of"):
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(sharding="diagonal"))
     with pytest.raises(ValueError, match="unknown tables"):
-        jaxscale.EmbeddingCollection(T, mesh, sharding={"nope": "row_wise"})
-    with pytest.raises(ValueError, match="replica_sync must be one of"):
-        jaxscale.EmbeddingCollection(T, mesh, replica_sync="sometimes")
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(sharding={"nope": "row_wise"}))
+    with pytest.raises(ValueError, match="^mode: must be one of"):
+        jaxscale.ReplicaSync("sometimes")
+    with pytest.raises(ValueError, match="^replica_sync.mode: must be one of"):
+        jaxscale.EmbeddingSettings(replica_sync="sometimes")
+    with pytest.raises(ValueError, match="^replica_sync: 'periodic dense k=1' needs replicas"):
+        jaxscale.EmbeddingSettings(topology="1d", replica_sync="periodic")
     with pytest.raises(ValueError, match="capacity_factor"):
-        jaxscale.EmbeddingCollection(T, mesh, capacity_factor=-1)
-    with pytest.raises(TypeError, match="optimizer must be"):
-        jaxscale.EmbeddingCollection(T, mesh, optimizer="adam")
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(capacity_factor=-1))
+    with pytest.raises(ValueError, match="^optimizer: must be a mapping with a 'kind'"):
+        jaxscale.EmbeddingSettings(optimizer="adam")
+    with pytest.raises(ValueError, match="topology 'auto' is chosen by the planner"):
+        jaxscale.EmbeddingCollection(T, mesh, jaxscale.EmbeddingSettings(topology="auto"))
+    with pytest.raises(TypeError, match="settings must be a jaxscale.EmbeddingSettings"):
+        jaxscale.EmbeddingCollection(T, mesh, {"topology": "1d"})
     with pytest.raises(ValueError, match="learning_rate"):
         jaxscale.RowWiseAdagrad(-1.0)
 
@@ -92,7 +106,7 @@ def test_impossible_topology_and_sharding_combinations():
 def test_plan_for_another_mesh_is_refused():
     plan = jaxscale.resolve_plan(T, "1d", 1, 8, "row_wise")
     with pytest.raises(ValueError, match="plan was made for 8 shards but topology '1d' on a 4x1 mesh has 4"):
-        jaxscale.EmbeddingCollection(T, jaxscale.make_mesh(4, 1, devices=jax.devices()[:4]), sharding=plan)
+        jaxscale.EmbeddingCollection(T, jaxscale.make_mesh(4, 1, devices=jax.devices()[:4]), plan=plan)
 
 
 @pytest.mark.parametrize(

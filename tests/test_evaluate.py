@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from movielens_helpers import MOVIES, USERS, loo_targets, write_ml100k
 
-from jaxscale import evaluate, ranking
+from jaxscale import evaluate, ranking, ranking_eval
 from jaxscale.config import load_config
 from jaxscale.sequences import compile_definitions
 from jaxscale.sequences.movielens import import_movielens
@@ -23,7 +23,7 @@ from jaxscale.sequences.runtime import backfill
 from jaxscale.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "experiments" / "configs"
+CONFIGS = ROOT / "jaxscale" / "configs"
 L = 8
 KS = (3, 10)
 
@@ -160,11 +160,11 @@ def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, t
     trainer = Trainer(cfg, workdir=str(work), progress=False, log=False)
     state, _ = evaluate.restore(trainer, work / "best" / "checkpoints")
     source = make_data(cfg, split="test")
-    got = evaluate.RankingEvaluator(trainer, KS).evaluate(state, source)
+    got = ranking_eval.RankingEvaluator(trainer, KS).evaluate(state, source)
     table = np.asarray(trainer.ec.to_dense(state["emb"])["item_h0"])
     model = nnx.merge(trainer.graphdef, state["dense"], state["rest"])
     model.eval()
-    ex = evaluate.examples_of(source)
+    ex = ranking_eval.examples_of(source)
     batch = ex.examples(np.arange(len(ex)))
     ids = foundation_ids(trainer.model_cfg, batch)
     emb = {f: jnp.asarray(table[np.maximum(v, 0)] * (v >= 0)[..., None]) for f, v in ids.items()}
@@ -243,7 +243,7 @@ def test_contextual_two_tower_ranks_with_the_label_genre_as_context(movielens, t
     trainer = Trainer(cfg, progress=False)
     out = trainer.run()
     assert {"eval_recall@10", "eval_ndcg@10"} <= set(out["eval"][-1])
-    ex = evaluate.examples_of(trainer.eval_data)
+    ex = ranking_eval.examples_of(trainer.eval_data)
     assert ex.split == "valid" and len(ex) == USERS
     genre_of = {
         int(i): int(c)

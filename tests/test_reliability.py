@@ -264,10 +264,16 @@ def _expected_overflow(tr, host_batch) -> int:
     shapes = {f: (x.shape[0] // devices, x.shape[1]) for f, x in ids.items()}
     ec = tr.ec
     caps = capacity.static_capacities(
-        ec.layout, ec.feature_table, ec.topology, shapes, ec.pooled_comm, ec.capacity_factor, ec._exact_sync
+        ec.layout,
+        ec.feature_table,
+        ec.topology,
+        shapes,
+        ec.settings.pooled_comm,
+        ec.settings.capacity_factor,
+        ec._exact_sync,
     )
     partial = capacity.pair_features(
-        ec.layout, ec.feature_table, tuple(ids), {f: x.shape[1] for f, x in ids.items()}, ec.pooled_comm
+        ec.layout, ec.feature_table, tuple(ids), {f: x.shape[1] for f, x in ids.items()}, ec.settings.pooled_comm
     )
     return dropped(ec, ids, caps, partial)
 
@@ -284,7 +290,7 @@ def test_overflow_error_counts_and_applies_nothing(layout_pair, tmp_path):
         with pytest.raises(
             CapacityOverflowError,
             match=rf"step 1: {expected} looked-up rows did not fit the all-to-all "
-            rf"capacity \(embedding.capacity_factor={tr.ec.capacity_factor}\); the step was not applied",
+            rf"capacity \(embedding.capacity_factor={tr.ec.settings.capacity_factor}\); the step was not applied",
         ):
             tr.run(steps=3)
     finally:
@@ -309,7 +315,7 @@ def test_overflow_grow_reruns_the_step_and_matches_exact_capacity(layout_pair, t
         tr.data, exact_tr.data = src, src_exact
     out = capsys.readouterr().out
     assert f"all-to-all overflow ({expected} rows); growing capacity_factor" in out, out
-    assert tr.ec.capacity_factor is None or tr.ec.capacity_factor > LAYOUTS[name][1]
+    assert tr.ec.settings.capacity_factor is None or tr.ec.settings.capacity_factor > LAYOUTS[name][1]
     assert grown["steps"] == [1, 2, 3] and grown["losses"] == exact["losses"], name
     log = [m for m in read_metrics(tmp_path / "grow") if "loss" in m]
     assert [m["step"] for m in log] == [1, 2, 3] and all(m["overflow"] == 0 for m in log)

@@ -24,7 +24,9 @@ def _collection(layout, **kw):
     shape, topology, sharding = layout
     opt = jaxscale.RowWiseAdagrad(0.1)
     return jaxscale.EmbeddingCollection(
-        TABLES, jaxscale.make_mesh(*shape), topology=topology, sharding=sharding, optimizer=opt, **kw
+        TABLES,
+        jaxscale.make_mesh(*shape),
+        jaxscale.EmbeddingSettings(topology=topology, sharding=sharding, optimizer=opt, **kw),
     )
 
 
@@ -74,7 +76,7 @@ def test_reshard_moves_every_row_and_slot(source, target):
 def test_diverged_replicas_are_averaged_agreeing_ones_kept_exactly():
     """Periodic sync lets replicas differ between syncs: moving such a state averages them (the sync the next
     step would do); rows whose replicas agree keep their value bit for bit (a mean of 3 equal floats need not)."""
-    src = _collection(((4, 2), "2d_a2a", "row_wise"), replica_sync="periodic", sync_every=100)
+    src = _collection(((4, 2), "2d_a2a", "row_wise"), replica_sync=jaxscale.ReplicaSync("periodic", every=100))
     dst = _collection(((1, 8), "1d", "row_wise"))
     rng = np.random.default_rng(1)
     dense = {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in TABLES}

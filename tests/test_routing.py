@@ -21,7 +21,7 @@ from jaxscale.native import jax_kernels
 
 def _collection(shape, topology, sharding, tables):
     mesh = jaxscale.make_mesh(*shape, devices=jax.devices()[: shape[0] * shape[1]])
-    return jaxscale.EmbeddingCollection(tables, mesh, topology=topology, sharding=sharding)
+    return jaxscale.EmbeddingCollection(tables, mesh, jaxscale.EmbeddingSettings(topology=topology, sharding=sharding))
 
 
 def _random_ids(rng, tables, bags, length, invalid=True):
@@ -172,9 +172,8 @@ def test_engine_on_both_codecs_matches_reference_and_sends_u16_ids(shape, topolo
     ec = jaxscale.EmbeddingCollection(
         tables,
         jaxscale.make_mesh(*shape),
-        topology=topology,
-        sharding=plan,
-        optimizer=jaxscale.RowWiseAdagrad(0.05, eps=1e-8),
+        jaxscale.EmbeddingSettings(topology=topology, optimizer=jaxscale.RowWiseAdagrad(0.05, eps=1e-8)),
+        plan=plan,
     )
     rng = np.random.default_rng(1)
     w0 = {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in tables}

@@ -14,8 +14,10 @@ import pytest
 
 from jaxscale import comm_model as cm
 from jaxscale.cluster import ClusterSpec
+from jaxscale.embedding.settings import EmbeddingSettings, ReplicaSync
 from jaxscale.mesh import Topology
 from jaxscale.plan import ShardingPlan, TableShards
+from jaxscale.quantization import CommConfig
 from jaxscale.tables import TableConfig
 from jaxscale.techniques import STAGE_NAMES, STAGES, Stage, stage
 
@@ -24,16 +26,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ------------------------------------------------------------------------------------------ ladder
 
 
+def _facts(st: Stage) -> dict:
+    """What a stage sets, as comparable values."""
+    e = st.settings
+    return {
+        "topology": e.topology,
+        "comm": (e.comm.forward, e.comm.backward),
+        "replica_sync": e.replica_sync,
+        "balanced": st.balanced,
+        "half_dim": st.half_dim,
+    }
+
+
 def test_ladder_adds_one_technique_per_stage():
     assert STAGE_NAMES == ("baseline", "+fp8", "+balanced", "+half_dim", "2d_ar", "2d_a2a")
-    fields = ("topology", "comm_forward", "comm_backward", "balanced", "half_dim")
     changed = [
-        {f for f in fields if getattr(a, f) != getattr(b, f)} - ({"comm_backward"} if b.name == "+fp8" else set())
+        {k for k, v in _facts(a).items() if v != _facts(b)[k]} - ({"replica_sync"} if b.name == "2d_ar" else set())
         for a, b in zip(STAGES, STAGES[1:])
     ]
-    assert changed == [{"comm_forward"}, {"balanced"}, {"half_dim"}, {"topology"}, {"topology"}]
-    assert stage("+fp8").comm_forward == "fp8" and stage("+fp8").comm_backward == "bf16"
-    assert stage("baseline").replica_sync is None and stage("2d_a2a").replica_sync == "exact"
+    assert changed == [{"comm"}, {"balanced"}, {"half_dim"}, {"topology"}, {"topology"}]
+    assert stage("+fp8").settings.comm == CommConfig("fp8", "bf16")
+    assert stage("baseline").settings.replica_sync == ReplicaSync()  # nothing to sync on 1d
+    assert stage("2d_a2a").settings.replica_sync == ReplicaSync("exact", "owner")
     with pytest.raises(ValueError, match="unknown stage"):
         stage("+fp4")
 
@@ -46,32 +60,35 @@ def test_stage_config_overrides_load():
     with pytest.raises(ValueError, match="plan_file"):
         stage("+balanced").config_overrides()
     a2a = stage("2d_a2a").config_overrides(plan_file="plan.json")
-    assert "embedding.plan_file=plan.json" in a2a and "embedding.sync_strategy=owner" in a2a
-    assert "model.foundation.item_reshape=half_dim" in a2a
+    assert "embedding.plan_file=plan.json" in a2a and "model.foundation.item_reshape=half_dim" in a2a
     cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(stage("2d_a2a"), 2, 4))
     assert cfg.embedding.topology == "2d_a2a" and cfg.model.foundation.item_reshape == "half_dim"
     assert cfg.embedding.comm.forward == "fp8" and cfg.mesh.nodes == 2
+    for st in STAGES:  # the overrides load back to exactly the stage's settings
+        loaded = load_config(None, [*st.config_overrides(plan_file="p.json"), "mesh.nodes=2", "mesh.local=4"])
+        assert st.applied_to(loaded.embedding) == loaded.embedding
+        assert loaded.embedding.replica_sync == st.settings.replica_sync
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "settings,match",
     [
         (dict(topology="3d"), "topology"),
-        (dict(comm_forward="int8"), "comm_forward"),
-        (dict(replica_sync="exact"), "replica_sync"),
-        (dict(topology="2d_a2a", replica_sync="exact", sync_strategy="owner", sync_every=4), "sync_every"),
-        (dict(topology="2d_a2a", replica_sync="periodic", sync_strategy="round_robin"), "sync_strategy"),
+        (dict(topology="auto"), "a topology"),
+        (dict(comm=CommConfig("fp32", "fp32"), replica_sync=ReplicaSync("periodic")), "needs replicas"),
     ],
 )
-def test_stage_validation(kwargs, match):
-    base = dict(name="x", topology="1d", comm_forward="fp32", comm_backward="fp32", balanced=False, half_dim=False)
+def test_stage_validation(settings, match):
     with pytest.raises(ValueError, match=match):
-        Stage(**(base | kwargs))
+        Stage("x", EmbeddingSettings(**settings), balanced=False, half_dim=False)
 
 
 def test_with_sync():
-    periodic = stage("2d_a2a").with_sync("periodic", "sparse", 16)
-    assert periodic.sync_every == 16 and "embedding.sync_every=16" in periodic.config_overrides(plan_file="p")
+    periodic = stage("2d_a2a").with_sync(ReplicaSync("periodic", "sparse", 16))
+    assert periodic.settings.replica_sync.every == 16
+    assert "embedding.replica_sync={mode: periodic, strategy: sparse, every: 16, sparse_rows: null}" in (
+        periodic.config_overrides(plan_file="p")
+    )
 
 
 # ------------------------------------------------------------------------------------------ byte formulas
@@ -141,7 +158,7 @@ def test_exact_batch_counts_of_a_compiled_config_fit_under_the_padded_worst_case
         cfg = load_config(os.path.join(ROOT, S.CONFIG), S.overrides(st, nodes, local))
         exact = M.batch_counts(cfg)[0]
         padded = M.padded_counts(
-            tiny(devices=nodes * local), ClusterSpec(nodes, local).topology(st.topology), st.half_dim
+            tiny(devices=nodes * local), ClusterSpec(nodes, local).topology(st.settings.topology), st.half_dim
         )
         n_ids = 2 * tiny(devices=nodes * local).batch_per_device * S.TINY["max_seq_len"]  # 2 tables
         assert 0 < exact.requested <= cm.round_up_capacity(n_ids) and exact.width == padded[0].width
@@ -278,7 +295,7 @@ def test_check_rows_have_the_published_json_fields():
 
 def test_weak_scaling_of_a_stage_is_bounded_by_the_node_count():
     w = tiny()
-    fn = lambda st, n: M.padded_counts(w, ClusterSpec(n, 8).topology(st.topology), st.half_dim)  # noqa: E731
+    fn = lambda st, n: M.padded_counts(w, ClusterSpec(n, 8).topology(st.settings.topology), st.half_dim)  # noqa: E731
     for name in STAGE_NAMES:
         sync = cm.ReplicaSync("exact", "gather")
         sp = [M.speedup(w, stage(name), fn, M.FABRICS["400 Gbps/node"], n, 0.01, sync) for n in (2, 4, 8)]
@@ -308,9 +325,8 @@ def test_emulation_prediction_and_link_helpers():
         [dict(c, category=cat) for c, cat in zip(collectives, ("emb_rows", "replica_sync", "emb_rows"))]
     ) == {"emb_rows": (905.0, 1000.0), "replica_sync": (0.0, 125.0)}
     periodic = B.parse_stage("2d_a2a@periodic:sparse:8")
-    assert (
-        periodic.replica_sync == "periodic" and periodic.sync_every == 8 and periodic.name == "2d_a2a@periodic:sparse:8"
-    )
+    assert periodic.settings.replica_sync == ReplicaSync("periodic", "sparse", 8)
+    assert periodic.name == "2d_a2a@periodic:sparse:8"
     with pytest.raises(ValueError, match="unknown stage"):
         B.parse_stage("3d")
 

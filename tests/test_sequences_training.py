@@ -185,7 +185,7 @@ def test_id_mapping_and_errors(built):
 
 @pytest.mark.slow  # a CLI training run (~20 s)
 def test_the_trainer_reads_the_store_through_the_config(built, tmp_path):
-    """`data.source: sequences` (experiments/configs/foundation_sequences.yaml's shape): the foundation model
+    """`data.source: sequences` (jaxscale/configs/foundation_sequences.yaml's shape): the foundation model
     trains from the store; the checkpoint keeps Grain's data position and a resumed run continues it."""
     from jaxscale.config import load_config
     from jaxscale.trainer import Trainer

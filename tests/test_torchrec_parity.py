@@ -173,7 +173,9 @@ def _jaxscale_run(sharding, optimizer, steps=STEPS, mesh_shape=(1, 8)):
 
     mesh = jaxscale.make_mesh(*mesh_shape)
     opt = jaxscale.SGD(LR_SGD) if optimizer == "sgd" else jaxscale.RowWiseAdagrad(LR_ADAGRAD, eps=EPS)
-    ec = jaxscale.EmbeddingCollection(TABLES, mesh, topology="1d", sharding=sharding, optimizer=opt)
+    ec = jaxscale.EmbeddingCollection(
+        TABLES, mesh, jaxscale.EmbeddingSettings(topology="1d", sharding=sharding, optimizer=opt)
+    )
     state = ec.from_dense(WEIGHTS)
     outputs = []
     for s in range(steps):

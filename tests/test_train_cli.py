@@ -3,7 +3,7 @@
 checkpoints exit 3 and leave the files alone; SIGTERM saves and exits 0; config errors exit 2; metrics,
 TensorBoard and eval metrics are written (foundation and DLRM); the default command trains.
 
-Runs use experiments/configs/foundation_tiny.yaml (compile time dominates). Every subprocess shares one
+Runs use jaxscale/configs/foundation_tiny.yaml (compile time dominates). Every subprocess shares one
 persistent compilation cache for the session and XLA:CPU optimisation level 0 (compile time), and never
 inherits conftest's 8-device XLA flag: the CLI sets the device count itself.
 """
@@ -21,8 +21,8 @@ import pytest
 from conftest import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "experiments" / "configs" / "foundation_tiny.yaml")
-DLRM = str(ROOT / "experiments" / "configs" / "dlrm_smoke.yaml")
+TINY = str(ROOT / "jaxscale" / "configs" / "foundation_tiny.yaml")
+DLRM = str(ROOT / "jaxscale" / "configs" / "dlrm_smoke.yaml")
 TIMEOUT_S = 240  # one CLI run (compile included) on a busy 2-core machine
 KILL_AFTER_S = 5
 
@@ -185,7 +185,7 @@ def test_stop_and_resume_is_bit_exact(straight, split):
     tb, sb, step_b = restore_final(wd)
     assert step_a == step_b == 20
     np.testing.assert_array_equal(ta.ec.to_dense(sa["emb"])["item_h0"], tb.ec.to_dense(sb["emb"])["item_h0"])
-    for s in ta.ec.optimizer.slots:
+    for s in ta.ec.settings.optimizer.slots:
         np.testing.assert_array_equal(
             ta.ec.slots_to_dense(sa["emb"])[s]["item_h0"], tb.ec.slots_to_dense(sb["emb"])[s]["item_h0"]
         )

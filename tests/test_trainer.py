@@ -18,7 +18,7 @@ from jaxscale.config import load_config
 from jaxscale.trainer import CheckpointError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "experiments" / "configs" / "foundation_tiny.yaml"
+TINY = ROOT / "jaxscale" / "configs" / "foundation_tiny.yaml"
 
 
 def _cfg(*overrides):
@@ -43,7 +43,8 @@ def _nontrivial_state(tr, seed=1):
     rng = np.random.default_rng(seed)
     tables = {t.name: rng.standard_normal((t.rows, t.dim)).astype(np.float32) for t in tr.tables}
     slots = {
-        s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.tables} for s in tr.ec.optimizer.slots
+        s: {t.name: rng.uniform(0.1, 2.0, t.rows).astype(np.float32) for t in tr.tables}
+        for s in tr.ec.settings.optimizer.slots
     }
     state["emb"] = tr.ec.load_dense(tables, slots, step=7)
     return state, tables, slots
@@ -98,7 +99,7 @@ def test_restore_is_exact_across_meshes_and_topologies(tmp_path):
             for name, want in tables.items():
                 np.testing.assert_array_equal(tr.ec.to_dense(restored["emb"], replica)[name], want)
         got_slots = tr.ec.slots_to_dense(restored["emb"])
-        for s in tr.ec.optimizer.slots:
+        for s in tr.ec.settings.optimizer.slots:
             for name, want in slots[s].items():
                 g = got_slots[s][name]
                 g = g if g.ndim == 1 else g[:, 0]  # column-wise keeps one copy per column shard

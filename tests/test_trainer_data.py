@@ -126,9 +126,15 @@ def test_trainer_takes_its_data_source(tmp_path):
     assert Path(tmp_path).exists()
 
 
-def test_topology_auto_follows_the_cluster(tmp_path, capsys):
-    """embedding.topology=auto: the planner's choice for the cluster's links and a data sample. Over a slow
-    inter-node link (1 Gbit/s) an all-to-all that crosses nodes (1d, 2d_ar) never wins: 2d_a2a does."""
+def test_topology_auto_follows_the_cluster_and_the_trainer_runs_the_scored_plan(tmp_path, capsys):
+    """embedding.topology=auto: the planner's choice for the cluster's links and a data sample, made before the
+    trainer is built. Over a slow inter-node link (1 Gbit/s) an all-to-all that crosses nodes (1d, 2d_ar)
+    never wins: 2d_a2a does; the trainer then runs exactly the plan that was scored for it."""
+    from jaxscale import planner, registry
+    from jaxscale.comm_report import comm_report
+    from jaxscale.data import planning_sample
+    from jaxscale.train import plan_run
+
     slow = tmp_path / "slow.yaml"
     slow.write_text(
         "nodes: 2\ndevices_per_node: 4\ndevice_memory_gb: 80\nintra_node_bandwidth_gbytes_per_s: 450\n"
@@ -136,13 +142,21 @@ def test_topology_auto_follows_the_cluster(tmp_path, capsys):
     )
     base = [o for o in DLRM if not o.startswith("mesh.")] + ["mesh.nodes=2", "mesh.local=4"]
     cfg = load_config(None, base + ["embedding.topology=auto", f"mesh.cluster={slow}"])
-    tr = Trainer(cfg, workdir=str(tmp_path / "run"), progress=False)
-    choice = tr.topology_choice
-    assert choice is not None and choice.topology == "2d_a2a"
-    assert tr.cfg.embedding.topology == "2d_a2a" and tr.ec.topology.name == "2d_a2a"
+    with pytest.raises(ValueError, match="chosen by the planner before the trainer is built"):
+        Trainer(cfg, progress=False)
+    resolved, plan = plan_run(cfg)
     assert "recommended" in capsys.readouterr().out
-    assert {c.topology for c in choice.candidates} == {"1d", "2d_ar", "2d_a2a"}
+    assert resolved.embedding.topology == "2d_a2a" and plan.topology == "2d_a2a"
+    tables = registry.get(cfg.model.kind).tables(cfg.model.params)
+    choice = planner.choose_topology(cfg, tables, planning_sample(cfg))
+    assert {c.topology for c in choice.candidates} == {"1d", "2d_ar", "2d_a2a"} and choice.plan == plan
+    tr = Trainer(resolved, plan=plan, workdir=str(tmp_path / "run"), progress=False)
+    assert tr.ec.topology.name == "2d_a2a" and tr.ec.plan == plan
+    for t in tables:  # what the collection describes is the scored plan, table by table
+        ts = plan.tables[t.name]
+        assert f"table {t.name}: {t.rows}x{t.dim} {ts.sharding} shards={list(ts.shards)}" in tr.ec.describe()
+    assert comm_report(cfg)["config"]["plan"] == plan.to_dict()  # the comm report measures the same plan
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(slow.read_text().replace("nodes: 2", "nodes: 4"))
     with pytest.raises(ValueError, match="describes a 4x4 cluster"):
-        Trainer(load_config(None, base + ["embedding.topology=auto", f"mesh.cluster={wrong}"]), progress=False)
+        plan_run(load_config(None, base + ["embedding.topology=auto", f"mesh.cluster={wrong}"]))

@@ -39,7 +39,7 @@ TINY = dict(
 
 
 def _collection(cfg, mesh, seed=0):
-    ec = jaxscale.EmbeddingCollection(two_tower_tables(cfg), mesh, sharding="row_wise")
+    ec = jaxscale.EmbeddingCollection(two_tower_tables(cfg), mesh, jaxscale.EmbeddingSettings(sharding="row_wise"))
     rng = np.random.default_rng(seed)  # rows of unit scale, so every user's query is distinct
     return ec, ec.from_dense({t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in ec.tables})
 

@@ -24,7 +24,7 @@ from jaxscale_models.contextual_two_tower_sequences import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "experiments" / "configs" / "two_tower_smoke.yaml"
+SMOKE = ROOT / "jaxscale" / "configs" / "two_tower_smoke.yaml"
 
 MS_PER_DAY = 86_400_000
 T0 = 1_767_571_200_000  # 2026-01-05T00:00:00Z

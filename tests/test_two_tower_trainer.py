@@ -15,7 +15,7 @@ from jaxscale.config import load_config
 from jaxscale.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "experiments" / "configs" / "two_tower_smoke.yaml"
+SMOKE = ROOT / "jaxscale" / "configs" / "two_tower_smoke.yaml"
 
 # The smoke config, shrunk so that compiling dominates (a few seconds of steps).
 TINY = [

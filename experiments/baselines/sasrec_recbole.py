@@ -27,9 +27,10 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from jaxscale import atomic
 
 MAX_LEN = 50
 RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
@@ -241,10 +242,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     def save(results):
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        tmp.replace(args.json)
+        atomic.write_json(args.json, results)
 
     out, (users, topk) = train(
         args.store,
@@ -257,7 +255,8 @@ def main(argv=None) -> int:
         progress=save,
     )
     if args.topk:
-        from jaxscale.evaluate import RankingResult, write_topk
+        from jaxscale.evaluate import write_topk
+        from jaxscale.ranking_eval import RankingResult
         from jaxscale.sequences.query import SequenceReader
 
         decode = SequenceReader(args.store, args.sequence).vocabulary("item_id").decode

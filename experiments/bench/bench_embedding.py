@@ -84,10 +84,12 @@ def collection(jaxscale, rows, mesh, topology, args, capacity_factor=None):
     return jaxscale.EmbeddingCollection(
         [table],
         mesh,
-        topology=topology,
-        sharding="row_wise",
-        optimizer=jaxscale.RowWiseAdagrad(0.01),
-        capacity_factor=capacity_factor,
+        jaxscale.EmbeddingSettings(
+            topology=topology,
+            sharding="row_wise",
+            optimizer=jaxscale.RowWiseAdagrad(0.01),
+            capacity_factor=capacity_factor,
+        ),
     )
 
 

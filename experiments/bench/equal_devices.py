@@ -182,13 +182,14 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
     ec = jaxscale.EmbeddingCollection(
         ts,
         mesh,
-        topology="1d",
-        sharding=sharding,
-        # column-wise: TorchRec's optimizer state (one accumulator per row and column shard), the same work
-        optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS, per_column_shard=sharding == "column_wise"),
-        comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
-        capacity_factor=spec.get("capacity_factor"),
-        reuse_capacities=bool(spec.get("reuse_capacities")),
+        jaxscale.EmbeddingSettings(
+            topology="1d",
+            sharding=sharding,
+            optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS, per_column_shard=sharding == "column_wise"),
+            comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
+            capacity_factor=spec.get("capacity_factor"),
+            reuse_capacities=bool(spec.get("reuse_capacities")),
+        ),
     )
     state = ec.from_dense(weights)
 

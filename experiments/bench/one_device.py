@@ -90,9 +90,9 @@ class JaxscaleEngine:
         self.ec = ec = jaxscale.EmbeddingCollection(
             [table],
             jaxscale.make_mesh(1, 1, devices=jax.devices()[:1]),
-            topology="1d",
-            sharding="row_wise",
-            optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps),
+            jaxscale.EmbeddingSettings(
+                topology="1d", sharding="row_wise", optimizer=jaxscale.RowWiseAdagrad(lr, eps=eps)
+            ),
         )
         self.state = ec.from_dense({"t": W0})
 

@@ -23,7 +23,7 @@ from common import REPO, worker_main
 
 from jaxscale.techniques import Stage
 
-FOUNDATION_CONFIG = REPO / "experiments" / "configs" / "foundation_smoke.yaml"
+FOUNDATION_CONFIG = REPO / "jaxscale" / "configs" / "foundation_smoke.yaml"
 MESH = (2, 4)
 
 
@@ -61,7 +61,9 @@ def _sharding(stage: Stage, cfg, tables, host_ids):
     stats = planner.measure_feature_stats(host_ids, tables)
     cluster = ClusterSpec(nodes=MESH[0], devices_per_node=MESH[1], device_memory_bytes=1e9)
     per_device = batch // devices
-    return planner.plan_sharding(tables, stats, cluster, batch_size_per_device=per_device, topology=stage.topology)
+    return planner.plan_sharding(
+        tables, stats, cluster, batch_size_per_device=per_device, topology=stage.settings.topology
+    )
 
 
 def stage_bytes(stage: Stage) -> dict:
@@ -75,19 +77,8 @@ def stage_bytes(stage: Stage) -> dict:
 
     cfg, tables, host_ids = _foundation_workload(stage.half_dim)
     mesh = jaxscale.make_mesh(*MESH, devices=jax.devices()[: MESH[0] * MESH[1]])
-    e = cfg.embedding
-    ec = jaxscale.EmbeddingCollection(
-        tables,
-        mesh,
-        topology=stage.topology,
-        sharding=_sharding(stage, cfg, tables, host_ids),
-        optimizer=e.optimizer.build(),
-        comm=jaxscale.CommConfig(forward=stage.comm_forward, backward=stage.comm_backward),
-        replica_sync="periodic_sparse" if stage.sync_strategy == "sparse" else (stage.replica_sync or "exact"),
-        sync_every=stage.sync_every,
-        sync_strategy=stage.sync_strategy if stage.replica_sync == "exact" and stage.sync_strategy else "auto",
-        capacity_factor=e.capacity_factor,
-    )
+    plan = _sharding(stage, cfg, tables, host_ids)
+    ec = jaxscale.EmbeddingCollection(tables, mesh, stage.applied_to(cfg.embedding), plan=plan)
     state = ec.init(jax.random.key(0))
     ids = ec.shard_batch(host_ids)
 

@@ -60,17 +60,17 @@ train_and_score() {  # name config model-section [overrides...]
 }
 
 mkdir -p "$OUT/runs" "$OUT/eval"
-train_and_score foundation "$ROOT/experiments/configs/movielens_foundation.yaml" foundation
-train_and_score two_tower_context "$ROOT/experiments/configs/movielens_two_tower.yaml" contextual_two_tower \
+train_and_score foundation "$ROOT/jaxscale/configs/movielens_foundation.yaml" foundation
+train_and_score two_tower_context "$ROOT/jaxscale/configs/movielens_two_tower.yaml" contextual_two_tower \
   model.contextual_two_tower.use_context=true
-train_and_score two_tower_no_context "$ROOT/experiments/configs/movielens_two_tower.yaml" contextual_two_tower \
+train_and_score two_tower_no_context "$ROOT/jaxscale/configs/movielens_two_tower.yaml" contextual_two_tower \
   model.contextual_two_tower.use_context=false
 
 log "popularity top-k"
-"$PY" -m jaxscale.evaluate --config "$ROOT/experiments/configs/movielens_foundation.yaml" --popularity-only \
+"$PY" -m jaxscale.evaluate --config "$ROOT/jaxscale/configs/movielens_foundation.yaml" --popularity-only \
   --split test --k 10,20 --json "$OUT/eval/popularity_test.json" --topk "$OUT/topk_popularity.parquet" \
   "${DATA[@]}" "model.foundation.item_rows=$ROWS" >/dev/null
-"$PY" -m jaxscale.evaluate --config "$ROOT/experiments/configs/movielens_foundation.yaml" --popularity-only \
+"$PY" -m jaxscale.evaluate --config "$ROOT/jaxscale/configs/movielens_foundation.yaml" --popularity-only \
   --split valid --k 10,20 --json "$OUT/eval/popularity_valid.json" "${DATA[@]}" "model.foundation.item_rows=$ROWS" >/dev/null
 
 if [[ "${MOVIELENS_SASREC:-0}" == 1 ]]; then

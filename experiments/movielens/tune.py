@@ -1,6 +1,6 @@
 """Records validation-only tuning runs of the MovieLens foundation model into a JSON the write-up renders.
 
-Each run is a `python -m jaxscale.train --config experiments/configs/movielens_foundation.yaml ...` with a few
+Each run is a `python -m jaxscale.train --config jaxscale/configs/movielens_foundation.yaml ...` with a few
 overrides (train.workdir=DIR); this reads each run's metrics log and keeps the best validation NDCG@10.
 
     python experiments/movielens/tune.py --out experiments/results/movielens_tuning.json \\

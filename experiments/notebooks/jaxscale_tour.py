@@ -21,6 +21,7 @@
 # The simulated device count must be set before JAX starts.
 
 # %%
+import functools
 import io
 import json
 import os
@@ -42,7 +43,7 @@ import jaxscale
 from jaxscale import comm_inspect, planner
 from jaxscale.cluster import ClusterSpec
 
-REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "experiments" / "configs").is_dir())
+REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "jaxscale" / "configs").is_dir())
 print(jax.device_count(), "devices")
 assert jax.device_count() == 8
 
@@ -85,16 +86,18 @@ print(planner.report(plan, tables, stats, topo, batch_size_per_device=B // 8))
 ec = jaxscale.EmbeddingCollection(
     tables,
     mesh,
-    topology="1d",
-    sharding=plan,
-    optimizer=jaxscale.RowWiseAdagrad(0.002),
-    comm=jaxscale.CommConfig(forward="fp8", backward="bf16"),
+    jaxscale.EmbeddingSettings(
+        topology="1d",
+        optimizer=jaxscale.RowWiseAdagrad(0.002),
+        comm=jaxscale.CommConfig(forward="fp8", backward="bf16"),
+    ),
+    plan=plan,
 )
 state = ec.init(jax.random.key(0))
 ids = ec.shard_batch(host_ids)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)  # donated: the tables are updated in place
 def train_step(state, ids):
     emb = ec.lookup(state, ids)
     loss, grads = jax.value_and_grad(lambda e: sum(jax.numpy.mean(v**2) for v in e.values()))(emb)
@@ -123,7 +126,7 @@ from jaxscale.trainer import Trainer
 
 workdir = tempfile.mkdtemp(prefix="jaxscale_tour_")
 cfg = load_config(
-    str(REPO / "experiments/configs/foundation_smoke.yaml"),
+    str(REPO / "jaxscale/configs/foundation_smoke.yaml"),
     [
         "train.steps=8",
         "train.eval_every=0",

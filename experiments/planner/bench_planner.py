@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale import atomic
 from jaxscale.cluster import ClusterSpec
 from jaxscale.plan import ShardingPlan, TableShards
 from jaxscale.planner import CostParams, FeatureStats, plan_sharding, recommend_topology, report
@@ -232,10 +233,7 @@ def main(argv=None) -> None:
     rows = run(args.tables, args.seed)
     recs = recommendations(args.tables, args.seed)
     text = results_markdown(rows, recs, mach, time.perf_counter() - start, args)
-    out = HERE / "RESULTS.md"
-    tmp = out.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
+    atomic.write_text(HERE / "RESULTS.md", text)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "recommendations": recs}, indent=1, default=str))
     print(text)

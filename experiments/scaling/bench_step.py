@@ -54,13 +54,14 @@ GLOO_DIRECTIONS = 2  # gloo sends, then receives: an exchange costs (sent + rece
 
 def parse_stage(spec: str):
     """A ladder stage, optionally with a periodic sync '<stage>@periodic:<strategy>:<k>'."""
+    from jaxscale.embedding.settings import ReplicaSync
     from jaxscale.techniques import stage
 
     name, _, sync = spec.partition("@")
     st = stage(name)
     if sync:
         mode, strategy, k = sync.split(":")
-        st = dataclasses.replace(st.with_sync(mode, strategy, int(k)), name=spec)
+        st = dataclasses.replace(st.with_sync(ReplicaSync(mode, strategy, int(k))), name=spec)
     return st
 
 
@@ -107,7 +108,7 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
     tables = foundation_tables(f)
     stats = planner.measure_feature_stats(foundation_ids(f, batch), tables)
     plan = planner.plan_sharding(
-        tables, stats, ClusterSpec(nodes, local), cfg.train.batch_size // (nodes * local), topology=st.topology
+        tables, stats, ClusterSpec(nodes, local), cfg.train.batch_size // (nodes * local), topology=st.settings.topology
     )
     fd, path = tempfile.mkstemp(prefix="jaxscale_emu_plan_", suffix=".json")
     with os.fdopen(fd, "w") as out:
@@ -136,7 +137,7 @@ def step_collectives(trainer, st) -> list[dict]:
     from jaxscale.comm_report import _group_layout, _replica_groups, categorize, split_bytes
 
     shape = tuple(trainer.mesh.devices.shape)
-    reps = _replica_groups(trainer.mesh, st.topology)
+    reps = _replica_groups(trainer.ec.topology)
     # the dense gradients: the largest all-reduce outside the replica groups (a periodic sync is larger)
     reduces = [c for c in trainer.collectives if c.kind == "all-reduce" and categorize(c, reps) != "replica_sync"]
     largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None
@@ -146,7 +147,7 @@ def step_collectives(trainer, st) -> list[dict]:
         cat = categorize(c, reps, largest)
         k, m, _ = _group_layout(c.groups[0], shape) if c.groups else (1, 1, None)
         group = "local" if k == 1 else ("node" if m == 1 else "all")
-        per_step = 1 / st.sync_every if cat == "replica_sync" and st.replica_sync == "periodic" else 1.0
+        per_step = 1 / st.settings.replica_sync.every if cat == "replica_sync" else 1.0
         out.append(
             {"kind": c.kind, "group": group, "category": cat, "intra": intra, "inter": inter, "per_step": per_step}
         )

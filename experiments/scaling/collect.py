@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from jaxscale import atomic
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(HERE, "compiled_bytes.json")
@@ -38,10 +40,7 @@ def load(path: str = OUT) -> dict:
 
 def save(results: dict, path: str = OUT) -> None:
     """Atomic write: a crash never leaves a truncated cache."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
+    atomic.write_json(path, results, indent=1)
 
 
 def main(argv=None) -> int:

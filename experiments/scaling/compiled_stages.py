@@ -13,7 +13,7 @@ import dataclasses
 
 from jaxscale.techniques import STAGES, Stage
 
-CONFIG = "experiments/configs/foundation_smoke.yaml"
+CONFIG = "jaxscale/configs/foundation_smoke.yaml"
 CAPACITY_FACTOR = 1.25  # foundation_large.yaml's value: padded all-to-all slots = 1.25 x the uniform share
 
 # A tiny foundation model (compiles in ~30 s on a loaded 2-core CPU) with the large preset's table
@@ -49,7 +49,7 @@ def overrides(stage: Stage, nodes: int, local: int, model: dict = TINY, batch: i
 
 def compile_key(stage: Stage) -> tuple:
     """Stages that compile to the same step (balanced vs contiguous differ only in the counts)."""
-    return (stage.topology, stage.comm_forward, stage.comm_backward, stage.half_dim)
+    return (stage.settings.topology, stage.settings.comm.forward, stage.settings.comm.backward, stage.half_dim)
 
 
 def distinct_compiled_stages() -> list[Stage]:

@@ -28,7 +28,7 @@ import numpy as np
 from jaxscale.cluster import ClusterSpec
 from jaxscale.comm_model import StackCounts, round_up_capacity
 from jaxscale.plan import ShardingPlan
-from jaxscale.planner import _sorted_unique as sorted_unique  # np.unique by sorting: far faster
+from jaxscale.planner import sorted_unique  # np.unique by sorting: far faster
 from jaxscale.tables import TableConfig
 
 

@@ -13,6 +13,8 @@ import sys
 
 from bench_step import predicted_delta
 
+from jaxscale import atomic
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 0.20  # measured delta within 20% of the predicted one
 
@@ -196,11 +198,7 @@ def main(argv=None) -> int:
         return 2
     path = os.path.abspath(argv[0])
     text = render(load(path), path)
-    out = os.path.join(HERE, "EMULATION.md")
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, out)
+    atomic.write_text(os.path.join(HERE, "EMULATION.md"), text)
     print(text)
     return 0
 

@@ -247,8 +247,8 @@ def step_comms(
     dense_precision: str = "fp32",
 ) -> list[cm.Comm]:
     """Every collective of one training step of `stage`."""
-    layout = cluster.topology(stage.topology)
-    emb = cm.embedding_comms(counts, layout, stage.comm_forward, stage.comm_backward, sync)
+    layout = cluster.topology(stage.settings.topology)
+    emb = cm.embedding_comms(counts, layout, stage.settings.comm.forward, stage.settings.comm.backward, sync)
     return emb + model_comms(w, cluster, stage.half_dim, dense_precision)
 
 

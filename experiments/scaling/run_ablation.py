@@ -73,7 +73,7 @@ COMPILED_ENGINE = "padded"
 def compiled_counts(compiled_entry: dict, w: M.Workload, st, cluster: ClusterSpec):
     """(counts, sync) the formulas use for one compiled entry, per COMPILED_ENGINE."""
     if COMPILED_ENGINE == "padded":
-        return M.padded_counts(w, cluster.topology(st.topology), st.half_dim), M.PADDED_SYNC
+        return M.padded_counts(w, cluster.topology(st.settings.topology), st.half_dim), M.PADDED_SYNC
     from compiled_stages import CONFIG
 
     from jaxscale.config import load_config
@@ -106,8 +106,8 @@ def cross_check(compiled: dict) -> list[dict]:
                     {
                         "mesh": f"{nodes}x{local}",
                         "stage": st.name,
-                        "topology": st.topology,
-                        "comm": f"{st.comm_forward}/{st.comm_backward}",
+                        "topology": st.settings.topology,
+                        "comm": f"{st.settings.comm.forward}/{st.settings.comm.backward}",
                         "half_dim": st.half_dim,
                         "category": cat,
                         "compiled": (g["intra_node"], g["inter_node"]),
@@ -139,13 +139,13 @@ def count_configs():
     """(key, topology, balanced, half_dim) of every distinct count set the stages need."""
     seen = {}
     for s in STAGES:
-        key = f"{s.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
-        seen.setdefault(key, (key, s.topology, s.balanced, s.half_dim))
+        key = f"{s.settings.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
+        seen.setdefault(key, (key, s.settings.topology, s.balanced, s.half_dim))
     return list(seen.values())
 
 
 def stage_count_key(s) -> str:
-    return f"{s.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
+    return f"{s.settings.topology}|{'plan' if s.balanced else 'contiguous'}|{'half' if s.half_dim else 'full'}"
 
 
 def compute_counts(large, log=print) -> dict:
@@ -257,7 +257,7 @@ def periodic_counts_fn(mc: dict, large, k: int):
 
 def best_sync(large, st, fn, cluster, n, compute_s) -> cm.ReplicaSync:
     """The exact sync strategy with the shorter step (the recommended one)."""
-    if cluster.with_nodes(n).topology(st.topology).num_replicas == 1:
+    if cluster.with_nodes(n).topology(st.settings.topology).num_replicas == 1:
         return EXACT_SYNCS[0]
     return min(EXACT_SYNCS, key=lambda s: M.stage_time(large, st, fn, cluster, n, compute_s, s).total)
 

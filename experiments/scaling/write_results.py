@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import model as M
 
+from jaxscale import atomic
 from jaxscale.comm_model import StackCounts
 from jaxscale.techniques import STAGES
 
@@ -454,6 +453,5 @@ def plot(preds, path: str) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle("jaxscale: calibrated alpha-beta model, Monte Carlo counts of the large preset")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=80)
-    os.replace(tmp, path)
+    with atomic.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")

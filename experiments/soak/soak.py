@@ -36,7 +36,7 @@ def rss_mb() -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
-    p.add_argument("--config", default=str(ROOT / "experiments" / "configs" / "foundation_smoke.yaml"))
+    p.add_argument("--config", default=str(ROOT / "jaxscale" / "configs" / "foundation_smoke.yaml"))
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--window", type=int, default=100, help="steps per sample")

@@ -5,7 +5,7 @@ request, at batch 1 and 64, on CPU.
     python experiments/two_tower/bench_latency.py              # writes latency.json and the "latency" section
     python experiments/two_tower/bench_latency.py --requests 200 --results none   # quicker, records nothing
 
-Setup: the model of experiments/configs/two_tower_smoke.yaml (or --config), tables on one device (a serving
+Setup: the model of jaxscale/configs/two_tower_smoke.yaml (or --config), tables on one device (a serving
 host), `--users` users' histories encoded offline into an `EncoderStateStore` file (that step is timed too).
 A request is `batch` users drawn at random with their request context. Both paths are timed from host NumPy
 inputs to the host NumPy query: online = store lookup + context checks + the jitted context layer and head;
@@ -18,19 +18,18 @@ so the model is freshly initialised. Targets: online p99 <= 5 ms at batch 1; onl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from jaxscale import atomic
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
 
-DEFAULT_CONFIG = REPO / "experiments" / "configs" / "two_tower_smoke.yaml"
+DEFAULT_CONFIG = REPO / "jaxscale" / "configs" / "two_tower_smoke.yaml"
 TARGET_P99_MS = 5.0
 TARGET_SPEEDUP = 5.0
 
@@ -54,7 +53,7 @@ def setup(args):
     overrides = [f"model.contextual_two_tower.max_seq_len={args.seq_len}"] if args.seq_len else []
     cfg = load_config(str(args.config), ["model.kind=contextual_two_tower", *overrides]).model.params
     mesh = jaxscale.make_mesh(1, 1, devices=jax.devices()[:1])
-    ec = jaxscale.EmbeddingCollection(two_tower_tables(cfg), mesh, sharding="table_wise")
+    ec = jaxscale.EmbeddingCollection(two_tower_tables(cfg), mesh, jaxscale.EmbeddingSettings(sharding="table_wise"))
     emb_state = ec.init(jax.random.key(0))
     model = ContextualTwoTower(cfg, rngs=nnx.Rngs(0))
     data = SyntheticContextualData(cfg, 256, seed=0).held_out().with_options(corpus=False)
@@ -212,9 +211,7 @@ def main(argv=None) -> int:
         store_dir.rmdir()
     result = {"setup": info, "batches": batches, "machine": m, "loadavg_at_end": os.getloadavg()}
     if args.json and str(args.json) != "none":
-        tmp = args.json.with_name(f".{args.json.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        atomic.write_json(args.json, result)
         print(f"wrote {args.json}")
     if args.results != "none":
         print(f"wrote {write_section('latency', render(args, result), Path(args.results or RESULTS))}")

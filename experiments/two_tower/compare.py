@@ -30,16 +30,15 @@ on a small machine. The run is deterministic given --seed (counter-based data, f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from jaxscale import atomic
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
 
 KS = (10, 50, 100)
 TARGET_RATIO = 2.0
@@ -83,7 +82,9 @@ def train(cfg, data, *, steps: int, seed: int, lr: float, sparse_lr: float, log_
 
     mesh = jaxscale.make_mesh(1, 1, devices=jax.devices()[:1])
     ec = jaxscale.EmbeddingCollection(
-        SPEC.tables(cfg), mesh, sharding="table_wise", optimizer=jaxscale.RowWiseAdagrad(sparse_lr)
+        SPEC.tables(cfg),
+        mesh,
+        jaxscale.EmbeddingSettings(sharding="table_wise", optimizer=jaxscale.RowWiseAdagrad(sparse_lr)),
     )
     model = SPEC.build(cfg, nnx.Rngs(seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -262,12 +263,8 @@ def main(argv=None) -> int:
             f"{key:12s} {row['context']:10.4f} {row['no_context']:10.4f} {ratio:6.2f}x {row['context_withheld']:10.4f}"
         )
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(t, indent=2) + "\n")
-        os.replace(tmp, out)
-        print(f"wrote {out}")
+        atomic.write_json(args.json, t)
+        print(f"wrote {args.json}")
     if args.results != "none":
         section = "compare_item_category" if args.item_category else "compare"
         path = write_section(section, render(args, result, m, os.getloadavg()), Path(args.results or RESULTS))

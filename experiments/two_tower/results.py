@@ -3,8 +3,9 @@ only that section, atomically; the machine description goes with every section."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from jaxscale import atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -41,7 +42,5 @@ def write_section(name: str, markdown: str, path: Path = RESULTS) -> Path:
         text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic.write_text(path, text)
     return path

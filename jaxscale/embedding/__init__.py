@@ -1,5 +1,6 @@
 """Sharded embedding tables: `EmbeddingCollection` and its parts.
 
+settings   every setting of a collection in one frozen value (no JAX: the config loads it device-free)
 layout     where every row lives (pure host: pieces, stacks, routes, dense <-> stacked)
 ids        host ids: validation, and the batch pytree carrying its exchange capacities
 capacity   static buffer sizes: worst case, a fixed factor, or counted from the batch (host)
@@ -8,16 +9,26 @@ kernels    per-shard compute: gather, sum per row, the sparse optimizer update
 sync       replica sync of 2D topologies (exact: gather / owner; periodic averaging)
 state      the state arrays, their shardings, init and dense conversion
 collection `EmbeddingCollection`, which runs the above inside one `shard_map`
+
+Names are imported lazily, so `jaxscale.embedding.settings` loads without JAX.
 """
 
-from jaxscale.embedding.collection import POOLED_COMM_MODES, REPLICA_SYNC_MODES, SYNC_STRATEGIES, EmbeddingCollection
-from jaxscale.embedding.ids import PADDING_ID, ShardedIds
+import importlib
 
-__all__ = [
-    "EmbeddingCollection",
-    "PADDING_ID",
-    "POOLED_COMM_MODES",
-    "REPLICA_SYNC_MODES",
-    "SYNC_STRATEGIES",
-    "ShardedIds",
-]
+_EXPORTS = {
+    "EmbeddingCollection": "jaxscale.embedding.collection",
+    "EmbeddingSettings": "jaxscale.embedding.settings",
+    "ReplicaSync": "jaxscale.embedding.settings",
+    "PADDING_ID": "jaxscale.embedding.ids",
+    "ShardedIds": "jaxscale.embedding.ids",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxscale.embedding' has no attribute {name!r}")

@@ -34,16 +34,14 @@ from jaxscale.embedding import capacity as capacity_lib
 from jaxscale.embedding import kernels, routing, sync
 from jaxscale.embedding.ids import PADDING_ID, ShardedIds, check_ids
 from jaxscale.embedding.layout import build_layout, piece_meta
+from jaxscale.embedding.settings import AUTO_TOPOLOGY, EmbeddingSettings
 from jaxscale.embedding.state import StateSpec
 from jaxscale.mesh import BATCH_AXES, Topology
-from jaxscale.optimizers import OPTIMIZERS, RowWiseAdagrad
-from jaxscale.plan import ShardingPlan, resolve_plan
-from jaxscale.quantization import CommConfig, payload_bytes
+from jaxscale.optimizers import RowWiseAdagrad
+from jaxscale.plan import resolve_plan
+from jaxscale.quantization import payload_bytes
 from jaxscale.tables import TableConfig, check_tables
 
-REPLICA_SYNC_MODES = ("exact", "periodic", "periodic_sparse")
-SYNC_STRATEGIES = ("auto",) + capacity_lib.SYNC_STRATEGIES
-POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
 _NO_STATS = {"overflow": P(), "invalid_ids": P()}
 
 
@@ -53,129 +51,43 @@ class EmbeddingCollection:
     Args:
       tables: the `TableConfig`s.
       mesh: a mesh from `jaxscale.make_mesh`.
-      topology: '1d' (shard over every device), '2d_ar' (shard over nodes, replicate inside a node) or
-        '2d_a2a' (shard inside a node, replicate across nodes: the all-to-all never leaves a node).
-      sharding: a sharding type for every table ('table_wise', 'row_wise', 'column_wise',
-        'table_row_wise'), a {table: type} dict, or a `ShardingPlan` (object or its dict/JSON form).
-      optimizer: `SGD` or `RowWiseAdagrad`, applied sparsely to the looked-up rows.
-      comm: `CommConfig`: precision of the embedding payloads forward and backward (ids never quantized).
-      capacity_factor: None (default): every exchange is sized for the batch it carries, counted on the
-        host (exact: nothing can overflow), or for the worst case when the ids are only known inside jit. A
-        float f fixes the shape instead: each row-wise piece gets f times its uniform share of a device's
-        requests (smaller messages; overflow is then possible, counted and reported).
-      reuse_capacities: False (default): `shard_batch` counts every batch. True: it counts the first batch
-        of each shape (and any batch it is asked to `recount`) and gives later ones the largest set counted
-        for that shape (one ladder step above every earlier need once two were counted): no host counting
-        and, in multi-process runs, no exchange before the step (not with an exact replica sync, whose
-        buffers are counted per batch: 2D topologies need replica_sync='periodic'/'periodic_sparse').
-        A batch that does not fit overflows: the
-        rows that did not fit are counted in stats['overflow'] (the same on every device), the caller
-        skips the update (`update(..., apply=stats['overflow'] == 0)`) and re-runs the step on
-        `shard_batch(batch, recount=True)`, which counts it exactly and grows the reused set. The trainer
-        (`embedding.reuse_capacities`) does both.
-      replica_sync: 'exact' (default: replicas apply the same combined update every step) or 'periodic'
-        (replicas update independently; weights and optimizer state are averaged every `sync_every`
-        steps, TorchRec DMPCollection semantics). 'periodic_sparse' averages the same way but only the rows
-        some replica touched since the last sync (the others are equal on every replica already): a
-        'touched' marker per row, and a compacted all-reduce of at most `sparse_sync_rows` rows per shard
-        (when more were touched, that sync averages every row).
-      sparse_sync_rows: rows per shard the sparse periodic sync can move (default: 1/8 of a shard's block).
-      sync_strategy: how the exact sync moves gradients between replicas: 'gather', 'owner', or 'auto'
-        (default: the cheaper for each batch, from the host's counts; see `jaxscale.embedding.sync`).
-      pooled_comm: how pooled features come back. 'rows' returns every looked-up row and pools on the
-        requester; 'partial_sums' has each owner pool its rows per bag and return one partial sum per
-        bag (the output all-to-all carries B x dim instead of B x L x dim, fp8 included). 'auto'
-        (default) uses partial sums for pooled features with more than one id per example.
+      settings: an `EmbeddingSettings` (topology, sharding, optimizer, comm precisions, capacities, replica
+        sync, pooled comm: see its docstring); None: the defaults.
+      plan: a `ShardingPlan` (object or its dict/JSON form) to run instead of `settings.sharding`, e.g. the
+        one the planner scored (`jaxscale.planner.resolve`).
     """
 
-    def __init__(
-        self,
-        tables: Sequence[TableConfig],
-        mesh,
-        *,
-        topology: str = "1d",
-        sharding: str | Mapping | ShardingPlan = "row_wise",
-        optimizer=None,
-        comm: CommConfig | None = None,
-        capacity_factor: float | None = None,
-        reuse_capacities: bool = False,
-        replica_sync: str = "exact",
-        sync_every: int = 1,
-        sync_strategy: str = "auto",
-        pooled_comm: str = "auto",
-        sparse_sync_rows: int | None = None,
-    ):
+    def __init__(self, tables: Sequence[TableConfig], mesh, settings: EmbeddingSettings | None = None, plan=None):
+        settings = EmbeddingSettings() if settings is None else settings
+        if not isinstance(settings, EmbeddingSettings):
+            raise TypeError(f"settings must be a jaxscale.EmbeddingSettings, got {type(settings).__name__}")
+        if settings.topology == AUTO_TOPOLOGY:
+            raise ValueError("topology 'auto' is chosen by the planner (jaxscale.planner.resolve) before a collection")
+        self.settings = settings
         self.tables = check_tables(tables)
         self.mesh = mesh
-        self.topology = Topology.of(topology, mesh)
+        self.topology = Topology.of(settings.topology, mesh)
         self.nodes, self.local = self.topology.nodes, self.topology.local
-        self.plan = resolve_plan(self.tables, topology, self.nodes, self.local, sharding)
-        self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad(0.01)
-        if not isinstance(self.optimizer, OPTIMIZERS):
-            raise TypeError(
-                f"optimizer must be jaxscale.SGD or jaxscale.RowWiseAdagrad, got {type(self.optimizer).__name__}"
-            )
-        self.comm = comm if comm is not None else CommConfig()
-        if not isinstance(self.comm, CommConfig):
-            raise TypeError(f"comm must be a jaxscale.CommConfig, got {type(self.comm).__name__}")
-        if capacity_factor is not None and not (
-            isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool) and capacity_factor > 0
-        ):
-            raise ValueError(f"capacity_factor must be None or a positive number, got {capacity_factor!r}")
-        self.capacity_factor = capacity_factor
-        if not isinstance(reuse_capacities, bool):
-            raise TypeError(f"reuse_capacities must be True or False, got {reuse_capacities!r}")
-        self.reuse_capacities = reuse_capacities
-        if replica_sync not in REPLICA_SYNC_MODES:
-            raise ValueError(f"replica_sync must be one of {REPLICA_SYNC_MODES}, got {replica_sync!r}")
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
-        if sync_strategy not in SYNC_STRATEGIES:
-            raise ValueError(f"sync_strategy must be one of {SYNC_STRATEGIES}, got {sync_strategy!r}")
-        if pooled_comm not in POOLED_COMM_MODES:
-            raise ValueError(f"pooled_comm must be one of {POOLED_COMM_MODES}, got {pooled_comm!r}")
-        if sparse_sync_rows is not None and (not isinstance(sparse_sync_rows, int) or sparse_sync_rows < 1):
-            raise ValueError(f"sparse_sync_rows must be None or a positive integer, got {sparse_sync_rows!r}")
-        self.replica_sync, self.sync_every, self.sparse_sync_rows = replica_sync, sync_every, sparse_sync_rows
-        self.sync_strategy, self.pooled_comm = sync_strategy, pooled_comm
-
-        if reuse_capacities and self.topology.num_replicas > 1 and replica_sync == "exact":
+        self.plan = resolve_plan(
+            self.tables, settings.topology, self.nodes, self.local, settings.sharding if plan is None else plan
+        )
+        if settings.reuse_capacities and self._exact_sync:
             raise ValueError(
-                f"reuse_capacities=True cannot run the exact replica sync of topology {topology!r} on this "
-                f"{self.nodes}x{self.local} mesh ({self.topology.num_replicas} replicas): its buffers are sized "
+                f"reuse_capacities=True cannot run the exact replica sync of topology {settings.topology!r} on this "
+                f"{self.nodes}x{self.local} mesh ({self.num_replicas} replicas): its buffers are sized "
                 "from the touched rows counted and exchanged for every batch, and the lookup cannot see their "
-                "overflow. Use replica_sync='periodic' or 'periodic_sparse', topology='1d', or "
-                "reuse_capacities=False"
+                "overflow. Use a periodic replica_sync, topology='1d', or reuse_capacities=False"
             )
         self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
         self.layout = build_layout(self.tables, self.plan)
-        markers = ("touched",) if replica_sync == "periodic_sparse" and self.topology.num_replicas > 1 else ()
-        self.state_spec = StateSpec(mesh, self.layout, self.topology, self.optimizer, markers)
+        markers = ("touched",) if settings.replica_sync.sparse and self.num_replicas > 1 else ()
+        self.state_spec = StateSpec(mesh, self.layout, self.topology, settings.optimizer, markers)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self._capacity_cache = capacity_lib.CapacityCache()
         self._reusable: dict = {}  # batch signature (features, shapes) -> largest counted capacities
         self._pair_codecs: dict = {}  # (stack, segments, bag length) -> routing.PairCodec
         self._lookup_jit = jax.jit(self._lookup)
         self._update_jit = jax.jit(self._update, donate_argnums=0)
-
-    @classmethod
-    def from_config(cls, tables, mesh, config, *, plan=None, capacity_factor="config") -> EmbeddingCollection:
-        """A collection from an `EmbeddingConfig` (the trainer's `embedding` section), field for field."""
-        return cls(
-            tables,
-            mesh,
-            topology=config.topology,
-            sharding=plan if plan is not None else config.sharding,
-            optimizer=config.optimizer.build(),
-            comm=config.comm,
-            capacity_factor=config.capacity_factor if capacity_factor == "config" else capacity_factor,
-            reuse_capacities=config.reuse_capacities,
-            replica_sync=config.replica_sync,
-            sync_every=config.sync_every,
-            sync_strategy=config.sync_strategy,
-            pooled_comm=config.pooled_comm,
-            sparse_sync_rows=config.sparse_sync_rows,
-        )
 
     # ------------------------------------------------------------------ layout facts
 
@@ -197,17 +109,18 @@ class EmbeddingCollection:
 
     @property
     def _exact_sync(self) -> bool:
-        return self.num_replicas > 1 and self.replica_sync == "exact"
+        return self.num_replicas > 1 and self.settings.replica_sync.exact
 
     def _sparse_capacity(self, key: str) -> int:
         """Rows per shard the sparse periodic sync moves in its compacted all-reduce."""
         rows = self.layout.stacks[key].rows
-        return min(rows, self.sparse_sync_rows or max(1, rows // 8))
+        return min(rows, self.settings.replica_sync.sparse_rows or max(1, rows // 8))
 
     @property
     def _invariant_adagrad(self) -> bool:
         """Row-wise AdaGrad with one accumulator per row over the full dim (the default)."""
-        return isinstance(self.optimizer, RowWiseAdagrad) and not self.optimizer.per_column_shard
+        opt = self.settings.optimizer
+        return isinstance(opt, RowWiseAdagrad) and not opt.per_column_shard
 
     # ------------------------------------------------------------------ state
 
@@ -248,7 +161,7 @@ class EmbeddingCollection:
     def slots_to_dense(self, state, replica: int = 0) -> dict[str, dict[str, np.ndarray]]:
         """Per-row optimizer state as {slot: {table: [rows]}}; [rows, col_parts] for a column-wise table
         under `RowWiseAdagrad(per_column_shard=True)` (one state per column shard, as in TorchRec)."""
-        per_shard = bool(getattr(self.optimizer, "per_column_shard", False))
+        per_shard = bool(getattr(self.settings.optimizer, "per_column_shard", False))
         return self.state_spec.slots_to_dense(state, replica, per_shard)
 
     def layout_signature(self) -> dict:
@@ -286,10 +199,10 @@ class EmbeddingCollection:
         """Counts this process's needs and, in a multi-process run, starts the exchange of the maxima
         (dispatched, not awaited): (local counts, the exchange in flight or None). Under
         `reuse_capacities`: the reused set itself, nothing counted."""
-        if self.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
+        if self.settings.capacity_factor is not None or (self.num_shards == 1 and not self._exact_sync):
             return None
         signature = tuple(sorted((n, x.shape) for n, x in ids.items()))
-        reused = self._reusable.get(signature) if self.reuse_capacities and not recount else None
+        reused = self._reusable.get(signature) if self.settings.reuse_capacities and not recount else None
         if reused is not None:
             return reused  # the same on every process: it changes only with exchanged counts
         exchange = None
@@ -302,10 +215,10 @@ class EmbeddingCollection:
             self.feature_table,
             self.topology,
             ids,
-            self.pooled_comm,
+            self.settings.pooled_comm,
             self._exact_sync,
-            self.sync_strategy,
-            lambda w: payload_bytes(1, w, self.comm.backward),
+            self.settings.replica_sync.strategy,
+            lambda w: payload_bytes(1, w, self.settings.comm.backward),
             first_device=first,
             num_devices=devices,
             exchange=exchange,
@@ -382,8 +295,8 @@ class EmbeddingCollection:
             self.feature_table,
             self.topology,
             shapes,
-            self.pooled_comm,
-            self.capacity_factor,
+            self.settings.pooled_comm,
+            self.settings.capacity_factor,
             self._exact_sync,
         )
 
@@ -420,7 +333,7 @@ class EmbeddingCollection:
 
     def _partial(self, feats, ids) -> frozenset:
         return capacity_lib.pair_features(
-            self.layout, self.feature_table, feats, {f: ids[f].shape[1] for f in feats}, self.pooled_comm
+            self.layout, self.feature_table, feats, {f: ids[f].shape[1] for f in feats}, self.settings.pooled_comm
         )
 
     def _lookup_body(self, feats, caps, weights, ids):
@@ -521,7 +434,9 @@ class EmbeddingCollection:
         """Row strategy: unique rows fetched from their owners; fills parts[f][c] with [b*L, w]."""
         wanted, totals = self._send_ids(route.send_rows, counters)  # [S, C] rows asked of me
         rows = kernels.gather_rows(table, wanted)
-        back = collectives.all_to_all(rows, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
+        back = collectives.all_to_all(
+            rows, self.shard_axes, self.settings.comm.forward, fp8_format=self.settings.comm.fp8_forward_format
+        )
         vals = back.at[route.dest, route.position].get(mode="fill", fill_value=0.0) * route.keep[:, None]
         for seg in req.segments:
             parts.setdefault(seg.feature, {})[seg.col_block] = vals[seg.start : seg.start + seg.size]
@@ -536,7 +451,9 @@ class EmbeddingCollection:
         segment = jnp.where(rrow >= 0, jnp.arange(S)[:, None] * G + rbag, -1)  # the bag's partial sum, per owner
         sums = kernels.gather_segment_sum(table, rrow.reshape(-1), segment.reshape(-1), num_segments=S * G)
         sums = sums.reshape(S, G, st.width)
-        back = collectives.all_to_all(sums, self.shard_axes, self.comm.forward, fp8_format=self.comm.fp8_forward_format)
+        back = collectives.all_to_all(
+            sums, self.shard_axes, self.settings.comm.forward, fp8_format=self.settings.comm.fp8_forward_format
+        )
         for seg in req.segments:  # add the partial sums of every owner holding a piece of this block
             partial_sums = [back[d, seg.offsets[d] : seg.offsets[d] + seg.bags] for d in seg.holders]
             parts.setdefault(seg.feature, {})[seg.col_block] = functools.reduce(jnp.add, partial_sums)
@@ -617,11 +534,11 @@ class EmbeddingCollection:
                     rows = self._local_rows(f, ids[f])
                     w, new = kernels.apply_pooled(
                         weights[key],
-                        {s: slot_state[s][key] for s in self.optimizer.slots},
+                        {s: slot_state[s][key] for s in self.settings.optimizer.slots},
                         rows,
                         grads[f],
                         pooling=t.pooling,
-                        optimizer=self.optimizer,
+                        optimizer=self.settings.optimizer,
                         apply=apply,
                         after=after or None,
                     )
@@ -654,10 +571,10 @@ class EmbeddingCollection:
                 rows = received[0].rows.reshape(-1)
                 weights[key], new_slots = kernels.apply_rows_indexed(
                     weights[key],
-                    {s: slot_state[s][key] for s in self.optimizer.slots},
+                    {s: slot_state[s][key] for s in self.settings.optimizer.slots},
                     rows,
                     *received[0].indexed,
-                    optimizer=self.optimizer,
+                    optimizer=self.settings.optimizer,
                     apply=apply,
                     after=after or None,
                 )
@@ -674,15 +591,16 @@ class EmbeddingCollection:
             if self._invariant_adagrad and st.has_column_pieces:
                 rows, g, sq = self._full_dim_sq_means(key, rows, g, received)
             weights[key], new_slots = self._apply(
-                weights[key], {s: slot_state[s][key] for s in self.optimizer.slots}, rows, g, apply, sq, after
+                weights[key], {s: slot_state[s][key] for s in self.settings.optimizer.slots}, rows, g, apply, sq, after
             )
             for s, v in new_slots.items():
                 slot_state[s][key] = v
             self._mark_touched(slot_state, key, st, rows, apply)
-        if self.num_replicas > 1 and self.replica_sync in ("periodic", "periodic_sparse"):
+        replica_sync = self.settings.replica_sync
+        if self.num_replicas > 1 and not replica_sync.exact:
             # apply=False leaves every replica as it was: a skipped attempt does not average either
-            do_sync = apply & ((step + 1) % self.sync_every == 0)
-            if self.replica_sync == "periodic":
+            do_sync = apply & ((step + 1) % replica_sync.every == 0)
+            if not replica_sync.sparse:
                 average = functools.partial(
                     sync.average, replica_axes=self.replica_axes, num_replicas=self.num_replicas
                 )
@@ -717,7 +635,7 @@ class EmbeddingCollection:
             slot_blocks,
             rows,
             g,
-            optimizer=self.optimizer,
+            optimizer=self.settings.optimizer,
             apply=apply,
             grad_sq_mean=grad_sq_mean,
             after=after or None,
@@ -745,7 +663,7 @@ class EmbeddingCollection:
         )
         recv_rows, _ = self._send_ids(route.send_rows, counters)  # [S, C]
         recv_g = collectives.all_to_all(
-            send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+            send_g, self.shard_axes, self.settings.comm.backward, fp8_format=self.settings.comm.fp8_backward_format
         )
         return _Exchange(recv_rows, recv_g, _spans(req), route), route.overflow
 
@@ -773,7 +691,7 @@ class EmbeddingCollection:
             ]
         )
         recv_g = collectives.all_to_all(
-            send_g, self.shard_axes, self.comm.backward, fp8_format=self.comm.fp8_backward_format
+            send_g, self.shard_axes, self.settings.comm.backward, fp8_format=self.settings.comm.fp8_backward_format
         )  # [S, G, w]
         recv, _ = self._send_ids(route.send, counters)
         rrow, rbag = routing.unpack_pairs(recv, route, G, jax.lax.axis_index(self.shard_axes))
@@ -820,13 +738,13 @@ class EmbeddingCollection:
                 gsum,
                 replica_axes=self.replica_axes,
                 num_replicas=self.num_replicas,
-                comm=self.comm,
+                comm=self.settings.comm,
                 send_capacity=cap.sync,
                 owned_capacity=cap.owned,
                 block_rows=st.rows,
             )
         U = min(cap.sync, urows.shape[0])
-        rows, g = sync.gather_sync(urows[:U], gsum[:U], replica_axes=self.replica_axes, comm=self.comm)
+        rows, g = sync.gather_sync(urows[:U], gsum[:U], replica_axes=self.replica_axes, comm=self.settings.comm)
         return rows, g, jnp.maximum(count - U, 0)
 
     # ------------------------------------------------------------------ full-dim AdaGrad on column shards

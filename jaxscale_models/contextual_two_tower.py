@@ -52,6 +52,7 @@ from flax import nnx
 
 from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
+from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, CORPUS_KEYS, HISTORY_KEYS, LABEL_KEYS
 from jaxscale_models.foundation import (
     DTYPES,
     TIME_ENCODINGS,
@@ -68,10 +69,6 @@ HOURS = 24
 CONTEXT_DROPOUT_MODES = ("sample", "marginal")
 NEG_INF = -1e9  # masked logits: finite, so a fully masked (ignored) row stays finite in value and gradient
 
-HISTORY_KEYS = ("item_ids", "item_categories", "timestamps", "actions", "surfaces", "mask")
-CONTEXT_KEYS = ("context_category", "context_confidence", "context_surface", "context_hour")
-LABEL_KEYS = ("label_item", "label_category")
-CORPUS_KEYS = ("corpus_items", "corpus_categories")
 
 # Engine features (the batch's id columns as the tables see them).
 ITEM_FEATURES = ("item_ids", "label_item", "corpus_items")

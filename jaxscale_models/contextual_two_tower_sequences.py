@@ -58,8 +58,14 @@ import numpy as np
 
 from jaxscale.data import hash64, uniform
 from jaxscale.sequences.training import PointInTimeExamples, SequenceBatches, check_item_rows
-from jaxscale_models.contextual_two_tower import CONTEXT_KEYS, HISTORY_KEYS, LABEL_KEYS
-from jaxscale_models.contextual_two_tower_data import HOURS, corpus_layout, derive_pseudo_context
+from jaxscale_models.contextual_two_tower_data import (
+    CONTEXT_KEYS,
+    HISTORY_KEYS,
+    HOURS,
+    LABEL_KEYS,
+    corpus_layout,
+    derive_pseudo_context,
+)
 
 MS_PER_HOUR = 3_600_000
 EVAL_CONTEXTS = ("missing", "label")

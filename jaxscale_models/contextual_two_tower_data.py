@@ -53,6 +53,12 @@ from jaxscale.data import (
     uniform,
 )
 
+# What a batch holds (the model reads these keys; every source of this model writes them).
+HISTORY_KEYS = ("item_ids", "item_categories", "timestamps", "actions", "surfaces", "mask")
+CONTEXT_KEYS = ("context_category", "context_confidence", "context_surface", "context_hour")
+LABEL_KEYS = ("label_item", "label_category")
+CORPUS_KEYS = ("corpus_items", "corpus_categories")
+
 HOURS = 24
 DAYPARTS = 4  # 6-hour parts of the day, each with its own hidden category successor
 

@@ -27,14 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale import atomic
 from jaxscale.data import to_global
-from jaxscale_models.contextual_two_tower import (
-    CONTEXT_KEYS,
-    HISTORY_KEYS,
-    ContextualTwoTower,
-    check_context,
-    request_ids,
-)
+from jaxscale_models.contextual_two_tower import ContextualTwoTower, check_context, request_ids
+from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, HISTORY_KEYS
 
 STORE_FORMAT = "jaxscale.two_tower.encoder_states/1"
 
@@ -89,17 +85,8 @@ class EncoderStateStore:
         table = pa.table(
             [pa.array(ids), pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), d)], schema=schema
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-                writer.write_table(table)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        with atomic.replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            w.write_table(table)
         _fsync_dir(path.parent)
         return EncoderStateStore.open(path, version=version)
 
