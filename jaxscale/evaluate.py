@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import ranking
+from jaxscale import atomic, ranking
 from jaxscale.ranking_eval import DEFAULT_KS, RankingEvaluator, RankingResult, examples_of
 
 
@@ -191,9 +191,8 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from jaxscale.sequences.store import atomic_write_text
 
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    atomic.write_json(out, result)
     print(json.dumps(result))
     return 0
 

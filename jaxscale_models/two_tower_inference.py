@@ -18,7 +18,6 @@ schema metadata. It is written to a temporary file in the same folder, fsynced a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -87,7 +86,6 @@ class EncoderStateStore:
         )
         with atomic.replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
             w.write_table(table)
-        _fsync_dir(path.parent)
         return EncoderStateStore.open(path, version=version)
 
     @staticmethod
@@ -135,19 +133,6 @@ class EncoderStateStore:
             missing = np.asarray(user_ids, np.int64).reshape(-1)[~found]
             raise KeyError(f"{self.path}: no encoder state for users {missing[:10].tolist()} ({missing.size} missing)")
         return states
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------ shared plumbing

@@ -468,8 +468,8 @@ def definitions_from_module(path) -> Definitions:
 
 def compile_definitions(src, out) -> Definitions:
     """Validates the definitions in `src` (.py) and writes their JSON to `out` atomically."""
-    from jaxscale.sequences.store import atomic_write_text
+    from jaxscale import atomic
 
     defs = definitions_from_module(src)
-    atomic_write_text(Path(out), defs.dumps())
+    atomic.write_text(out, defs.dumps())
     return defs

@@ -35,6 +35,7 @@ from jaxscale.sequences.eventid import EVENT_ID
 from jaxscale.sequences.store import (
     add_partition_file,
     day_name,
+    merge_partition_files,
     partition_dir,
     partition_files,
     writer_lock,
@@ -228,9 +229,7 @@ class IncrementalWriter:
             stats.merges += 1
 
     def compact(self, name: str, day: str, *, keep_largest: bool = False) -> None:
-        """Merges a partition's files (see `runtime.compact_partition`); the caller holds the lock."""
-        from jaxscale.sequences.runtime import compact_partition
-
+        """Merges a partition's files (see `compact_partition`); the caller holds the lock."""
         compact_partition(self.engine, self.store, name, day, keep_largest=keep_largest)
 
     def finish(self) -> None:
@@ -239,3 +238,16 @@ class IncrementalWriter:
             for name, days in self.touched.items():
                 for day in sorted(days):
                     self.compact(name, day)
+
+
+def compact_partition(engine: Engine, store: Path, name: str, day: str, *, keep_largest: bool = False) -> None:
+    """Merges a partition's files into one, atomically; `keep_largest` leaves the biggest file alone (a
+    size-tiered merge while streaming, so an old day's base file is not rewritten for every late event)."""
+    seq_dir = Path(store) / name
+    files = partition_files(partition_dir(seq_dir, day))
+    if keep_largest:
+        files = sorted(files, key=lambda f: f.stat().st_size)[:-1]
+    if len(files) < 2:
+        return
+    merged = engine.assemble(name, [pl.read_parquet(f) for f in files])
+    merge_partition_files(seq_dir, day, files, merged, f"part-m{uuid.uuid4().hex[:12]}.parquet")

@@ -63,7 +63,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from jaxscale.sequences.store import _fsync_dir, _renameat2_exchange, write_table
+from jaxscale.atomic import fsync_dir
+from jaxscale.sequences.store import _renameat2_exchange, write_table
 
 GENRES = (
     "Action",
@@ -566,7 +567,7 @@ def _install(tmp: Path, out: Path) -> None:
         os.rename(out, aside)
         os.rename(tmp, out)
         shutil.rmtree(aside)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset: str | None = None) -> dict:
@@ -633,8 +634,8 @@ def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp / EVENTS_FILE.rpartition("/")[0])
-        _fsync_dir(tmp)
+        fsync_dir(tmp / EVENTS_FILE.rpartition("/")[0])
+        fsync_dir(tmp)
         _check_out(out)
         _install(tmp, out)
     finally:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import json
 import sys
 import time
 import uuid
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import polars as pl
 
+from jaxscale import atomic
 from jaxscale.sequences.definitions import Definitions
 from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
 from jaxscale.sequences.events import check_schema, find_event_files, read_stream
@@ -44,7 +44,6 @@ from jaxscale.sequences.store import (
     day_number,
     ensure_sequence_meta,
     list_partitions,
-    merge_partition_files,
     partition_dir,
     partition_files,
     read_partition,
@@ -93,11 +92,10 @@ class RunReport:
         }
 
     def save(self, store: Path) -> Path:
-        from jaxscale.sequences.store import atomic_write_text
 
         stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S")
         path = Path(store) / REPORTS / f"{self.runtime}-{stamp}-{uuid.uuid4().hex[:6]}.json"
-        atomic_write_text(path, json.dumps(self.to_json(), indent=2) + "\n")
+        atomic.write_json(path, self.to_json())
         return path
 
     def warn_bad_rows(self, stream=sys.stderr) -> None:
@@ -230,19 +228,6 @@ def install_days(engine: Engine, seq_dir: Path, days, frames) -> tuple[dict[str,
             replace_partition(seq_dir, name, None)
             removed.append(name)
     return written, removed
-
-
-def compact_partition(engine: Engine, store: Path, name: str, day: str, *, keep_largest: bool = False) -> None:
-    """Merges a partition's files into one, atomically; `keep_largest` leaves the biggest file alone (a
-    size-tiered merge while streaming, so an old day's base file is not rewritten for every late event)."""
-    seq_dir = Path(store) / name
-    files = partition_files(partition_dir(seq_dir, day))
-    if keep_largest:
-        files = sorted(files, key=lambda f: f.stat().st_size)[:-1]
-    if len(files) < 2:
-        return
-    merged = engine.assemble(name, [pl.read_parquet(f) for f in files])
-    merge_partition_files(seq_dir, day, files, merged, f"part-m{uuid.uuid4().hex[:12]}.parquet")
 
 
 def stream(

@@ -42,12 +42,11 @@ from jaxscale.http_server import (
     path_resource,
     serve_until_signal,
 )
-from jaxscale.sequences.query import ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
+from jaxscale.sequences.query import AS_OF_MODES, ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
 _INT = re.compile(r"^[+-]?[0-9]+$")
 PARAMS = ("as_of", "limit", "ids", "as_of_mode")
-AS_OF_MODES = ("event", "ingest")
 BATCH_FIELDS = ("user_ids", "as_of", "limit", "ids", "as_of_mode")
 MAX_BATCH_USERS = 1000
 USER_ROUTE = "/v1/users/{user_id}/sequences/{name}"

@@ -34,6 +34,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxscale import atomic
+from jaxscale.atomic import fsync_dir
 from jaxscale.sequences.definitions import SCHEMA_VERSION
 from jaxscale.sequences.eventid import EVENT_ID
 
@@ -77,27 +79,6 @@ def day_name(day_num: int) -> str:
 # ---------------------------------------------------------------------------------- atomic primitives
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes `text` to `path` via a fsynced temp file and a rename (never a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -125,10 +106,11 @@ STATISTICS_COLUMNS = ("user_id", "ts")
 """Columns whose min/max each row group records (a user's or a time range's row groups can be found)."""
 
 
-def write_table(path: Path, table: pa.Table, compression: str = "zstd") -> None:
-    """One Parquet file, fsynced (row groups of PARQUET_ROW_GROUP rows carry user_id and ts min/max
-    statistics). Only string columns are dictionary encoded: the int64 columns (ids, times) are nearly
-    distinct, where trying a dictionary first cost a backfill a third of its write time."""
+def write_table(path: Path, table: pa.Table, compression: str = "zstd", *, sync: bool = True) -> None:
+    """One Parquet file, fsynced unless `sync` is False (the caller then fsyncs it before any rename, see
+    `sync_staged`) (row groups of PARQUET_ROW_GROUP rows carry user_id and ts min/max statistics). Only
+    string columns are dictionary encoded: the int64 columns (ids, times) are nearly distinct, where trying
+    a dictionary first cost a backfill a third of its write time."""
     strings = [f.name for f in table.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
     stats = [c for c in STATISTICS_COLUMNS if c in table.column_names]
     with open(path, "wb") as f:
@@ -141,7 +123,8 @@ def write_table(path: Path, table: pa.Table, compression: str = "zstd") -> None:
             write_statistics=stats or False,
         )
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
 
 
 def replace_partition(seq_dir: Path, day: str, table: pa.Table | None) -> None:
@@ -155,23 +138,36 @@ def replace_partition(seq_dir: Path, day: str, table: pa.Table | None) -> None:
         if target.exists():
             trash = staging_root / f"trash-dt={day}-{token}"
             os.rename(target, trash)
-            _fsync_dir(seq_dir)
+            fsync_dir(seq_dir)
             shutil.rmtree(trash, ignore_errors=True)
         return
     install_partition(seq_dir, day, stage_partition(seq_dir, day, table))
 
 
-def stage_partition(seq_dir: Path, day: str, table: pa.Table) -> Path:
-    """Writes `table` as partition `day`'s complete directory under .staging, fsynced but not yet visible
+def stage_partition(seq_dir: Path, day: str, table: pa.Table, *, sync: bool = True) -> Path:
+    """Writes `table` as partition `day`'s complete directory under .staging, not yet visible
     (`install_partition` makes it so): a backfill writes days while its vocabularies are still being saved,
-    and installs them after."""
+    and installs them after. Fsynced, unless `sync` is False: then `sync_staged` must run before the
+    install (a backfill leaves that wait on the disk to another thread)."""
     staging_root = Path(seq_dir) / STAGING
     staging_root.mkdir(parents=True, exist_ok=True)
     new = staging_root / f"new-dt={day}-{uuid.uuid4().hex[:12]}"
     new.mkdir()
-    write_table(new / "part-00000000.parquet", table)
-    _fsync_dir(new)
+    write_table(new / "part-00000000.parquet", table, sync=sync)
+    if sync:
+        fsync_dir(new)
     return new
+
+
+def sync_staged(new: Path) -> None:
+    """Fsyncs a staged partition directory's files, then the directory: what `install_partition` needs."""
+    for path in partition_files(new):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(new)
 
 
 def install_partition(seq_dir: Path, day: str, new: Path) -> None:
@@ -186,7 +182,7 @@ def install_partition(seq_dir: Path, day: str, new: Path) -> None:
         os.rename(target, aside)  # a crash here is repaired by recover_staging()
         os.rename(new, target)
         shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(seq_dir)
+    fsync_dir(seq_dir)
 
 
 def add_partition_file(seq_dir: Path, day: str, table: pa.Table, name: str) -> None:
@@ -198,13 +194,13 @@ def add_partition_file(seq_dir: Path, day: str, table: pa.Table, name: str) -> N
         new = staging_root / f"new-dt={day}-{uuid.uuid4().hex[:12]}"
         new.mkdir()
         write_table(new / name, table, DELTA_COMPRESSION)
-        _fsync_dir(new)
+        fsync_dir(new)
         install_partition(seq_dir, day, new)
         return
     tmp = target / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
     write_table(tmp, table, DELTA_COMPRESSION)
     os.replace(tmp, target / name)
-    _fsync_dir(target)
+    fsync_dir(target)
 
 
 def merge_partition_files(seq_dir: Path, day: str, merge: list[Path], merged: pa.Table, name: str) -> None:
@@ -221,7 +217,7 @@ def merge_partition_files(seq_dir: Path, day: str, merge: list[Path], merged: pa
         if f not in merge:
             os.link(f, new / f.name)
     write_table(new / name, merged)
-    _fsync_dir(new)
+    fsync_dir(new)
     install_partition(seq_dir, day, new)
 
 
@@ -280,7 +276,7 @@ def ensure_sequence_meta(seq_dir: Path, meta: dict) -> None:
                 "write to another store or delete this sequence's directory"
             )
         return
-    atomic_write_text(path, json.dumps(meta, indent=2) + "\n")
+    atomic.write_json(path, meta)
 
 
 def read_sequence_meta(seq_dir: Path) -> dict:

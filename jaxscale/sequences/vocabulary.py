@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale.sequences.store import StoreError, _fsync_dir, atomic_write_text
+from jaxscale.atomic import fsync_dir, write_text
+from jaxscale.sequences.store import StoreError
 
 PAD = 0
 """Index of padding (no event); never a real id."""
@@ -182,9 +183,9 @@ def save_vocabulary(seq_dir, vocab: Vocabulary) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, parquet)
-    _fsync_dir(parquet.parent)
+    fsync_dir(parquet.parent)
     body = {"field": vocab.field, "version": vocab.version, "size": vocab.size, "pad": PAD, "oov": OOV}
-    atomic_write_text(meta, json.dumps(body) + "\n")
+    write_text(meta, json.dumps(body) + "\n")
 
 
 def read_vocabulary_meta(seq_dir, field: str) -> dict | None:

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
+from jaxscale import atomic
 from jaxscale.serving import store as store_lib
 from jaxscale.serving.signature import BATCH, FeatureSpec, Signature, SignatureError, check_name
 
@@ -178,7 +179,7 @@ def export_model(
         sig_path = store_lib.signature_path(store, model, version)
         if sig_path.exists() and not overwrite:
             raise FileExistsError(f"{sig_path} exists: model versions are immutable (pass overwrite=True)")
-        store_lib.atomic_write_bytes(store_lib.artifact_path(store, model, version), artifact)
+        atomic.write_bytes(store_lib.artifact_path(store, model, version), artifact)
         signature.save(sig_path)
     return ExportedModel(signature, exported)
 

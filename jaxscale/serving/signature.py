@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxscale.serving.store import atomic_write_bytes
+from jaxscale import atomic
 
 SIGNATURE_FORMAT = "jaxscale.signature/1"
 BATCH = "batch"
@@ -253,7 +253,7 @@ class Signature:
     def save(self, path: str | Path) -> Path:
         """Write the JSON file atomically (a reader sees the old file or the new one, never a partial one)."""
         path = Path(path)
-        atomic_write_bytes(path, _dumps(self.to_json()).encode())
+        atomic.write_bytes(path, _dumps(self.to_json()).encode())
         return path
 
     @classmethod

@@ -8,28 +8,10 @@ The signature is written after the artifact, both atomically, so a version whose
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 ARTIFACT = "model.jaxexport"
 SIGNATURE = "signature.json"
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def version_dir(store: str | Path, model: str, version: str) -> Path:
