@@ -217,10 +217,15 @@ class Engine:
         df = df.with_columns((pl.col("ts") // MS_PER_DAY).cast(pl.Int32).alias("day"))
         out = {}
         for s in self.defs.sequences:
-            sel = df.filter(pl.col("event_type").is_in(list(s.event_types))) if len(s.event_types) else df
+            sel = df.filter(pl.col("event_type").is_in(list(s.event_types))) if self._selects(s) else df
             out[s.name] = sel.select([*self.file_columns[s.name], "day"])
             stats.indexed[s.name] += sel.height
         return out, stats
+
+    def _selects(self, seq: Sequence) -> bool:
+        """Whether a sequence drops some of the events left after the event-type mapping (a sequence of
+        every used type, or of all types, takes them all: no filter to run)."""
+        return bool(seq.event_types) and not set(self.raw_used.values()) <= set(seq.event_types)
 
     def _enrich(self, df: pl.DataFrame) -> pl.DataFrame:
         """Each used enrichment's fields looked up by key (a left join; a key not in the table gets the

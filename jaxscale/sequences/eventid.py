@@ -64,8 +64,11 @@ def dictionary_hashes(col: pa.ChunkedArray) -> np.ndarray:
     parts = []
     for chunk in col.chunks:
         values = np.array([0 if v is None else blake2b64(v) for v in chunk.dictionary.to_pylist()], np.uint64)
-        codes = chunk.indices.fill_null(0).to_numpy(zero_copy_only=False)
-        parts.append(values[codes] if len(values) else np.zeros(len(codes), np.uint64))
+        indices = chunk.indices
+        codes = indices.to_numpy() if indices.null_count == 0 else indices.fill_null(0).to_numpy(zero_copy_only=False)
+        parts.append(values.take(codes) if len(values) else np.zeros(len(codes), np.uint64))
+    if len(parts) == 1:
+        return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
 

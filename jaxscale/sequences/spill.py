@@ -10,9 +10,10 @@ A backfill used to hold every transformed frame until the end (memory grew with 
    way). So a log that fits the budget never touches the disk, and a larger one holds the budget plus the
    chunks in flight.
 2. reduce: each day of the range is read back (memory-mapped), assembled (`Engine.assemble`, the same
-   sort and de-duplication as before), written to staging and installed atomically (`stage_partition`,
-   `install_partition`), by `threads` threads: at most `threads` days are in memory. The vocabularies
-   are saved meanwhile on one of those threads; a day is installed only after they are.
+   sort and de-duplication as before) and written to staging (`stage_partition`) by `threads` threads:
+   at most `threads` days are in memory. One installer thread fsyncs each written day (file, then
+   directory) and installs it atomically (`install_partition`). The vocabularies are saved meanwhile on
+   one of the workers; a day is installed only after they are.
 
 The output is exactly what assembling every frame of a day at once gave (the day's frames are the same
 rows; `assemble` orders them by the total order (user_id, ts, arrival)). Vocabularies are saved during the
@@ -47,6 +48,7 @@ from jaxscale.sequences.store import (
     partition_dir,
     replace_partition,
     stage_partition,
+    sync_staged,
 )
 from jaxscale.sequences.vocabulary import IdCounter
 
@@ -183,37 +185,46 @@ def install_spilled_days(
     after: Future | None = None,
 ) -> tuple[dict[str, int], list[str]]:
     """The reduce phase for one sequence: each day of `days` replaced by its assembled spilled frames (a day
-    without events removed), `threads` days at a time (the pool's workers). A day is assembled and written to staging at once but
-    installed only once `after` (the vocabularies being saved, which must precede any partition they cover)
-    is done: the two overlap. Returns ({day: rows written}, [days removed])."""
+    without events removed), `threads` days at a time (the pool's workers). A worker assembles a day and
+    writes it to staging; one installer thread then fsyncs it and installs it, once `after` (the
+    vocabularies being saved, which must precede any partition they cover) is done, so that neither the
+    disk nor the vocabularies hold up the next day's assembly. Returns ({day: rows written}, [days removed])."""
     name = seq_dir.name
 
-    def work(day: int) -> tuple[str, int | None]:
+    def install(day: int, label: str, staged: Path | None) -> None:
+        if staged is not None:
+            sync_staged(staged)  # every byte on disk before the rename that makes the day visible
+        if after is not None:
+            after.result()
+        if staged is not None:
+            install_partition(seq_dir, label, staged)
+            spill.drop(name, day)
+        else:
+            replace_partition(seq_dir, label, None)
+
+    def work(day: int) -> tuple[str, int | None, Future | None]:
         parts = spill.take(name, day)
         label = day_name(day)
         if parts:
             table = engine.assemble(name, parts)
             del parts  # the day's frames are freed before its file is written
-            staged, rows = stage_partition(seq_dir, label, table), table.num_rows
-            del table
-            if after is not None:
-                after.result()
-            install_partition(seq_dir, label, staged)
-            spill.drop(name, day)
-            return label, rows
-        if after is not None:
-            after.result()
+            staged, rows = stage_partition(seq_dir, label, table, sync=False), table.num_rows
+            return label, rows, installer.submit(install, day, label, staged)
         if partition_dir(seq_dir, label).exists():
-            replace_partition(seq_dir, label, None)
-            return label, None
-        return label, 0
+            return label, None, installer.submit(install, day, label, None)
+        return label, 0, None
 
-    written, removed = {}, []
-    # 2 * threads submitted: a worker done with a day starts the next while an earlier day is still being
-    # written (results come back in order). Memory stays `threads` days: a queued day holds nothing yet.
-    for label, rows in bounded_map(work, days, pool, 2 * threads):
-        if rows is None:
-            removed.append(label)
-        elif rows:
-            written[label] = rows
+    written, removed, installs = {}, [], []
+    with ThreadPoolExecutor(1, thread_name_prefix="install") as installer:
+        # 2 * threads submitted: a worker done with a day starts the next while an earlier day is still
+        # being written (results come back in order). Memory stays `threads` days: a queued day holds nothing.
+        for label, rows, done in bounded_map(work, days, pool, 2 * threads):
+            installs.append(done)
+            if rows is None:
+                removed.append(label)
+            elif rows:
+                written[label] = rows
+        for done in installs:
+            if done is not None:
+                done.result()
     return written, removed
