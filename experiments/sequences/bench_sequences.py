@@ -11,8 +11,9 @@ For every log size (make_events.py, 7 days, 3% late events):
   transform  the engine's per-batch transform on one raw file in Polars (what the engine uses), pyarrow
              compute and DuckDB (median of repeats, same output rows).
   stream     jaxscale's stream runtime at several micro-batch sizes (events/s of the whole command).
-  serving    `serve` in its own process; an open-loop client (http.client, keep-alive, 8 threads) sends
-             200 requests/s for users with >= 256 events, limit=256, random as_of; p50/p99 latency, req/s.
+  companions bench_serving.py (open-loop HTTP load), bench_stream_redis.py (the broker stream) and
+             bench_memory.py (the reader over a long stream) run last, each recording its own file, so this
+             one command regenerates every figure of the sequence platform (`--skip-companions` leaves them).
   training   the Grain reader's examples/s beside the trainer's steps/s x batch size
              (`python -m jaxscale.train --steps 20`, the smoke model).
 """
@@ -21,17 +22,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import json
 import os
 import platform
-import re
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -350,85 +348,6 @@ def bench_stream(log: Path, defs: Path, work: Path, n: int, micro_batches: list[
     return rows
 
 
-# ------------------------------------------------------------------------------------------ serving
-
-
-def bench_serving(store: Path, rate: float, seconds: float, threads: int = 8) -> dict:
-    from jaxscale.sequences.query import SequenceReader
-
-    reader = SequenceReader(store, "engagement")
-    counts: dict[int, int] = {}
-    for p in reader.partitions:
-        for u, c in zip(p.users.tolist(), np.diff(p.starts).tolist()):
-            counts[u] = counts.get(u, 0) + c
-    heavy = np.array(sorted(u for u, c in counts.items() if c >= 300))
-    t_lo = min(p.start_ms for p in reader.partitions) + 2 * MS_PER_DAY
-    t_hi = max(p.start_ms for p in reader.partitions) + MS_PER_DAY
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxscale.sequences", "serve", "--store", str(store), "--port", "0"],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        port = int(re.search(r":(\d+) ", proc.stdout.readline()).group(1))
-        rng = np.random.default_rng(0)
-        total = int(rate * seconds)
-        plan = [(int(rng.choice(heavy)), int(rng.integers(t_lo, t_hi))) for _ in range(total)]
-        lat, sizes, errors = [None] * total, [0] * total, []
-        start = time.perf_counter() + 0.2
-        nxt = iter(range(total))
-        lock = threading.Lock()
-
-        def worker():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            while True:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    return
-                due = start + i / rate  # open loop: request i is due at i / rate
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                u, t = plan[i]
-                conn.request("GET", f"/v1/users/{u}/sequences/engagement?as_of={t}&limit=256")
-                resp = conn.getresponse()
-                body = resp.read()
-                # latency from the due time: a request queued behind a slow one counts (no coordinated omission)
-                lat[i] = time.perf_counter() - due
-                if resp.status != 200:
-                    errors.append(resp.status)
-                sizes[i] = body.count(b'"ts":')  # events in the answer (cheaper than parsing it)
-
-        pool = [threading.Thread(target=worker) for _ in range(threads)]
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        elapsed = time.perf_counter() - start
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    ms = np.array(lat) * 1000
-    return {
-        "target_rps": rate,
-        "requests": total,
-        "achieved_rps": total / elapsed,
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
-        "max_ms": float(ms.max()),
-        "mean_events": float(np.mean(sizes)),
-        "full_256": float(np.mean(np.array(sizes) == 256)),
-        "errors": len(errors),
-        "users": len(heavy),
-    }
-
-
-# ------------------------------------------------------------------------------------------ training
-
-
 def bench_training(store: Path, defs: Path, work: Path) -> dict:
     from jaxscale.sequences.training import SequenceBatches
 
@@ -547,17 +466,15 @@ def write_markdown(res: dict, path: Path) -> None:
             f"`{r['checksum']}` |"
         )
     lines += ["", "Target: >= 100k events/s. The checksum equals the backfill's.", ""]
-    s = res["serving"]
     lines += [
-        "## Serving (open-loop load, 127.0.0.1, http.client keep-alive, limit=256, random as_of)",
+        "## Serving, the broker stream and the reader's memory",
         "",
-        "| target req/s | achieved req/s | requests | p50 ms | p99 ms | max ms | mean events "
-        "| share with 256 | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {s['target_rps']:.0f} | {s['achieved_rps']:.1f} | {s['requests']} | {s['p50_ms']:.2f} "
-        f"| {s['p99_ms']:.2f} | {s['max_ms']:.2f} | {s['mean_events']:.1f} | {s['full_256']:.2f} | {s['errors']} |",
-        "",
-        "Target: p99 <= 20 ms at 200 requests/s for 256-event sequences.",
+        "Recorded by the companion benchmarks this command runs after the parts above (their own machine and load "
+        "lines): `experiments/sequences/serving_results.md` (`bench_serving.py`: open-loop load at 200 / 500 / "
+        "1,000 req/s on the sequence server and the trimmed root->leaf path), "
+        "`experiments/sequences/stream_redis_results.json` (`bench_stream_redis.py`: Redis Streams events/s "
+        "acknowledged, lag under a steady producer) and `experiments/sequences/memory.json` (`bench_memory.py`: "
+        "the reader's RSS over a long stream). docs/sequences.md and docs/serving.md quote them.",
         "",
     ]
     t = res["training"]
@@ -623,7 +540,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["1e6", "1e7"])
     ap.add_argument("--work", default="/tmp/jaxscale-seq-bench")
     ap.add_argument("--warm", type=int, default=2, help="warm runs per engine (median)")
-    ap.add_argument("--serve-seconds", type=float, default=10.0)
+    ap.add_argument("--serve-seconds", type=float, default=10.0, help="seconds of load per rate (bench_serving)")
+    ap.add_argument("--skip-companions", action="store_true", help="leave serving, broker and memory as recorded")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
     ap.add_argument("--from-results", help="only rewrite the Markdown from a recorded results.json")
     ap.add_argument(
@@ -680,15 +598,28 @@ def main() -> None:
             str(store),
         ]
     )
-    print("serving", flush=True)
-    res["serving"] = bench_serving(store, 200.0, args.serve_seconds)
-    print(f"  {res['serving']}", flush=True)
     print("training", flush=True)
     res["training"] = bench_training(store, defs, work)
     res["load_average_end"] = os.getloadavg()
     (Path(args.out).parent / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     write_markdown(res, Path(args.out))
     print(f"wrote {args.out}")
+    if not args.skip_companions:
+        run_companions(store, args.serve_seconds)
+
+
+def run_companions(store: Path, serve_seconds: float) -> None:
+    """The serving, broker-stream and memory benchmarks, each recording its own file (see the docstring)."""
+    import bench_memory
+    import bench_serving
+    import bench_stream_redis
+
+    print("serving (bench_serving.py)", flush=True)
+    bench_serving.main(["--store", str(store), "--seconds", str(serve_seconds)])
+    print("broker stream (bench_stream_redis.py)", flush=True)
+    bench_stream_redis.main([])
+    print("reader memory (bench_memory.py)", flush=True)
+    bench_memory.main([])
 
 
 if __name__ == "__main__":
