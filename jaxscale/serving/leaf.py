@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,34 @@ LEAF_METRICS = (
 )
 
 
+_MAX_SCHEMAS = 16  # request schemas whose input plan a leaf remembers
+
+
+@dataclass(frozen=True)
+class _InputPlan:
+    """How one request schema becomes the model's inputs, checked against the signature once."""
+
+    reads: tuple[tuple[str, int | None, str, tuple[int, ...]], ...]  # (feature, column or None = zeros, dtype, shape)
+    received: int  # feature columns in the request
+    ignored: int  # of which the signature does not declare
+    filled: int  # declared features absent from the request (passed as zeros)
+
+    @classmethod
+    def build(cls, signature, schema: pa.Schema) -> _InputPlan:
+        columns = {f.name: wire.column_type(f.name, f.type) for f in schema}
+        signature.check(columns)
+        position = {name: i for i, name in enumerate(columns)}
+        reads = []
+        for spec in signature.features:
+            if spec.name in columns:
+                dtype, shape = columns[spec.name]
+                reads.append((spec.name, position[spec.name], dtype, shape))
+            else:
+                reads.append((spec.name, None, spec.dtype, spec.shape))
+        declared = sum(1 for r in reads if r[1] is not None)
+        return cls(tuple(reads), len(columns), len(columns) - declared, len(reads) - declared)
+
+
 @dataclass(frozen=True)
 class LeafConfig:
     """``batch_buckets``: pad each batch up to the smallest bucket that holds it (larger ones run as they are), so
@@ -87,6 +116,8 @@ class Leaf:
         self._call = jax.jit(self.model.exported.call)
         self.metrics = Metrics("jaxscale_leaf", LEAF_METRICS)
         self._server: BackgroundServer | None = None
+        self._plans: list[tuple[pa.Schema, _InputPlan]] = []
+        self._plans_lock = threading.Lock()
         if config.warmup:  # compile every bucket, and load what decoding a request imports (pyarrow -> pandas)
             for b in config.batch_buckets:
                 batch = wire.to_record_batch(self._zeros(b))
@@ -114,22 +145,32 @@ class Leaf:
         arrays = [out] if not isinstance(out, dict) else [out[n] for n in names]
         return {n: np.asarray(a)[:batch] for n, a in zip(names, arrays)}
 
+    def _input_plan(self, schema: pa.Schema) -> _InputPlan:
+        """The checked plan for a request schema, memoized: every request of a client carries the same schema, and
+        re-reading and re-checking it costs more than the columns' conversion."""
+        with self._plans_lock:
+            for seen, plan in self._plans:
+                if seen.equals(schema):
+                    return plan
+        plan = _InputPlan.build(self.signature, schema)  # raises FeatureError on a bad request
+        with self._plans_lock:
+            self._plans = [(schema, plan), *self._plans[: _MAX_SCHEMAS - 1]]
+        return plan
+
     def predict_batch(self, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         """Score an Arrow record batch of features; raises `FeatureError` naming a missing or mismatched one."""
-        columns = wire.describe(batch)
-        self.signature.check(columns)
-        inputs, filled = {}, 0
-        for spec in self.signature.features:
-            if spec.name in columns:
-                inputs[spec.name] = wire.to_numpy(batch, spec.name)
-            else:  # declared but never read by the compiled function (Signature.check enforced that)
-                inputs[spec.name] = np.zeros((batch.num_rows, *spec.shape), spec.dtype)
-                filled += 1
-        declared = sum(1 for name in columns if name in inputs)
-        self.metrics.inc("features_received", len(columns))
-        self.metrics.inc("ignored_features", len(columns) - declared)
-        self.metrics.inc("filled_unused_features", filled)
-        self.metrics.inc("examples", batch.num_rows)
+        plan = self._input_plan(batch.schema)
+        rows = batch.num_rows
+        inputs = {}
+        for name, index, dtype, shape in plan.reads:
+            if index is None:  # declared but never read by the compiled function (Signature.check enforced that)
+                inputs[name] = np.zeros((rows, *shape), dtype)
+            else:
+                inputs[name] = wire.column_to_numpy(batch.column(index), name, dtype, shape)
+        self.metrics.inc("features_received", plan.received)
+        self.metrics.inc("ignored_features", plan.ignored)
+        self.metrics.inc("filled_unused_features", plan.filled)
+        self.metrics.inc("examples", rows)
         return self._run(inputs)
 
     def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

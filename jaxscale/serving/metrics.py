@@ -35,9 +35,12 @@ class Metrics:
 
     def _key(self, name: str, labels: dict) -> tuple[str, ...]:
         d = self._defs[name]
-        if set(labels) != set(d.labels):
-            raise ValueError(f"metric {name!r} takes labels {d.labels}, got {sorted(labels)}")
-        return tuple(str(labels[k]) for k in d.labels)
+        if len(labels) == len(d.labels):  # same size and every declared name present: the same set (no set built)
+            try:
+                return tuple(str(labels[k]) for k in d.labels)
+            except KeyError:
+                pass
+        raise ValueError(f"metric {name!r} takes labels {d.labels}, got {sorted(labels)}")
 
     def inc(self, name: str, value: float = 1, **labels) -> None:
         key = self._key(name, labels)
