@@ -4,7 +4,7 @@ Names are imported lazily, so device-free modules (`jaxscale.planner`, `jaxscale
 can be used without importing JAX.
 """
 
-import importlib
+from jaxscale.lazy import lazy_exports
 
 _EXPORTS = {
     "EmbeddingCollection": "jaxscale.embedding.collection",
@@ -25,16 +25,4 @@ _EXPORTS = {
     "resolve_plan": "jaxscale.plan",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

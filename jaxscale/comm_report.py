@@ -123,7 +123,7 @@ def categorize(c, replica_groups: frozenset, largest_all_reduce: str | None = No
     return "other"
 
 
-def _replica_groups(topology) -> frozenset:
+def replica_groups(topology) -> frozenset:
     """The replica groups of the collection's `Topology` as sets of flat mesh positions (empty: no replicas)."""
     return frozenset(frozenset(g) for g in topology.replica_groups() if len(g) > 1)
 
@@ -150,7 +150,7 @@ def comm_report(cfg) -> dict:
     compiled = trainer.compile(state, batch)
     collectives = trainer.collectives
     mesh_shape = tuple(trainer.mesh.devices.shape)
-    reps = _replica_groups(trainer.ec.topology)
+    reps = replica_groups(trainer.ec.topology)
     rows, by_cat = [], defaultdict(lambda: {"intra_node": 0.0, "inter_node": 0.0, "count": 0})
     reduces = [c for c in collectives if c.kind == "all-reduce"]
     largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None

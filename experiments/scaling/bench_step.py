@@ -134,10 +134,10 @@ def step_collectives(trainer, st) -> list[dict]:
     """Every collective of the compiled step: kind, device group ('node': one device per node, 'all',
     'local': inside a node), category, bytes per device (intra, inter) and how often it runs per step
     (a periodic sync: 1/k)."""
-    from jaxscale.comm_report import _group_layout, _replica_groups, categorize, split_bytes
+    from jaxscale.comm_report import _group_layout, categorize, replica_groups, split_bytes
 
     shape = tuple(trainer.mesh.devices.shape)
-    reps = _replica_groups(trainer.ec.topology)
+    reps = replica_groups(trainer.ec.topology)
     # the dense gradients: the largest all-reduce outside the replica groups (a periodic sync is larger)
     reduces = [c for c in trainer.collectives if c.kind == "all-reduce" and categorize(c, reps) != "replica_sync"]
     largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None

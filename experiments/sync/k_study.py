@@ -61,9 +61,9 @@ def run_one(name: str, overrides: list[str], steps: int, workdir: Path) -> dict:
     wall = time.perf_counter() - t0
     ev = tr.evaluate(out["final_state"])
     k = cfg.embedding.replica_sync.every
-    from jaxscale.comm_report import _replica_groups
+    from jaxscale.comm_report import replica_groups
 
-    reps = _replica_groups(tr.ec.topology)
+    reps = replica_groups(tr.ec.topology)
     reduces = [c for c in tr.collectives if c.kind == "all-reduce"]
     largest = max(reduces, key=lambda c: c.result_bytes).name if reduces else None
     per_cat: dict[str, list[float]] = {}

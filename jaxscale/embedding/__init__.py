@@ -13,7 +13,7 @@ collection `EmbeddingCollection`, which runs the above inside one `shard_map`
 Names are imported lazily, so `jaxscale.embedding.settings` loads without JAX.
 """
 
-import importlib
+from jaxscale.lazy import lazy_exports
 
 _EXPORTS = {
     "EmbeddingCollection": "jaxscale.embedding.collection",
@@ -23,12 +23,4 @@ _EXPORTS = {
     "ShardedIds": "jaxscale.embedding.ids",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'jaxscale.embedding' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Names are imported lazily: the root, signatures and wire format do not import JA
 See docs/serving.md.
 """
 
-import importlib
+from jaxscale.lazy import lazy_exports
 
 _EXPORTS = {
     "FeatureSpec": "jaxscale.serving.signature",
@@ -33,16 +33,4 @@ _EXPORTS = {
     "trim_batch": "jaxscale.serving.trim",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'jaxscale.serving' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
