@@ -129,3 +129,31 @@ def test_topology_facts_follow_the_axes_table(name):
         peers = [p for p in range(nodes * local) if replica[p] == replica[0] and p != 0]
         assert t.shard_peers == (sum(p // local == 0 for p in peers), sum(p // local != 0 for p in peers))
         assert (t.num_replicas == 1) == (not replica_axes or (nodes if replica_axes == (NODE,) else local) == 1)
+
+
+def test_output_dtype_is_what_the_lookup_returns():
+    """`output_dtype`: the lookup's outputs in that dtype (the float32 lookup rounded), the tables and their
+    update unchanged; a bad value is named by its dotted key."""
+    import jax
+    import jax.numpy as jnp
+
+    tables = [jaxscale.TableConfig("items", 64, 8), jaxscale.TableConfig("hist", 48, 4, pooling=None)]
+    mesh = jaxscale.make_mesh(2, 4)
+    rng = np.random.default_rng(0)
+    ids = {"items": rng.integers(-1, 64, (16, 3)), "hist": rng.integers(-1, 48, (16, 5))}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        ec = jaxscale.EmbeddingCollection(tables, mesh, EmbeddingSettings(topology="2d_a2a", output_dtype=dtype))
+        state = ec.init(jax.random.key(0))
+        batch = ec.shard_batch(ids)
+        out = ec.lookup(state, batch)
+        state = ec.update(state, batch, {f: jnp.ones_like(x) for f, x in out.items()})
+        runs[dtype] = out, state["weights"]
+    (out32, w32), (out16, w16) = runs["float32"], runs["bfloat16"]
+    for f in ids:
+        assert out32[f].dtype == jnp.float32 and out16[f].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out16[f]), np.asarray(out32[f].astype(jnp.bfloat16)))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), w32, w16)
+    with pytest.raises(ConfigError, match=r"^embedding\.output_dtype: must be one of"):
+        load_config(None, ["embedding.output_dtype=int8"])
+    assert load_config(None, ["embedding.output_dtype=bfloat16"]).embedding.output_dtype == "bfloat16"

@@ -329,7 +329,8 @@ class EmbeddingCollection:
             # sums carried by an all-to-all are equal on every device; the checker only knows psum's are
             check_vma=not self._counters_ride_ids,
         )
-        return fn(state["weights"], {f: ids[f] for f in feats})
+        out, stats = fn(state["weights"], {f: ids[f] for f in feats})
+        return {f: x.astype(self.settings.output_dtype) for f, x in out.items()}, stats
 
     def _partial(self, feats, ids) -> frozenset:
         return capacity_lib.pair_features(

@@ -27,6 +27,7 @@ SYNC_MODES = ("exact", "periodic")
 SYNC_STRATEGIES = {"exact": ("auto", "owner", "gather"), "periodic": ("dense", "sparse")}
 DEFAULT_STRATEGY = {"exact": "auto", "periodic": "dense"}
 POOLED_COMM_MODES = ("auto", "rows", "partial_sums")
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = {"rowwise_adagrad": RowWiseAdagrad, "sgd": SGD}
 
 
@@ -190,6 +191,9 @@ class EmbeddingSettings:
       requester; 'partial_sums' has each owner pool its rows per bag and return one partial sum per bag
       (the output all-to-all carries B x dim instead of B x L x dim). 'auto' uses partial sums for pooled
       features with more than one id per example.
+    output_dtype: the dtype of the lookup's outputs, what the dense model reads ('float32', 'bfloat16',
+      'float16'; FBGEMM's `output_dtype`). Tables, optimizer state and the gradients the update applies stay
+      float32; a bf16 model reads half the activation bytes and needs no cast of its own.
     """
 
     topology: str = "1d"
@@ -201,6 +205,7 @@ class EmbeddingSettings:
     reuse_capacities: bool = False
     replica_sync: ReplicaSync = dataclasses.field(default_factory=ReplicaSync)
     pooled_comm: str = "auto"
+    output_dtype: str = "float32"
 
     def __post_init__(self):
         if self.topology not in (*TOPOLOGIES, AUTO_TOPOLOGY):
@@ -226,6 +231,8 @@ class EmbeddingSettings:
             )
         if self.pooled_comm not in POOLED_COMM_MODES:
             raise SettingError("pooled_comm", f"must be one of {list(POOLED_COMM_MODES)}, got {self.pooled_comm!r}")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise SettingError("output_dtype", f"must be one of {list(OUTPUT_DTYPES)}, got {self.output_dtype!r}")
 
     def _check_sharding(self) -> None:
         sharding = self.sharding
