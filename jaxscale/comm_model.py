@@ -19,7 +19,8 @@ Three layers, each usable alone:
 2. **The embedding step** (`embedding_comms`) as functions of per-step counts (`StackCounts`), one
    entry per embedding stack, for a jaxscale topology and comm precisions (wire sizes from
    `jaxscale.quantization.wire_bytes`). With S = shard-group size, Rep = replicas, w = communicated dim:
-     ids        all-to-all (S-1) C_req 4                      (one int32 id per requested row)
+     ids        all-to-all (S-1) C_req 4                      (one int32 id per requested row; without
+                replicas the first one also carries the lookup's counters, 4 bytes each per destination)
      rows       all-to-all (S-1) C_req wire_fwd(w)           (forward)
      grads      all-to-all (S-1) C_req wire_bwd(w)           (backward)
      pooled features returning per-bag partial sums: ids (S-1) pair_id_bytes(...), sums (S-1) B wire(w);
@@ -58,6 +59,7 @@ WEIGHT_BYTES = 4  # fp32 stored weights
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb = 25
 BACKWARD_FRACTION = 2 / 3  # backward = 2x forward FLOPs: the window the dense all-reduce can hide in
 CAPACITY_LADDER = 1.25  # capacities are rounded up to the next step of this geometric ladder
+LOOKUP_COUNTERS = 2  # the lookup's [overflow, invalid ids] int32 counters (jaxscale.embedding.collection)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,9 +279,13 @@ def embedding_comms(
     comm_forward: str = "fp32",
     comm_backward: str = "fp32",
     sync: ReplicaSync | None = None,
+    *,
+    lookup_counters: int = 0,
 ) -> list[Comm]:
     """The embedding collectives of one step (see module docstring for the byte formulas); `sync` defaults to
-    the exact owner sync."""
+    the exact owner sync. `lookup_counters`: int32 words the engine's lookup appends to every block of its
+    first ids all-to-all when that all-to-all spans every device (no replicas): its overflow and invalid-id
+    counters ride there instead of an all-reduce of their own (LOOKUP_COUNTERS for the engine's step)."""
     sync = ReplicaSync("exact", "owner") if sync is None else sync
     for what, p in (("comm_forward", comm_forward), ("comm_backward", comm_backward)):
         if p not in PRECISIONS:
@@ -287,22 +293,25 @@ def embedding_comms(
     shard, replica = shard_group(topology), replica_group(topology)
     S, rep = topology.num_shards, topology.num_replicas
     out = []
+    riding = lookup_counters * ID_BYTES if rep == 1 else 0  # bytes per destination, on the first ids exchange
     for i, st in enumerate(stacks):
         wf, wb = wire_bytes(1, st.width, comm_forward), wire_bytes(1, st.width, comm_backward)
         tag = f"stack{i}"
         if S > 1 and st.requested:
+            extra, riding = riding, 0
             out += [
-                Comm("emb_ids", f"{tag} ids", "forward", all_to_all(shard, st.requested * ID_BYTES)),
+                Comm("emb_ids", f"{tag} ids", "forward", all_to_all(shard, st.requested * ID_BYTES + extra)),
                 Comm("emb_rows", f"{tag} rows", "forward", all_to_all(shard, st.requested * wf)),
                 Comm("emb_rows", f"{tag} grads", "backward", all_to_all(shard, st.requested * wb)),
             ]
         if S > 1 and st.pair_slots:
+            extra, riding = riding, 0
             out += [
                 Comm(
                     "emb_ids",
                     f"{tag} pair ids",
                     "forward",
-                    all_to_all(shard, pair_id_bytes(st.pair_slots, st.bags, st.rows_per_shard)),
+                    all_to_all(shard, pair_id_bytes(st.pair_slots, st.bags, st.rows_per_shard) + extra),
                 ),
                 Comm("emb_rows", f"{tag} partial sums", "forward", all_to_all(shard, st.bags * wf)),
                 Comm("emb_rows", f"{tag} bag grads", "backward", all_to_all(shard, st.bags * wb)),

@@ -4,7 +4,8 @@
 
 Values are type-checked against the field annotations (int, float, str, bool, Literal choices, Optional,
 unions, tuples/lists, dicts, nested dataclasses). Every error is a `ConfigError` naming the full dotted
-key. YAML is parsed with `yaml.safe_load` only: tags such as `!!python/object` are refused.
+key. YAML is parsed with a safe loader only (tags such as `!!python/object` are refused) that reads YAML 1.2
+floats: `1e-8` is a number, as users write it, not the string PyYAML's YAML 1.1 would make of it.
 The defaults are the smoke foundation run on 8 simulated CPU devices.
 
 The sections mirror the API: `embedding` IS `jaxscale.EmbeddingSettings`, the collection's one argument
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -120,7 +122,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequencesConfig:
-    """A sequence store as a data source (`jaxscale.sequences.training.SequenceBatches`, field for field).
+    """A sequence store as a data source (`jaxscale_models.foundation_sequences.SequenceBatches`, field for field).
 
     `split: day`: examples are (user, ts) anchors whose history is the user's point-in-time sequence (no
     event at or after ts); the store's last `eval_days` days are the held-out split. `split: leave_one_out`:
@@ -142,7 +144,7 @@ class SequencesConfig:
     'leave_one_out' (per user: last event = test, the one before = validation, the rest = train)."""
     as_of_mode: Literal["event", "ingest"] = "event"
     """Which events a day-split history at ts holds: 'event' (event time < ts) or 'ingest' (also received by
-    the platform before ts: what serving answered then; see jaxscale.sequences.training)."""
+    the platform before ts: what serving answered then; see jaxscale_models.foundation_sequences)."""
 
     def __post_init__(self):
         if self.split not in ("day", "leave_one_out"):
@@ -418,6 +420,22 @@ def _build(cls, data, prefix: str):
         raise _err(dotted(field) if field else where, str(e)) from None
 
 
+class _SafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` reading YAML 1.2 floats: PyYAML follows YAML 1.1, where ``1e-8`` (no dot) is a string,
+    so ``eps: 1e-8`` or ``train.learning_rate=3e-4`` would be refused as "not a number"."""
+
+
+_SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text_or_file):
+    return yaml.load(text_or_file, Loader=_SafeLoader)  # noqa: S506 -- a SafeLoader: no !!python tags
+
+
 def _apply_override(tree: dict, item: str) -> None:
     if "=" not in item:
         raise _err(item, "override must look like dotted.key=value")
@@ -427,7 +445,7 @@ def _apply_override(tree: dict, item: str) -> None:
     if not key or any(not p for p in parts):
         raise _err(key or item, "override key must be a dotted path like train.steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise _err(key, f"cannot parse override value {raw!r}: {e}") from None
     node = tree
@@ -447,7 +465,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Confi
     if path is not None:
         try:
             with open(path) as f:
-                tree = yaml.safe_load(f)
+                tree = _yaml(f)
         except yaml.YAMLError as e:  # includes ConstructorError for !!python/* tags
             raise ConfigError(f"{path}: not a valid (safe) YAML config: {e}") from None
         if tree is None:

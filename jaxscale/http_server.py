@@ -7,9 +7,15 @@ wait ~44 ms for Nagle's algorithm and the client's delayed ACK (the stall of the
 TLS is a plain `ssl.SSLContext`; graceful shutdown (stop accepting, let in-flight handlers finish within a bound)
 is built into its runner; and it is plain asyncio, with no ASGI layer between the socket and the handler.
 
-Handlers stay plain synchronous functions ``(Request) -> Response``. They run in a bounded thread pool, or on the
-event loop itself when their `Route` says ``inline=True`` (only for cheap handlers that never block). An exception
-becomes a JSON error body: `HTTPError` for a 4xx with a payload, anything else a 500 naming the exception.
+A handler takes a `Request` and returns a `Response`, in one of three ways (the `Route` says which):
+  * ``async def`` handler: runs on the event loop, no thread hand-off. The fast path for handlers whose work is
+    short CPU work plus awaiting other servers (`AsyncClient`) or blocking work handed to an `Offload` (which runs
+    it on the loop while its measured cost is under a budget, else in threads). Counted in the in-flight bound;
+  * plain function (the default): runs in the server's bounded thread pool (blocking work of unknown length);
+  * plain function with ``inline=True``: runs on the loop (cheap handlers that never block: /healthz, /metrics).
+An exception becomes a JSON error body: `HTTPError` for a 4xx with a payload, anything else a 500 naming it.
+Each hand-off between the loop and a thread costs a wake-up of each (tens of microseconds idle, milliseconds on a
+busy machine, plus GIL convoys), which is why the serving root and leaves use async handlers end to end.
 
 Every server also has:
   * a bound on in-flight requests (`ServerConfig.max_in_flight`): over it the answer is 503 with ``Retry-After``
@@ -30,6 +36,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import http.client
+import inspect
 import json
 import logging
 import re
@@ -39,10 +46,11 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -86,7 +94,7 @@ class HTTPError(Exception):
         self.status, self.payload = status, payload
 
 
-Handler = Callable[[Request], Response]
+Handler = Callable[[Request], Response] | Callable[[Request], Awaitable[Response]]
 Resources = Callable[[Request], Iterable[str]]
 _PARAM = re.compile(r"\{(\w+)\}")
 
@@ -96,9 +104,10 @@ class Route:
     """``path`` is a template such as ``/v1/users/{user_id}/sequences/{name}`` (a parameter matches one segment).
 
     ``resources`` names what a bearer token must grant to call it (e.g. the sequence in the path); None = any
-    valid token. ``public`` routes need no token. ``inline`` runs the handler on the event loop (cheap handlers
-    only: it blocks every other request while it runs); inline requests cannot queue, so they are outside the
-    in-flight bound (a saturated server still answers /healthz and /metrics)."""
+    valid token. ``public`` routes need no token. An ``async def`` handler runs on the event loop and is counted
+    in the in-flight bound. ``inline`` runs a plain handler on the event loop (cheap handlers only: it blocks
+    every other request while it runs); inline requests cannot queue, so they are outside the in-flight bound
+    (a saturated server still answers /healthz and /metrics)."""
 
     method: str
     path: str
@@ -107,8 +116,12 @@ class Route:
     public: bool = False
     inline: bool = False
     pattern: re.Pattern = field(init=False, repr=False, compare=False)
+    is_async: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
+        if self.is_async and self.inline:
+            raise ValueError(f"route {self.path}: inline is for plain handlers; an async handler already runs inline")
         parts, last = [], 0
         for m in _PARAM.finditer(self.path):
             parts += [re.escape(self.path[last : m.start()]), f"(?P<{m.group(1)}>[^/]+)"]
@@ -151,6 +164,7 @@ class ServerConfig:
     tls_key: str | Path | None = None
     shutdown_timeout_s: float = 10.0
     access_log: bool = False
+    uvloop: bool = True  # run on uvloop's event loop (libuv, C transports) when it is installed; else asyncio's
 
     def __post_init__(self):
         def check(ok: bool, name: str, what: str) -> None:
@@ -246,11 +260,19 @@ class HTTPMetrics:
             registry=registry,
         )
 
+        self._children: dict[tuple[str, str, int], tuple] = {}
+
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, method, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
-        if status in (401, 403, 503):
-            self.refused.labels(str(status)).inc()
+        key = (route, method, status)
+        children = self._children.get(key)
+        if children is None:  # resolve the labelled series once per (route, method, status)
+            refused = self.refused.labels(str(status)) if status in (401, 403, 503) else None
+            children = (self.requests.labels(route, method, str(status)), self.latency.labels(route), refused)
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+        if children[2] is not None:
+            children[2].inc()
 
 
 # ------------------------------------------------------------------------------------------------------ server
@@ -268,8 +290,11 @@ class Service:
         metrics_prefix: str,
         collectors: Iterable = (),
         unrouted: Callable[[Request, list[str]], Response] = default_unrouted,
+        on_close: Iterable[Callable[[], Awaitable[None]]] = (),
     ):
+        """``on_close``: coroutines run on the loop after the last in-flight request (close an `AsyncClient`)."""
         self.config, self.name, self.unrouted = config, name, unrouted
+        self.on_close = tuple(on_close)
         self.registry = CollectorRegistry(auto_describe=False)
         self.metrics = HTTPMetrics(metrics_prefix, self.registry)
         for c in collectors:
@@ -316,6 +341,8 @@ class Service:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            for close in self.on_close:
+                await close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------------------------------------- requests
@@ -390,6 +417,8 @@ class Service:
             except web.HTTPRequestEntityTooLarge:
                 return _too_large(None, self.config.max_body_bytes)
             request = replace(request, body=body)
+            if route.is_async:
+                return await _call_async(route.handler, request)
             if route.inline:
                 return _call(route.handler, request)
             return await asyncio.get_running_loop().run_in_executor(self._pool, _call, route.handler, request)
@@ -420,11 +449,80 @@ def _too_large(length: int | None, limit: int) -> Response:
 def _call(handler: Handler, request: Request) -> Response:
     try:
         return handler(request)
-    except HTTPError as e:
+    except Exception as e:
+        return _error_response(e, request)
+
+
+async def _call_async(handler: Handler, request: Request) -> Response:
+    try:
+        return await handler(request)
+    except Exception as e:
+        return _error_response(e, request)
+
+
+def _error_response(e: Exception, request: Request) -> Response:
+    if isinstance(e, HTTPError):
         return Response.json(e.payload, e.status)
-    except Exception as e:  # a bug must not kill the connection silently: answer 500 and log it
-        log.exception("%s %s failed", request.method, request.path)
-        return Response.json({"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+    log.exception("%s %s failed", request.method, request.path, exc_info=e)  # a bug: answer 500 and log it
+    return Response.json({"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+
+
+# ---------------------------------------------------------------------------------------- blocking work off-loop
+
+
+class Offload:
+    """Runs blocking calls for async handlers: on the event loop while the call's measured cost is short, in a
+    thread pool otherwise.
+
+    A short call (a small model's prediction: under a millisecond) costs less than the two thread hand-offs around
+    it, so it runs inline; a long one (a big batch, a first call that compiles) would stall every other request on
+    the loop, so it goes to a thread. The cost is a moving average of wall time per ``key`` (e.g. a batch size);
+    a key never seen runs in a thread first. ``budget_s=0`` = always a thread."""
+
+    def __init__(self, workers: int, budget_s: float, name: str = "offload"):
+        if not _is_int(workers) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if not isinstance(budget_s, (int, float)) or budget_s < 0:
+            raise ValueError(f"budget_s must be a number >= 0, got {budget_s!r}")
+        self.workers, self.budget_s, self.name = workers, budget_s, name
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first call that needs it
+        self._pool_lock = threading.Lock()
+        self._cost: dict[Hashable, float] = {}
+        self.inline_calls = 0
+        self.pooled_calls = 0
+
+    def cost(self, key: Hashable) -> float | None:
+        """The moving average of ``key``'s wall time in seconds (None = never measured)."""
+        return self._cost.get(key)
+
+    def measure(self, key: Hashable, fn: Callable, *args):
+        """``fn(*args)`` on this thread, its wall time folded into ``key``'s cost (e.g. a warm-up call)."""
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds = time.perf_counter() - t0
+        previous = self._cost.get(key)
+        self._cost[key] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        return out
+
+    async def run(self, key: Hashable, fn: Callable, *args):
+        """``fn(*args)``, inline or in a thread by the cost measured for ``key``."""
+        cost = self._cost.get(key)
+        if cost is not None and cost <= self.budget_s:
+            self.inline_calls += 1
+            return self.measure(key, fn, *args)
+        self.pooled_calls += 1
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+            pool = self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, self.measure, key, fn, *args)
+
+    def shutdown(self) -> None:
+        """Wait for the threads' calls to finish and end the threads (a later pooled call starts new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------------------------------------------ runners
@@ -447,7 +545,7 @@ class BackgroundServer:
         return self.service.url
 
     def start(self) -> BackgroundServer:
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop(self.service.config)
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"{self.service.name}-loop", daemon=True)
         self._thread.start()
@@ -492,7 +590,21 @@ def serve_until_signal(service: Service, announce: Callable[[str], None]) -> Non
         log.info("%s: signal received, finishing %d in-flight requests", service.name, service.in_flight)
         await service.close()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(service.config)) as runner:
+        runner.run(main())
+
+
+def new_event_loop(config: ServerConfig) -> asyncio.AbstractEventLoop:
+    """uvloop's loop when ``config.uvloop`` and it is installed (it cuts the loop's and the transports' share of
+    each request's CPU time), else asyncio's."""
+    if config.uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 # ------------------------------------------------------------------------------------------------------ client
@@ -558,6 +670,62 @@ class Client:
         self._drop()
 
 
+class AsyncClient:
+    """`Client` for async handlers: aiohttp keep-alive connections to one server, on the event loop that first
+    uses it (no thread hand-off per call). ``TCP_NODELAY`` is set on every connection (aiohttp does).
+
+    ``request`` raises `ConnectionError` (an `OSError`) when the server is unreachable or drops the connection
+    (after one retry when a pooled keep-alive connection turns out closed) and `TimeoutError` past ``timeout_s``.
+    Close it on its loop (`close`, e.g. from `Service` ``on_close``)."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, *, ca_file: str | Path | None = None, token: str = None):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"URL must be http(s)://host:port, got {url!r}")
+        self.url = url.rstrip("/")
+        self._ssl = ssl.create_default_context(cafile=ca_file) if parts.scheme == "https" else None
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _session_here(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=False)
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(f"AsyncClient for {self.url} is bound to another event loop")
+        return self._session
+
+    async def request(self, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+        """-> (status, headers with lower-case names, body)."""
+        session = self._session_here()
+        for attempt in (0, 1):
+            try:
+                async with session.request(
+                    method, self.url + path, data=body, headers={**self._auth, **(headers or {})}
+                ) as resp:
+                    data = await resp.read()
+                    return resp.status, {k.lower(): v for k, v in resp.headers.items()}, data
+            except TimeoutError:
+                raise TimeoutError(f"{self.url}: no answer within {self._timeout.total:g} s") from None
+            except aiohttp.ClientConnectorError as e:  # could not connect at all: no retry
+                raise ConnectionError(f"cannot connect to {self.url}: {e}") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if attempt:  # a pooled connection the server had closed gets one retry on a new one
+                    raise ConnectionError(f"{self.url} closed the connection: {e}") from None
+            except aiohttp.ClientError as e:
+                raise ConnectionError(f"{self.url}: {type(e).__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 # -------------------------------------------------------------------------------------------------- CLI flags
 
 
@@ -574,6 +742,7 @@ def add_server_arguments(parser) -> None:
     parser.add_argument(
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
     )
+    parser.add_argument("--no-uvloop", action="store_true", help="run on asyncio's own event loop, not uvloop's")
 
 
 def server_options(args) -> dict:
@@ -585,4 +754,5 @@ def server_options(args) -> dict:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "shutdown_timeout_s": args.shutdown_timeout,
+        "uvloop": not args.no_uvloop,
     }

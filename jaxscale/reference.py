@@ -1,7 +1,7 @@
 """The NumPy reference of FBGEMM's table-batched embedding (TBE) semantics, on one device.
 
 One definition of what a correct lookup and a correct sparse update are, shared by the tests, the
-benchmark suite (`experiments/bench/`) and the TorchRec baseline runner (`experiments/baselines/`), so
+benchmark suite (`jaxscale.benchmarks`) and the TorchRec baseline runner (`jaxscale.benchmarks.torchrec_runner`), so
 jaxscale, TorchRec and NumPy are all checked against the same thing. Pure NumPy: importing it starts
 neither JAX nor torch.
 

@@ -698,7 +698,7 @@ def _summarize(cfg: FoundationConfig, batches: list) -> dict:
 
 def _sequence_store(cfg: FoundationConfig, config, split: str, process_index: int, process_count: int):
     """`data.source: sequences`: point-in-time examples from a `jaxscale.sequences` store, through Grain."""
-    from jaxscale.sequences.training import SequenceBatches, check_item_rows
+    from jaxscale_models.foundation_sequences import SequenceBatches, check_item_rows
 
     batches = SequenceBatches.from_config(cfg, config, split, process_index, process_count)
     check_item_rows(batches.source.reader.vocabulary("item_id"), cfg.item_rows, "model.foundation")

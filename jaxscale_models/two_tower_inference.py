@@ -18,6 +18,7 @@ schema metadata. It is written to a temporary file in the same folder, fsynced a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -159,13 +160,29 @@ def _padded(batch: Mapping, keys, multiple: int) -> tuple[dict, int]:
     return out, n
 
 
+def exact_collection(ec):
+    """`ec`, or the same collection with exchanges sized for the worst case (`capacity_factor=None`) when it
+    has a fixed capacity factor: a lookup past a fixed capacity drops ids, so a user's state (or an item's
+    vector) would depend on who else is in its batch. The stored layout is the same (checked), so the trained
+    tables are reused as they are."""
+    if ec.settings.capacity_factor is None:
+        return ec
+    from jaxscale.embedding.collection import EmbeddingCollection
+
+    exact = EmbeddingCollection(ec.tables, ec.mesh, dataclasses.replace(ec.settings, capacity_factor=None), ec.plan)
+    if exact.layout_signature() != ec.layout_signature():
+        raise ValueError("the collection's layout changes without its capacity factor: cannot look up exactly")
+    return exact
+
+
 class _CollectionRunner:
     """A jitted function of (dense model, tables, ids, dense inputs) on the collection's mesh, fed from the
-    host: ids checked on the host (`validate_ids`), rows padded to the mesh size. The ids travel as plain
-    arrays, so the engine sizes its exchanges for the worst case of the shape: one compilation per batch
-    shape, never one per batch."""
+    host: ids checked on the host (`validate_ids`), rows padded to the mesh size. Inference never drops an id:
+    the collection's exchanges are sized for the worst case of the batch shape (`exact_collection`), whatever
+    capacity factor training used; one compilation per batch shape, never one per batch."""
 
     def __init__(self, model: ContextualTwoTower, ec, emb_state, fn):
+        ec = exact_collection(ec)
         self.cfg, self.ec, self.emb_state = model.cfg, ec, emb_state
         graphdef, state = _eval_split(model)
         self._fn = jax.jit(

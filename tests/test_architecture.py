@@ -1,9 +1,13 @@
-"""docs/architecture.md stays true: every module it names exists, and the house has no import loop."""
+"""docs/architecture.md stays true: every module it names exists, the house has no import loop, tests import no
+experiment module, and a setting walks from the YAML to the collective without climbing back."""
 
+import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 DOC = ROOT / "docs" / "architecture.md"
@@ -46,3 +50,139 @@ def test_the_house_has_no_import_loop_and_its_picture_is_regenerated(tmp_path):
     assert recorded == (tmp_path / "house.txt").read_text(), (
         "docs/house.png is stale: run python experiments/architecture/house.py"
     )
+
+
+# ------------------------------------------------------------------------ tests import no experiment module
+
+EXPERIMENTS = ROOT / "experiments"
+IMPORTERS = {"spec_from_file_location", "import_module", "run_path", "run_module", "SourceFileLoader", "__import__"}
+"""Calls that import a module by path or by name (importlib, runpy)."""
+
+
+def _experiment_module_names() -> set[str]:
+    """The bare names an experiment module would be imported under (its file's or package's name)."""
+    names = {p.stem for p in EXPERIMENTS.rglob("*.py") if p.stem != "__init__"}
+    return names | {p.parent.name for p in EXPERIMENTS.rglob("__init__.py")} | {"experiments"}
+
+
+def _is_experiment_module(name: str, experiment_names: set[str]) -> bool:
+    """Whether `import name` in a test reaches a file under experiments/: a helper beside the tests shadows
+    everything (pytest puts tests/ first); otherwise the module's origin on this interpreter's path, or, for
+    a name that does not resolve here, the name of an experiment module."""
+    import importlib.util
+
+    top = name.split(".")[0]
+    if (ROOT / "tests" / f"{top}.py").exists() or top == "conftest":
+        return False
+    if top == "experiments":
+        return True
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return top in experiment_names
+    origins = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    return any(Path(o).resolve().is_relative_to(EXPERIMENTS) for o in origins if o and o != "namespace")
+
+
+def _assignments(tree) -> dict[str, list]:
+    """name -> the expressions assigned to it anywhere in the file (module constants and locals alike)."""
+    out: dict[str, list] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out.setdefault(target.id, []).append(node.value)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            out.setdefault(node.target.id, []).append(node.value)
+    return out
+
+
+def _mentions_experiments(expr, assigned: dict, depth: int = 4) -> bool:
+    """Whether an expression (a path or a module name) leads into experiments/, following names through
+    their assignments in the same file."""
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "experiments" in node.value:
+            return True
+        if isinstance(node, ast.Name) and depth and node.id in assigned:
+            if any(_mentions_experiments(v, assigned, depth - 1) for v in assigned[node.id]):
+                return True
+    return False
+
+
+def experiment_imports(path: Path, experiment_names: set[str]) -> list[str]:
+    """'file:line what' for each import of an experiment module in one test file: `import x` / `from x
+    import` statements (at any depth, function-level included), importlib / runpy calls and sys.path edits
+    whose argument leads into experiments/."""
+    tree = ast.parse(path.read_text())
+    assigned = _assignments(tree)
+    found = []  # (line, what)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module] if node.module and not node.level else []
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            called = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            edits_path = called in ("insert", "append") and "sys.path" in ast.unparse(fn)
+            if (called in IMPORTERS or edits_path) and any(
+                _mentions_experiments(a, assigned) for a in [*node.args, *(k.value for k in node.keywords)]
+            ):
+                found.append((node.lineno, ast.unparse(node)[:100]))
+            continue
+        else:
+            continue
+        bad = [n for n in names if _is_experiment_module(n, experiment_names)]
+        if bad:
+            found.append((node.lineno, f"imports {', '.join(bad)}"))
+    return [f"{path.name}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_tests_import_no_experiment_module():
+    """Experiments are scripts: a test runs one (a subprocess) or tests the library, never imports its
+    modules (what a test needs from an experiment belongs in the library or beside the tests)."""
+    import tomllib
+
+    pythonpath = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    on_path = [p for p in pythonpath.get("pythonpath", []) if (ROOT / p).resolve().is_relative_to(EXPERIMENTS)]
+    names = _experiment_module_names()
+    offenders = [hit for path in sorted((ROOT / "tests").glob("*.py")) for hit in experiment_imports(path, names)]
+    assert not offenders and not on_path, (
+        f"tests import experiment modules: {offenders}; pytest's pythonpath puts experiment folders on the "
+        f"import path: {on_path}"
+    )
+
+
+def test_the_experiment_import_check_finds_every_form(tmp_path):
+    """The check above is not vacuous: each way of importing an experiment module is named."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import importlib.util, runpy, sys\n"
+        "from pathlib import Path\n"
+        "import json\n"
+        "from jaxscale import atomic\n"
+        "import experiments.scaling.model\n"
+        "SCRIPT = Path(__file__).parents[1] / 'experiments' / 'serving' / 'bench_trimmer.py'\n"
+        "def test_x():\n"
+        "    import house as H\n"
+        "    spec = importlib.util.spec_from_file_location('bench_trimmer', SCRIPT)\n"
+        "    runpy.run_path('experiments/two_tower/results.py')\n"
+        "    sys.path.insert(0, str(Path('experiments') / 'bench'))\n"
+    )
+    hits = experiment_imports(probe, _experiment_module_names())
+    assert [h.split()[0] for h in hits] == [f"test_probe.py:{n}" for n in (5, 8, 9, 10, 11)], hits
+
+
+@pytest.mark.slow
+def test_the_settings_walk_from_the_yaml_to_the_collective(tmp_path):
+    """`experiments/architecture/walks.py` (docs/walks/): embedding.topology and embedding.replica_sync reach the
+    collective from the YAML without climbing back and through one settings type (it exits 1 otherwise)."""
+    script = ROOT / "experiments" / "architecture" / "walks.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for setting in ("topology", "replica_sync"):
+        text = (tmp_path / f"{setting}.txt").read_text()
+        assert "reaches a collective: yes" in text and "climbs back (a hand-off to a higher floor): none" in text
+        assert "(one: EmbeddingSettings)" in text and "jax.lax" in text

@@ -1,40 +1,44 @@
-"""The benchmark suite's machinery (experiments/bench/, importable through pytest's `pythonpath`).
+"""The benchmark suite's machinery (`jaxscale.benchmarks`, library code: an installed wheel runs it too).
 
 Fast checks of what decides the numbers: the alternation of whole sessions, the worker protocol's failure
-handling (a failed process takes its peers down, a hung one is killed), the load gate, the byte model
-applied to TorchRec's collectives, the ratios and targets of the comparison rows, and the Markdown being
-computed from the recorded JSON. One slow test runs a tiny one-device session end to end."""
+handling (a failed process takes its peers down, a hung one is killed), the load gate, thread parity (the
+XLA pool's size is set and read back), the CPU flags, the byte model applied to TorchRec's collectives, the
+ratios of the comparison rows (matched and fastest TorchRec configuration, per round, worst round), and the
+Markdown being computed from the recorded JSON. One slow test runs a tiny one-device session end to end."""
 
 from __future__ import annotations
 
 import ast
 import json
-import os
+import subprocess
 import sys
 import textwrap
 import time
 from functools import partial
 from pathlib import Path
 
-import common
-import equal_devices
 import numpy as np
 import pytest
-import stages
-import suite
 
 from jaxscale import bench as entry
+from jaxscale.benchmarks import equal_devices, machine, one_device, report, sessions, stages, stats, suite, threads
 
-BENCH_DIR = Path(common.__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_zipf_ids_are_in_range_and_skewed():
-    ids = common.zipf_ids(np.random.default_rng(0), 1000, (256, 20), 1.1)
+    ids = stats.zipf_ids(np.random.default_rng(0), 1000, (256, 20), 1.1)
     assert ids.dtype == np.int32 and ids.shape == (256, 20)
     assert ids.min() >= 0 and ids.max() < 1000
     counts = np.bincount(ids.ravel(), minlength=1000)
     assert counts.max() > 20 * np.median(counts[counts > 0])  # a hot row
-    np.testing.assert_array_equal(ids, common.zipf_ids(np.random.default_rng(0), 1000, (256, 20), 1.1))
+    np.testing.assert_array_equal(ids, stats.zipf_ids(np.random.default_rng(0), 1000, (256, 20), 1.1))
+
+
+def test_round_ratios_pair_sessions_of_the_same_round():
+    assert stats.round_ratios([10.0, 30.0], [20.0, 20.0]) == [0.5, 1.5]
+    with pytest.raises(ValueError, match="rounds differ: 2 sessions against 1"):
+        stats.round_ratios([1.0, 2.0], [1.0])
 
 
 def test_alternate_rotates_and_runs_one_session_at_a_time():
@@ -50,18 +54,18 @@ def test_alternate_rotates_and_runs_one_session_at_a_time():
 
         return go
 
-    out = common.alternate({n: session(n) for n in "ABC"}, rounds=3)
+    out = sessions.alternate({n: session(n) for n in "ABC"}, rounds=3)
     assert out["order"] == list("ABCBCACAB") == log
     assert out["results"]["A"] == [1, 6, 8]
 
 
-def _worker_script(tmp_path: Path) -> Path:
+def _worker_script(tmp_path: Path) -> list[str]:
     script = tmp_path / "toy_worker.py"
     script.write_text(
         textwrap.dedent(
             """
             import sys, time
-            import common
+            from jaxscale.benchmarks import sessions
 
             def ok(spec):
                 return {"double": 2 * spec["x"]}
@@ -79,38 +83,34 @@ def _worker_script(tmp_path: Path) -> Path:
                 time.sleep(60)  # a peer that would wait forever
                 return {}
 
-            sys.exit(common.worker_main({"ok": ok, "fail": fail, "hang": hang, "mixed": mixed}))
+            sys.exit(sessions.worker_main({"ok": ok, "fail": fail, "hang": hang, "mixed": mixed}))
             """
         )
     )
-    return script
-
-
-def _env():
-    return common.child_env(PYTHONPATH=os.pathsep.join([str(BENCH_DIR), os.environ.get("PYTHONPATH", "")]))
+    return sessions.script_command(script)
 
 
 def test_run_session_returns_every_result(tmp_path):
-    script = _worker_script(tmp_path)
-    out = common.run_session(script, "ok", [{"x": 1}, {"x": 5}], tmp=tmp_path, timeout_s=60, env=_env())
+    command = _worker_script(tmp_path)
+    out = sessions.run_session(command, "ok", [{"x": 1}, {"x": 5}], tmp=tmp_path, timeout_s=60)
     assert out == [{"double": 2}, {"double": 10}]
 
 
 def test_run_session_failure_names_the_error_and_kills_the_peers(tmp_path):
-    script = _worker_script(tmp_path)
+    command = _worker_script(tmp_path)
     t0 = time.monotonic()
-    with pytest.raises(common.WorkerError, match="rank 0 broke"):
-        common.run_session(script, "mixed", [{"x": 0}, {"x": 1}], tmp=tmp_path, timeout_s=50, env=_env())
+    with pytest.raises(sessions.WorkerError, match="rank 0 broke"):
+        sessions.run_session(command, "mixed", [{"x": 0}, {"x": 1}], tmp=tmp_path, timeout_s=50)
     assert time.monotonic() - t0 < 30  # the sleeping peer was killed, not waited for
-    with pytest.raises(common.WorkerError, match=r"ValueError: bad x 3"):
-        common.run_session(script, "fail", [{"x": 3}], tmp=tmp_path, timeout_s=60, env=_env())
+    with pytest.raises(sessions.WorkerError, match=r"ValueError: bad x 3"):
+        sessions.run_session(command, "fail", [{"x": 3}], tmp=tmp_path, timeout_s=60)
 
 
 def test_run_session_kills_a_hung_worker_at_the_timeout(tmp_path):
-    script = _worker_script(tmp_path)
+    command = _worker_script(tmp_path)
     t0 = time.monotonic()
-    with pytest.raises(common.WorkerError, match="still running after 2 s, killed"):
-        common.run_session(script, "hang", [{"x": 0}], tmp=tmp_path, timeout_s=2, env=_env())
+    with pytest.raises(sessions.WorkerError, match="still running after 2 s, killed"):
+        sessions.run_session(command, "hang", [{"x": 0}], tmp=tmp_path, timeout_s=2)
     assert time.monotonic() - t0 < 20
 
 
@@ -118,32 +118,62 @@ def test_worker_main_writes_errors_and_usage(tmp_path):
     result = tmp_path / "r.json"
     spec = tmp_path / "s.json"
     spec.write_text(json.dumps({"x": 2}))
-    assert common.worker_main({"ok": lambda s: {"y": s["x"]}}, ["ok", str(spec), str(result)]) == 0
+    assert sessions.worker_main({"ok": lambda s: {"y": s["x"]}}, ["ok", str(spec), str(result)]) == 0
     assert json.loads(result.read_text()) == {"y": 2}
-    assert common.worker_main({"ok": lambda s: 1 / 0}, ["ok", str(spec), str(result)]) == 1
+    assert sessions.worker_main({"ok": lambda s: 1 / 0}, ["ok", str(spec), str(result)]) == 1
     assert json.loads(result.read_text())["error"].startswith("ZeroDivisionError")
-    assert common.worker_main({"ok": lambda s: {}}, ["nope", str(spec), str(result)]) == 2
+    assert sessions.worker_main({"ok": lambda s: {}}, ["nope", str(spec), str(result)]) == 2
 
 
 def test_load_gate(monkeypatch):
-    monkeypatch.setattr(common, "load_average", lambda: [3.0, 2.0, 1.0])
-    gate = common.LoadGate(max_load=0.5, max_busy=0.2, allow=False)
+    monkeypatch.setattr(machine, "load_average", lambda: [3.0, 2.0, 1.0])
+    gate = machine.LoadGate(max_load=0.5, max_busy=0.2, allow=False)
     assert not gate.start_ok
     assert gate.problems([0.1]) == ["load average 3.00 at start > 0.5"]
-    monkeypatch.setattr(common, "load_average", lambda: [0.1, 0.2, 0.3])
-    gate = common.LoadGate(max_load=0.5, max_busy=0.2, allow=False)
+    monkeypatch.setattr(machine, "load_average", lambda: [0.1, 0.2, 0.3])
+    gate = machine.LoadGate(max_load=0.5, max_busy=0.2, allow=False)
     assert gate.start_ok and gate.problems([0.1, 0.05]) == []
     assert gate.problems([0.1, 0.5]) == ["other processes used 50% of the CPU > 20%"]
-    busy = common.background_busy(0.2)
+    busy = machine.background_busy(0.2)
     assert busy is None or 0.0 <= busy <= 1.0
 
 
 def test_suite_refuses_a_loaded_machine(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(common, "load_average", lambda: [9.0, 9.0, 9.0])
-    code = suite.main(["--quick", "--out", str(tmp_path / "r"), "--max-load", "1"])
+    monkeypatch.setattr(machine, "load_average", lambda: [9.0, 9.0, 9.0])
+    code = suite.main(["--parts", "stages", "--out", str(tmp_path / "r"), "--max-load", "1"])
     assert code == suite.EXIT_LOADED
     assert "refusing to benchmark: load average 9.00 > --max-load 1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_machine_records_the_cpu_model_and_its_vector_flags():
+    m = machine.machine()
+    for key in ("cpu_model", "cpu_flags", "nproc", "usable_cores", "memory", "loadavg_at_start", "python"):
+        assert key in m, key
+    if Path("/proc/cpuinfo").exists():
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+        every = set(line.split(":", 1)[1].split())
+        assert set(m["cpu_flags"]) <= every
+        assert ("avx2" in m["cpu_flags"]) == ("avx2" in every)
+        assert {f for f in every if f.startswith(("avx512", "amx"))} <= set(m["cpu_flags"])
+    assert "CPU flags: avx2 avx512f (no AMX)" not in machine.describe_flags(["avx2", "avx512f"])
+    assert machine.describe_flags(["avx", "avx2"]) == "CPU flags: avx avx2 (no AVX-512, no AMX)"
+    assert machine.describe_flags([]) == "CPU flags: none of AVX/AVX2/AVX-512/AMX (no AVX-512, no AMX)"
+
+
+def test_the_xla_pool_size_is_set_by_the_environment_and_read_back():
+    """Thread parity rests on this: PJRT_NPROC sizes XLA:CPU's intra-op pool, counted after a computation."""
+    assert threads.per_process(4, cores=2) == 1 and threads.per_process(1, cores=2) == 2
+    assert threads.per_process(2, cores=16) == 8
+    code = (
+        "import jax.numpy as jnp; from jaxscale.benchmarks.threads import xla_intra_op_threads as t; "
+        "(jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready(); print(t())"
+    )
+    n = threads.usable_cores() + 1  # not XLA's default (the usable cores): the environment decides
+    env = sessions.child_env(**threads.xla_env(n))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(n)
 
 
 def test_torchrec_byte_model():
@@ -164,60 +194,76 @@ def test_torchrec_byte_model():
     assert got["all_reduce[float32]"] == pytest.approx(2 * 60)
 
 
-def _engines():
-    def cfg(sharding, precision, ms, per_device):
-        return {
-            "sharding": sharding,
-            "precision": precision,
-            "median_ms": ms,
-            "bytes_per_device": per_device,
-            "bytes_cluster_per_kind": {"all-to-all[u8]": per_device},
-        }
+def _cfg(sharding, precision, ms, sessions_ms, per_device, capacities=None):
+    c = {
+        "sharding": sharding,
+        "precision": precision,
+        "median_ms": ms,
+        "session_medians_ms": sessions_ms,
+        "bytes_per_device": per_device,
+        "bytes_cluster_per_kind": {"all-to-all[u8]": per_device},
+    }
+    return c | ({"capacities": capacities} if capacities else {})
 
+
+def _engines():
     return {
         "jaxscale_sim": {
             "2": {
+                "threads": {"set": 2, "measured": [2]},
                 "configs": {
-                    "row_wise/fp32": cfg("row_wise", "fp32", 30.0, 1000),
-                    "row_wise/fp8": cfg("row_wise", "fp8", 20.0, 200),
-                }
+                    "row_wise/fp32": _cfg("row_wise", "fp32", 30.0, [30.0, 30.0], 1000, "reuse"),
+                    "row_wise/fp8": _cfg("row_wise", "fp8", 25.0, [25.0, 25.0], 200, "reuse"),
+                },
             },
         },
         "jaxscale_mp": {
-            "2": {"configs": {"row_wise/fp32": cfg("row_wise", "fp32", 15.0, 1000) | {"reruns": 1, "reruns_warmup": 2}}}
+            "2": {
+                "threads": {"set": 1, "measured": [1]},
+                "configs": {
+                    "row_wise/fp32": _cfg("row_wise", "fp32", 15.0, [14.0, 16.0], 1000, "reuse")
+                    | {"reruns": 1, "reruns_warmup": 2},
+                    "row_wise/fp8": _cfg("row_wise", "fp8", 20.0, [18.0, 22.0], 200, "reuse"),
+                    "row_wise/fp32+count": _cfg("row_wise", "fp32", 18.0, [18.0, 18.0], 1100, "count"),
+                },
+            }
         },
         "torchrec": {
             "2": {
+                "threads": {"set": 1, "measured": [1]},
                 "configs": {
-                    "row_wise/fp32": cfg("row_wise", "fp32", 20.0, 1000),
-                    "row_wise/fp16": cfg("row_wise", "fp16", 10.0, 500),
-                }
+                    "row_wise/fp32": _cfg("row_wise", "fp32", 20.0, [20.0, 20.0], 1000),
+                    "row_wise/fp16": _cfg("row_wise", "fp16", 25.0, [20.0, 30.0], 500),
+                },
             },
         },
     }
 
 
-def test_comparisons_match_precisions_and_compute_ratios():
-    rows = {r["precision"]: r for r in equal_devices.comparisons(_engines(), ["2"])}
-    fp32, fp8 = rows["fp32"], rows["fp8"]
-    assert fp32["torchrec_precision"] == "fp32" and fp32["time_ratio_sim"] == pytest.approx(1.5)
-    assert fp32["time_ratio_mp"] == pytest.approx(0.75) and fp32["bytes_ratio"] == pytest.approx(1.0)
-    assert fp32["jaxscale_bytes"] == 2000 and fp32["bytes_target"] == 1.0
-    # fp8 is compared with TorchRec's narrowest precision that runs on CPU, against the 0.5x bytes target
+def test_comparisons_set_w_processes_against_torchrec_matched_and_fastest_per_round():
+    rows = {(r["precision"], r["capacities"]): r for r in equal_devices.comparisons(_engines(), ["2"])}
+    fp32, fp8, count = rows["fp32", "reuse"], rows["fp8", "reuse"], rows["fp32", "count"]
+    # equal devices: the W-process engine against TorchRec's W ranks; the in-process time rides along, labelled
+    assert fp32["jaxscale_ms"] == 15.0 and fp32["in_process_ms"] == 30.0
+    assert fp32["torchrec_precision"] == "fp32" and fp32["time_ratio"] == pytest.approx(0.75)
+    assert fp32["time_round_ratios"] == pytest.approx([0.7, 0.8]) and fp32["time_worst_ratio"] == pytest.approx(0.8)
+    assert fp32["torchrec_fastest_precision"] == "fp32" and fp32["time_fastest_worst_ratio"] == pytest.approx(0.8)
+    assert fp32["bytes_ratio"] == pytest.approx(1.0) and fp32["jaxscale_bytes"] == 2000
+    # fp8 is matched with TorchRec's fp16 (its narrowest that runs on CPU) and also set against its fastest, fp32
     assert fp8["torchrec_precision"] == "fp16" and "FP8 QComms fail on CPU" in fp8["match"]
-    assert fp8["time_ratio_sim"] == pytest.approx(2.0) and fp8["bytes_ratio"] == pytest.approx(0.4)
-    assert fp8["bytes_target"] == 0.5 and fp8["time_ratio_mp"] is None
+    assert fp8["time_ratio"] == pytest.approx(0.8) and fp8["time_worst_ratio"] == pytest.approx(0.9)
+    assert fp8["torchrec_fastest_precision"] == "fp32" and fp8["torchrec_fastest_ms"] == 20.0
+    assert fp8["time_fastest_ratio"] == pytest.approx(1.0)
+    assert fp8["time_fastest_round_ratios"] == pytest.approx([0.9, 1.1])
+    assert report.holds(fp8, "time") and not report.holds(fp8, "time_fastest")  # fails on its worst round
+    assert fp8["bytes_ratio"] == pytest.approx(0.4) and fp8["bytes_target"] == 0.5
+    assert count["time_ratio"] == pytest.approx(0.9) and count["bytes_ratio"] == pytest.approx(1.1)
     assert equal_devices.JAXSCALE_PRECISIONS["fp8"] == ("fp8", "fp8")  # fp8 both ways, as TorchRec's FP8 QComms
 
 
 def test_the_ladders_fp8_bf16_row_holds_each_direction_to_its_target():
     engines = _engines()
-    engines["jaxscale_sim"]["2"]["configs"]["row_wise/fp8/bf16"] = {
-        "sharding": "row_wise",
-        "precision": "fp8/bf16",
-        "median_ms": 25.0,
-        "bytes_per_device": 370,
-    }
+    engines["jaxscale_mp"]["2"]["configs"]["row_wise/fp8/bf16"] = _cfg("row_wise", "fp8/bf16", 25.0, [25, 25], 370)
     rows = {r["precision"]: r for r in equal_devices.comparisons(engines, ["2"])}
     mixed = rows["fp8/bf16"]
     assert equal_devices.JAXSCALE_PRECISIONS["fp8/bf16"] == ("fp8", "bf16")
@@ -246,12 +292,18 @@ def test_merge_sessions_pools_steps_and_keeps_only_the_error_of_a_failed_config(
     assert merged["table_wise/fp8"] == bad_b  # no timings or bytes from the session that worked
 
 
-def test_plan_pairs_every_jaxscale_precision_with_a_torchrec_run():
+def test_plan_runs_torchrec_fp32_and_fp16_and_a_count_row_beside_reuse():
     cfg = {"worlds": (2, 4), "shardings": ("table_wise", "row_wise"), "precisions": ("fp32", "bf16", "fp8")}
     p = equal_devices.plan(cfg)
     assert set(p) == {"1", "2", "4"}
     assert p["4"]["torchrec"] == (("table_wise", "row_wise"), ("fp32", "fp16"))
-    assert len(p["2"]["jaxscale"]) == 6 and p["1"]["jaxscale"] == [("table_wise", "fp32")]
+    assert equal_devices.plan(cfg | {"precisions": ("fp32",)})["2"]["torchrec"][1] == ("fp32", "fp16")
+    assert len(p["2"]["jaxscale"]) == 6 + 2
+    assert ("row_wise", "fp32", "count") in p["2"]["jaxscale"] and ("row_wise", "fp8", "reuse") in p["2"]["jaxscale"]
+    assert p["1"]["jaxscale"] == [("table_wise", "fp32", "reuse"), ("table_wise", "fp32", "count")]
+    every = equal_devices.plan(cfg | {"capacities": "count"})  # --count-every-batch: every row counts, no twin
+    assert {c for _, _, c in every["2"]["jaxscale"]} == {"count"} and len(every["2"]["jaxscale"]) == 6
+    assert equal_devices.config_name("row_wise", "fp8/bf16", "count") == "row_wise/fp8/bf16+count"
 
 
 def test_technique_ladder():
@@ -264,6 +316,22 @@ def test_technique_ladder():
         assert after.balanced >= before.balanced and after.half_dim >= before.half_dim
 
 
+def test_stage_settings_are_the_flat_json_the_report_prints():
+    rows = []
+    for stage in stages.technique_stages():
+        settings = stages.stage_settings(stage)
+        json.dumps(settings)
+        rows.append(
+            {"stage": stage.name, "settings": settings, "global_batch": 8}
+            | dict.fromkeys(
+                ("intra_node_bytes_per_example", "inter_node_bytes_per_example", "total_bytes_per_example"), 2.0
+            )
+        )
+    text = "\n".join(report.render_stages({"stages": rows, "mesh": [2, 4], "config": "c.yaml"}))
+    assert "| +fp8 | 1d | fp8 / bf16 | no | no | 2.0 | 2.0 | 2.0 | 1.000 |" in text
+    assert "| 2d_a2a | 2d_a2a | fp8 / bf16 | yes | yes |" in text
+
+
 def _recorded():
     comparisons = equal_devices.comparisons(_engines(), ["2"])
     return {
@@ -271,6 +339,7 @@ def _recorded():
         "quick": True,
         "machine": {
             "cpu_model": "Test CPU",
+            "cpu_flags": ["avx", "avx2", "avx512f"],
             "cores": 2,
             "usable_cores": 2,
             "memory": "1 kB",
@@ -285,7 +354,7 @@ def _recorded():
             "equal_devices": {
                 "shape": {"tables": 2, "rows": 100, "dim": 8, "batch": 16, "hotness": 4, "zipf": 1.1, "warmup": 1}
                 | {"steps": 2, "lr": 0.01, "eps": 1e-8},
-                "rounds": 1,
+                "rounds": 2,
                 "reuse_capacities": True,
                 "engines": _engines(),
                 "comparisons": comparisons,
@@ -300,40 +369,89 @@ def _recorded():
 
 def test_render_is_computed_from_the_recorded_result(tmp_path):
     res = _recorded()
-    text = suite.render(res)
-    assert "| 2 | row_wise | fp32 | fp32 | 30.0 | 15.0 | 20.0 | 1.50x | 0.75x | 2,000 | 2,000 | 1.00x |" in text
-    assert "time 1p no, time Wp yes, bytes yes" in text
+    text = report.render(res)
+    assert "Test CPU, 2 cores (2 usable), 1 kB memory; CPU flags: avx avx2 avx512f;" in text
     assert (
-        "| 2 | row_wise | fp8 | fp16 | 20.0 | - | 10.0 | 2.00x | - | 400 | 1,000 | 0.40x | time 1p no, bytes yes |"
+        "| 2 | row_wise | fp32 | 15.0 | fp32 | 20.0 | 0.75x | 0.70 / 0.80 | 0.80x | fp32 | 20.0 | 0.75x | 0.70 / 0.80 "
+        "| 0.80x | matched yes, fastest yes |" in text
+    )
+    assert (
+        "| 2 | row_wise | fp8 | 20.0 | fp16 | 25.0 | 0.80x | 0.90 / 0.73 | 0.90x | fp32 | 20.0 | 1.00x | 0.90 / 1.10 "
+        "| 1.10x | matched yes, fastest no |" in text
+    )
+    assert "| 2 | row_wise | fp32 (count) | 18.0 | fp32 | 20.0 | 0.90x |" in text
+    lines = text.splitlines()
+    reuse = next(i for i, ln in enumerate(lines) if ln.startswith("| 2 | row_wise | fp32 | 15.0"))
+    assert lines[reuse + 1].startswith("| 2 | row_wise | fp32 (count) |")  # the count row beside its reused twin
+    assert "| jaxscale, W processes | 2 | 2 | 1 (measured 1) |" in text
+    assert "| TorchRec, W ranks | 2 | 2 | 1 (measured 1) |" in text
+    assert "| jaxscale, 1 process | 2 | 1 | 2 (measured 2) |" in text
+    assert "| 2 | row_wise | fp8 | 400 | fp16 | 1,000 | 0.40x | 0.50x | yes |" in text
+    assert "| 2 | row_wise | fp32 (count) | 2,200 | fp32 | 2,000 | 1.10x | 1.00x | no |" in text
+    assert "| 2 | row_wise | fp32 | 30.0 | 15.0 | 0.50x |" in text  # in one process: apart, labelled
+    assert "In one process, NOT equal devices" in text
+    assert "**On the worst round, 2 of 3 equal-device rows hold" in text
+    assert "vs TorchRec's fastest: time ratio 0.75x to 1.00x; 3 of 3 rows meet <= 1.0x on the pooled medians, " in text
+    assert "2 of 3 on their worst round (worst rounds 0.80x to 1.10x)." in text
+    assert "Counting every batch instead of `reuse_capacities`: 1.20x to 1.20x the reused rows' time." in text
+    assert "Load average (1 min) 0.10 before, 0.70 after; other processes' CPU before each session: max 3%" in text
+    assert (
+        "| jaxscale_mp | 2 | row_wise/fp32 | 15.0 | - | - | 14.0, 16.0 | all-to-all[u8] 1,000 | - | 1 (+2 warm-up) |"
         in text
     )
-    assert "Load average (1 min) 0.10 before, 0.70 after; other processes' CPU before each session: max 3%" in text
-    assert "time ratio 1.50x to 2.00x TorchRec; 0 of 2 rows meet" in text
-    assert "jaxscale: `reuse_capacities=True`: the host counts the first batch's capacities" in text
-    assert "| jaxscale_mp | 2 | row_wise/fp32 | 15.0 | - | - | all-to-all[u8] 1,000 | - | 1 (+2 warm-up) | - |" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
     assert suite.main(["--render", str(path)]) == 0
     assert (tmp_path / "r.md").read_text() == text + "\n"
     res["parts"]["equal_devices"]["problems"] = ["load average 3.00 at start > 0.5"]
-    assert "**Timings not valid: load average 3.00 at start > 0.5.**" in suite.render(res)
+    assert "**Timings not valid: load average 3.00 at start > 0.5.**" in report.render(res)
 
 
-def test_entry_point_finds_the_checkout_and_explains_when_it_cannot(monkeypatch, tmp_path, capsys):
-    found = entry.find_suite()
-    assert found is not None and found == BENCH_DIR / "suite.py"
-    monkeypatch.setattr(entry, "candidates", lambda: [tmp_path])
-    assert entry.main(["--help"]) == 0
+def test_render_without_torchrec_leaves_its_columns_empty():
+    """An installed wheel without TorchRec runs the jaxscale side alone: no ratio is made up."""
+    res = _recorded()
+    engines = _engines()
+    del engines["torchrec"]
+    part = res["parts"]["equal_devices"]
+    part["engines"], part["comparisons"] = engines, equal_devices.comparisons(engines, ["2"])
+    res["torchrec_installed"] = False
+    assert all(r["time_ratio"] is None and r["time_fastest_worst_ratio"] is None for r in part["comparisons"])
+    text = report.render(res)
+    assert "**TorchRec / FBGEMM are not installed here, so their columns are empty**" in text
+    assert "| 2 | row_wise | fp32 | 15.0 | fp32 | - | - | - | - | - | - | - | - | - | - |" in text
+    assert "rows hold" not in text
+
+
+def test_one_device_reports_per_round_speeds_and_the_worst_round():
+    engines = {
+        "jaxscale": {"median_ms": 4.0, "session_medians_ms": [4.0, 5.0, 3.0]},
+        "fbgemm": {"median_ms": 5.0, "session_medians_ms": [4.4, 5.5, 6.0]},
+    }
+    sp = one_device.speed_vs_fbgemm(engines)["jaxscale"]
+    assert sp["speed"] == pytest.approx(1.25) and sp["round_speeds"] == pytest.approx([1.1, 1.1, 2.0])
+    assert sp["worst_round"] == pytest.approx(1.1)
+    assert one_device.speed_vs_fbgemm({"jaxscale": engines["jaxscale"]}) == {}
+
+
+def test_python_m_jaxscale_bench_runs_the_library_suite_from_any_directory(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(entry.subprocess, "call", lambda args: calls.append(args) or 0)
-    assert entry.main(["--quick"]) == 0  # an installed package benchmarks itself in a fresh interpreter
-    assert "set JAXSCALE_SOURCE" in capsys.readouterr().err
-    assert calls and "installed_benchmark" in calls[0][-1] and "quick=True" in calls[0][-1]
+    monkeypatch.setattr(suite, "main", lambda argv=None: calls.append(argv) or 7)
+    assert entry.main(["--quick"]) == 7 and calls == [["--quick"]]
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxscale.bench", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "--count-every-batch" in out.stdout and "default 6" in out.stdout
+    monkeypatch.chdir(tmp_path)
+    assert suite.default_out(quick=True) == Path("bench_suite_quick")  # outside a checkout: the cwd
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    assert suite.default_out(quick=False) == Path("experiments/results/bench_suite")
+    assert stages.FOUNDATION_CONFIG.is_file()  # shipped inside the package (package data), not read from a checkout
 
 
 def test_nothing_in_the_package_imports_experiments():
     pkg = Path(entry.__file__).resolve().parent
-    bench_modules = {p.stem for p in BENCH_DIR.glob("*.py")} | {"torchrec_runner", "experiments"}
+    scripts = {p.stem for d in ("bench", "baselines") for p in (REPO / "experiments" / d).glob("*.py")}
+    bench_modules = scripts | {"common", "suite", "one_device", "equal_devices", "stages", "experiments"}
     for path in pkg.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -347,33 +465,49 @@ def test_nothing_in_the_package_imports_experiments():
         assert "sys.path.insert" not in path.read_text(), path
 
 
+def test_importing_the_suite_imports_neither_jax_nor_torch():
+    code = (
+        "import sys; import jaxscale.bench, jaxscale.benchmarks.suite, jaxscale.benchmarks.torchrec_runner; "
+        "print(sorted(m for m in ('jax', 'torch', 'torchrec') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 @pytest.mark.slow
 def test_one_device_session_end_to_end(tmp_path):
     """Tiny workload, jaxscale and the NumPy reference, one session each: timings and the table check."""
     cfg = dict(rows=2000, dim=8, batch=64, hotness=4, zipf=1.1, warmup=1, steps=2, engines=("jaxscale", "numpy"))
-    out = __import__("one_device").run(cfg, str(tmp_path), partial(common.alternate, rounds=1))
+    out = one_device.run(cfg, str(tmp_path), partial(sessions.alternate, rounds=1))
     assert out["check"]["ok"], out
     for name in ("jaxscale", "numpy"):
         e = out["engines"][name]
         assert e["n"] == 2 and e["median_ms"] > 0
         assert e["max_abs_diff_rows"] <= 1e-6
+    assert out["engines"]["jaxscale"]["info"]["threads"] == out["threads"]  # the XLA pool as set
     assert out["order"] == ["jaxscale", "numpy"]
-    assert sys.executable  # the sessions ran under this interpreter (child_env keeps the environment)
 
 
 def test_collective_latency_runs_checks_every_result_and_renders_its_json(tmp_path):
-    """The collective latency script end to end on 2 processes (--quick): every kind's result is checked
-    inside the workers (a wrong sum or gather raises), and the Markdown is computed from the JSON."""
-    import collective_latency
-
+    """The collective latency script end to end on 2 processes (--quick), run as the script it is: every
+    kind's result is checked inside the workers (a wrong sum or gather raises), and the Markdown is computed
+    from the JSON (--render rewrites it identically)."""
+    script = REPO / "experiments" / "bench" / "collective_latency.py"
     out = tmp_path / "latency"
-    assert collective_latency.main(["--quick", "--out", str(out)]) == 0
+    run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads(out.with_suffix(".json").read_text())
     assert r["worlds"] == [2] and r["sizes"] == [2, 24]
+    kinds = set(r["results"]["2"]["2"])
+    assert {"all_reduce", "all_gather", "all_to_all", "exchange"} <= kinds
     for n in ("2", "24"):
-        for kind in collective_latency.KINDS:
+        for kind in kinds:
             assert r["results"]["2"][n][kind]["median_ms"] > 0
     md = out.with_suffix(".md").read_text()
-    assert md == collective_latency.render(r)
+    out.with_suffix(".md").unlink()
+    again = subprocess.run(
+        [sys.executable, str(script), "--render", str(out.with_suffix(".json"))], capture_output=True
+    )
+    assert again.returncode == 0 and out.with_suffix(".md").read_text() == md
     m = r["results"]["2"]["2"]
     assert f"| 2 | 2 | {m['all_reduce']['median_ms']:.3f} |" in md

@@ -12,6 +12,7 @@ from conftest import MESH_IDS, MESH_SHAPES
 
 import jaxscale
 from jaxscale.comm_inspect import list_collectives
+from jaxscale.comm_model import round_up_capacity
 from jaxscale.comm_report import split_bytes
 from jaxscale.embedding import capacity
 from jaxscale.mesh import Topology
@@ -27,10 +28,10 @@ def zipf_ids(rng, rows, shape, a=1.1):
 
 
 def test_ladder_rounds_up_by_at_most_a_quarter():
-    values = sorted({capacity.ladder_up(n) for n in range(1, 5000)})
+    values = sorted({round_up_capacity(n) for n in range(1, 5000)})
     assert values[:10] == [1, 2, 3, 4, 5, 6, 8, 10, 12, 15]
     for n in range(1, 5000):
-        v = capacity.ladder_up(n)
+        v = round_up_capacity(n)
         assert n <= v <= max(n + 1, 1.25 * n + 1)
     assert len(values) < 40  # a run sees few distinct capacities
 
@@ -64,8 +65,8 @@ def test_counted_capacities_are_the_exact_needs_rounded_up(shape, topology):
         need_pairs = max(pairs[key].values(), default=0)
         has_rows = any(ec.layout.routes[ec.feature_table[f]].stack == key for f in ("seq", "cw"))
         has_pairs = ec.layout.routes[ec.feature_table["bag"]].stack == key
-        assert cap.rows == (capacity.ladder_up(max(need_rows, 1)) if has_rows else 0)
-        assert cap.pairs == (capacity.ladder_up(max(need_pairs, 1)) if has_pairs else 0)
+        assert cap.rows == (round_up_capacity(max(need_rows, 1)) if has_rows else 0)
+        assert cap.pairs == (round_up_capacity(max(need_pairs, 1)) if has_pairs else 0)
     # an exact batch never overflows, and its lookup equals the plain gather
     w = {t.name: rng.normal(size=(t.rows, t.dim)).astype(np.float32) for t in tables}
     out, stats = ec.lookup(ec.from_dense(w), ids, return_stats=True)

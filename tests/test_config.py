@@ -1,5 +1,6 @@
 """Config loading: YAML files, dotted overrides, type checks that name the dotted key, safe YAML only."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,20 @@ def test_bad_files(tmp_path):
     assert load_config(str(empty), []) == Config()
     with pytest.raises(ConfigError, match="dotted"):
         load_config(None, ["train.steps"])
+
+
+def test_yaml_12_floats_are_numbers(tmp_path):
+    """`1e-8` without a dot is a float (YAML 1.2), in a file and in an override; a saved config reloads equal."""
+    path = tmp_path / "c.yaml"
+    path.write_text("embedding:\n  optimizer:\n    kind: rowwise_adagrad\n    learning_rate: 5e-2\n    eps: 1e-8\n")
+    path.write_text(path.read_text() + "train:\n  learning_rate: 3E-4\n")
+    cfg = load_config(str(path), ["train.weight_decay=1e-5", "train.warmup_steps=7"])
+    assert cfg.embedding.optimizer.eps == 1e-8 and cfg.train.learning_rate == 3e-4
+    assert cfg.train.weight_decay == 1e-5 and cfg.train.warmup_steps == 7
+    with pytest.raises(ConfigError, match=r"^train\.learning_rate:"):
+        load_config(None, ["train.learning_rate=1e-3x"])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(json.dumps(config_to_dict(cfg)))  # JSON is YAML: how a checkpoint's config tree reads back
+    assert load_config(str(saved)) == cfg
+    with pytest.raises(ConfigError, match=r"^embedding\.optimizer\.learning_rate: is required"):
+        load_config(None, ["embedding.optimizer={kind: sgd}"])

@@ -3,7 +3,8 @@ backfill, with the example's item_id vocabulary and its -1 categories for items 
 table), then a few Trainer steps of the foundation model (jaxscale/configs/foundation_sequences.yaml) and
 of the contextual two-tower (jaxscale/configs/two_tower_sequences.yaml), shrunk to CPU size."""
 
-import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +26,10 @@ ITEM_ROWS = 304  # >= the vocabulary's num_indices (at most 300 ids + 2), a mult
 @pytest.fixture(scope="module")
 def engagement(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engagement")
-    spec = importlib.util.spec_from_file_location("make_events", ROOT / "experiments/sequences/make_events.py")
-    make_events = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_events)
-    make_events.main(["--out", str(tmp / "data"), "--events", "6000", "--days", "3", "--items", str(ITEMS)])
+    script = ROOT / "experiments" / "sequences" / "make_events.py"  # run as the script it is, never imported
+    args = ["--out", str(tmp / "data"), "--events", "6000", "--days", "3", "--items", str(ITEMS)]
+    made = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=ROOT)
+    assert made.returncode == 0, made.stderr[-3000:]
     defs = compile_definitions(ROOT / "experiments/sequences/engagement.py", tmp / "defs.json")
     backfill(defs, tmp / "data" / "events", tmp / "store", sources={"items": str(tmp / "data" / "items.parquet")})
     return tmp / "store", tmp / "defs.json"

@@ -225,3 +225,58 @@ def test_row_event_ids_are_pinned_and_equal_for_dictionary_encoded_strings():
         assert df.get_column("row").to_list() == [0, 4, 5]
         assert df.get_column("surface").cast(str).to_list() == ["home_feed", "home_feed", "related"]
         assert bad == {"null user_id": 1, "null event_type": 1, "null surface": 1}
+
+
+def test_enrichment_hash_and_sorted_lookups_agree(tmp_path, monkeypatch):
+    """A small enrichment table is hashed per chunk, a large one binary-searched: the same rows either way."""
+    import jaxscale.sequences.engine as engine_module
+    from jaxscale.sequences.engine import Engine, load_enrichment_tables
+    from jaxscale.sequences.events import find_event_files, read_chunks
+
+    defs = make_defs()
+    _, items = random_log(5, tmp_path, files=1, rows=400, row_group_size=400)
+    engine = Engine(defs, load_enrichment_tables(defs, {"items": items}))
+    chunk = next(read_chunks(find_event_files(tmp_path / "events")))
+    outs = []
+    for ratio in (0, 10**9):  # 0: always hashed; 10**9: always searched
+        monkeypatch.setattr(engine_module, "HASH_LOOKUP_RATIO", ratio)
+        outs.append(engine.transform(chunk.table, "f", chunk.arrival_start)[0])
+    for name, frame in outs[0].items():
+        assert frame.height and frame.equals(outs[1][name])
+
+
+def test_days_assembled_during_the_map_give_the_same_bytes(tmp_path, monkeypatch):
+    """Days completed by the row groups' ts statistics are assembled while the map runs (row groups read
+    latest days first); the store is byte for byte what assembling every day after the map gives."""
+    import jaxscale.sequences.spill as spill
+
+    defs = make_defs()
+    random_log(8, tmp_path, files=4, rows=300, days=4, late=0.3, row_group_size=50, bad=False)
+    early = []
+    complete = spill.DayWriter.complete
+    monkeypatch.setattr(spill.DayWriter, "complete", lambda self, day: (early.append(day), complete(self, day)))
+    kw = {"sources": {"items": tmp_path / "items.parquet"}, "threads": 2}
+    backfill(defs, tmp_path / "events", tmp_path / "early", **kw)
+    assert early, "no day completed before the map ended"
+    monkeypatch.setattr(spill, "row_group_days", lambda pf, rg: None)  # statistics unknown: all days at the end
+    backfill(defs, tmp_path / "events", tmp_path / "late", **kw)
+
+    def stored(store):  # partitions, vocabularies and definitions: all but the run reports
+        return {k: v for k, v in _snapshot(store).items() if not k.startswith("_reports/")}
+
+    got, want = stored(tmp_path / "early"), stored(tmp_path / "late")
+    assert any("/dt=" in k for k in got) and got == want
+
+
+def test_spill_refuses_rows_for_a_day_already_assembled(tmp_path):
+    """A row group whose rows fall outside its own ts statistics would add to a written day: an error."""
+    import polars as pl
+
+    from jaxscale.sequences.spill import DaySpill
+
+    spill = DaySpill(tmp_path, ["s1"])
+    frame = pl.DataFrame({"user_id": [1], "ts": [T0], "day": [T0 // MS_PER_DAY]}, schema_overrides={"day": pl.Int32})
+    spill.add("s1", frame, 0)
+    assert len(spill.take("s1", T0 // MS_PER_DAY)) == 1
+    with pytest.raises(RuntimeError, match="already written"):
+        spill.add("s1", frame, 1)

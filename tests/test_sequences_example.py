@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxscale.sequences.store import read_sequence
-from jaxscale.sequences.training import SequenceBatches
+from jaxscale_models.foundation_sequences import SequenceBatches
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from test_sequences_helpers import (
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.sequences.store import read_sequence
-from jaxscale.sequences.training import PointInTimeExamples, SequenceBatches, model_item_ids
+from jaxscale_models.foundation_sequences import PointInTimeExamples, SequenceBatches, model_item_ids
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from test_sequences_helpers import by_user, make_defs, random_log, reference_store, write_defs
 
 from jaxscale.sequences.runtime import backfill
-from jaxscale.sequences.training import (
+from jaxscale_models.foundation_sequences import (
     INT32_ID_LIMIT,
     TARGET_KEYS,
     PointInTimeExamples,

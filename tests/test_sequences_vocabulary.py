@@ -19,7 +19,6 @@ from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.sequences.server import serve_in_thread
 from jaxscale.sequences.store import read_sequence
-from jaxscale.sequences.training import PointInTimeExamples
 from jaxscale.sequences.vocabulary import (
     OOV,
     PAD,
@@ -28,6 +27,7 @@ from jaxscale.sequences.vocabulary import (
     save_vocabulary,
     vocabulary_paths,
 )
+from jaxscale_models.foundation_sequences import PointInTimeExamples
 
 
 def vocab_defs() -> Definitions:

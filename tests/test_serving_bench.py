@@ -1,21 +1,16 @@
 """The trimmer benchmark's figures are computed from its recorded numbers: check that arithmetic on a small
 synthetic record against a NumPy reference, and that the verdicts follow the targets."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "serving" / "bench_trimmer.py"
+from jaxscale.benchmarks import machine as machine_lib
+from jaxscale.benchmarks import trimmer_report
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_trimmer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return trimmer_report
 
 
 def synthetic(rng, bench, requests=5, leaves=("a/1", "b/2")):
@@ -118,8 +113,5 @@ def test_machine_description_has_what_the_reports_print(bench):
     for key in ("cpu_model", "nproc", "memory", "loadavg_at_start", "python", "platform", "numpy", "jax", "pyarrow"):
         assert key in m, key
     assert m["nproc"] >= 1 and len(m["loadavg_at_start"]) == 3
-    spec = importlib.util.spec_from_file_location("tt_results", SCRIPT.parents[1] / "two_tower" / "results.py")
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
-    lines = results.machine_lines(results.machine(), [0.1, 0.2, 0.3])
+    lines = machine_lib.machine_lines(m, [0.1, 0.2, 0.3])
     assert any("cores visible" in line for line in lines)

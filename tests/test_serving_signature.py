@@ -230,6 +230,26 @@ def test_wire_round_trip_is_bit_exact(seed, compression):
         assert got.tobytes() == v.tobytes()
 
 
+@pytest.mark.parametrize("shape", [(), (3,), (2, 4), (5, 1, 2)])
+def test_columns_read_back_exactly_when_sliced_or_over_long(shape):
+    """The fast path reads a list column's child array directly: a slice (offset) or a child longer than the
+    list's values must still give exactly the selected rows."""
+    rng = np.random.default_rng(len(shape))
+    a = rng.standard_normal((10, *shape)).astype(np.float32)
+    column = wire.to_record_batch({"x": a}).column(0)
+    dtype, dims = wire.column_type("x", column.type)
+    for start, stop in ((0, 10), (3, 7), (9, 10)):
+        got = wire.column_to_numpy(column.slice(start, stop - start), "x", dtype, dims)
+        assert got.shape == a[start:stop].shape and got.tobytes() == a[start:stop].tobytes()
+    if shape:
+        flat = np.concatenate([a.reshape(10, -1), np.ones((4, a[0].size), np.float32)]).reshape(-1)
+        longer = pa.array(flat)  # 14 rows of values under a 10-row list array
+        for size in reversed(shape[1:]):
+            longer = pa.FixedSizeListArray.from_arrays(longer, size)
+        longer = pa.FixedSizeListArray.from_arrays(longer, shape[0]).slice(0, 10)
+        assert wire.column_to_numpy(longer, "x", dtype, dims).tobytes() == a.tobytes()
+
+
 def test_wire_rejects_malformed_payloads():
     with pytest.raises(wire.PayloadError, match="not an Arrow IPC stream"):
         wire.decode(b"definitely not arrow")

@@ -1,9 +1,9 @@
 """Parity with TorchRec (the baseline jaxscale replaces).
 
-The TorchRec side runs in a fresh interpreter (experiments/baselines/torchrec_runner.py: DMP over gloo on
+The TorchRec side runs in a fresh interpreter (`jaxscale.benchmarks.torchrec_runner`: DMP over gloo on
 127.0.0.1, FBGEMM fused TBE optimizers), never in this JAX process. One subprocess runs every TorchRec
 configuration, so torch/torchrec are imported once. The reference is `jaxscale.reference` (the one NumPy
-reference of FBGEMM semantics); the runner module is importable through pytest's `pythonpath`.
+reference of FBGEMM semantics).
 
 Checked, float32, rtol=1e-5 / atol=1e-6:
   * TorchRec (world size 1, and 2 gloo ranks row_wise / table_wise) == NumPy reference of FBGEMM semantics
@@ -24,9 +24,9 @@ import importlib.util
 
 import numpy as np
 import pytest
-import torchrec_runner as runner  # pure NumPy at import time; torch is only imported inside the subprocess
 
 from jaxscale import reference
+from jaxscale.benchmarks import torchrec_runner as runner  # NumPy at import time; torch only in its subprocess
 from jaxscale.tables import TableConfig
 
 

@@ -38,7 +38,7 @@ RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
 
 def load_split(store, defs, sequence, split, max_len=MAX_LEN):
     """(history item rows int64 [N, max_len] right-padded with 0, length [N], target rows [N], users [N])."""
-    from jaxscale.sequences.training import PointInTimeExamples
+    from jaxscale_models.foundation_sequences import PointInTimeExamples
 
     src = PointInTimeExamples(
         store,

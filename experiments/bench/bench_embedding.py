@@ -25,7 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, describe_machine, load_average, log, machine, spread, write_atomic, zipf_ids
+from jaxscale.atomic import write_text as write_atomic
+from jaxscale.benchmarks.machine import describe_machine, load_average
+from jaxscale.benchmarks.machine import recorded_machine as machine
+from jaxscale.benchmarks.sessions import log
+from jaxscale.benchmarks.stats import spread, zipf_ids
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def parse_args(argv=None):

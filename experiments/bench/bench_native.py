@@ -46,7 +46,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-from common import machine, zipf_ids  # noqa: E402  (numpy-only helpers: no JAX in this process)
+from jaxscale.benchmarks.machine import recorded_machine as machine  # noqa: E402  (no JAX in this process)
+from jaxscale.benchmarks.stats import zipf_ids  # noqa: E402
 
 RESULTS = REPO / "experiments" / "results" / "bench_native.md"
 LR, EPS = 0.01, 1e-8

@@ -29,9 +29,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, describe_machine, load_average, machine, run_session, worker_main, write_atomic
+
+from jaxscale.atomic import write_text as write_atomic
+from jaxscale.benchmarks.machine import describe_machine, load_average
+from jaxscale.benchmarks.machine import recorded_machine as machine
+from jaxscale.benchmarks.sessions import free_port, run_session, script_command, worker_main
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results"
 KINDS = ("all_reduce", "all_gather", "all_to_all", "exchange")
 
 
@@ -88,14 +93,12 @@ def _worker(spec: dict) -> dict:
 
 
 def run(worlds, sizes, warmup: int, reps: int, tmp: str) -> dict:
-    from common import free_port
-
     res = {}
     for w in worlds:
         base = {"num_processes": w, "sizes": sizes, "warmup": warmup, "reps": reps}
         base["coordinator"] = f"127.0.0.1:{free_port()}"
         results = run_session(
-            HERE / "collective_latency.py",
+            script_command(HERE / "collective_latency.py"),
             "latency",
             [base | {"process_id": i} for i in range(w)],
             tmp=tmp,

@@ -6,7 +6,7 @@
 FBGEMM's CPU TBE ran the one-device workload (1M x 64, 4096 x 20 Zipf ids, lookup + row-wise AdaGrad) in
 about 5 ms per step alone, but about twice that in the old suite, which kept a JAX worker process alive
 beside it and interleaved one step of each. This script times each engine (persistent workers of
-`one_device.py`'s engines, fresh ids every step) under several conditions, each in fresh processes:
+`jaxscale.benchmarks.one_device`'s engines, fresh ids every step) under several conditions, each in fresh processes:
 
   alone            the engine's process is the only one
   beside idle JAX  a JAX worker that has run 3 steps is alive but blocked waiting for a command
@@ -29,20 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import one_device
-from common import (
-    HERE,
-    RESULTS,
-    Worker,
-    describe_machine,
-    load_average,
-    log,
-    machine,
-    reply,
-    serve,
-    spread,
-    write_atomic,
-)
+from jaxscale.atomic import write_text as write_atomic
+from jaxscale.benchmarks import one_device
+from jaxscale.benchmarks.machine import describe_machine, load_average
+from jaxscale.benchmarks.machine import recorded_machine as machine
+from jaxscale.benchmarks.sessions import Worker, log, reply, serve
+from jaxscale.benchmarks.stats import spread
+from jaxscale.benchmarks.threads import usable_cores
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results"
 
 IDLE_WINDOWS_S = (0.002, 0.003, 0.005, 0.01, 0.03, 0.45)  # consecutive: 0-2, 2-5, 5-10, 10-20, 20-50, 50-500 ms
 
@@ -51,7 +47,7 @@ IDLE_WINDOWS_S = (0.002, 0.003, 0.005, 0.01, 0.03, 0.45)  # consecutive: 0-2, 2-
 
 
 def _worker(kind: str, d: str) -> None:
-    engine = one_device.ENGINE_CLASSES[kind](d, one_device.LR, one_device.EPS)
+    engine = one_device.ENGINE_CLASSES[kind](d, one_device.LR, one_device.EPS, usable_cores())
     steps = len(engine.ids)
 
     def step(cmd):

@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+from jaxscale.link_emulation import bytes_by_category, predicted_delta, tbf_burst
+from jaxscale.scaling_model import stage_from_spec as parse_stage
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -48,27 +51,6 @@ EMU_MODEL = dict(
 )
 EMU_BATCH_PER_DEVICE = 8
 TBF_QUEUE = "16mb"  # a deep queue: no packet is dropped (a drop costs a TCP timeout, not bandwidth)
-KERNEL_HZ = 250  # tbf needs a bucket of at least rate / HZ bytes to reach its rate
-GLOO_DIRECTIONS = 2  # gloo sends, then receives: an exchange costs (sent + received) / rate
-
-
-def parse_stage(spec: str):
-    """A ladder stage, optionally with a periodic sync '<stage>@periodic:<strategy>:<k>'."""
-    from jaxscale.embedding.settings import ReplicaSync
-    from jaxscale.techniques import stage
-
-    name, _, sync = spec.partition("@")
-    st = stage(name)
-    if sync:
-        mode, strategy, k = sync.split(":")
-        st = dataclasses.replace(st.with_sync(ReplicaSync(mode, strategy, int(k))), name=spec)
-    return st
-
-
-def tbf_burst(rate: str) -> int:
-    """The smallest token bucket that still reaches `rate` (bytes). A larger one lets each collective that
-    starts after an idle gap send a bucketful unlimited, which hides part of its time."""
-    return max(3000, int(rate_bytes(rate) / KERNEL_HZ))
 
 
 def tc(dev: str, rate: str | None) -> None:
@@ -83,14 +65,6 @@ def wire_bytes_counters(dev: str) -> tuple[int, int]:
     stats = f"/sys/class/net/{dev}/statistics"
     with open(f"{stats}/tx_bytes") as tx, open(f"{stats}/rx_bytes") as rx:
         return int(tx.read()), int(rx.read())
-
-
-def rate_bytes(rate: str) -> float:
-    """tc rate string -> bytes/s."""
-    for unit, factor in (("kbit", 1e3 / 8), ("mbit", 1e6 / 8), ("gbit", 1e9 / 8)):
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(f"rate must end in kbit, mbit or gbit, got {rate!r}")
 
 
 def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
@@ -117,16 +91,16 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
 
 
 def build_config(st, nodes: int, local: int, batch_per_device: int):
-    from compiled_stages import CONFIG, overrides
-
     from jaxscale.config import load_config
+    from jaxscale.scaling_model import CONFIG
+    from jaxscale.scaling_model import compiled_overrides as overrides
 
     base = overrides(dataclasses.replace(st, balanced=False), nodes, local, EMU_MODEL, batch_per_device * nodes * local)
     extra = ["train.overflow_policy=grow", "train.warmup_steps=1"]
-    cfg = load_config(os.path.join(ROOT, CONFIG), base + extra)
+    cfg = load_config(CONFIG, base + extra)
     plan = plan_file_for(st, cfg, nodes, local)
     if plan is not None:
-        cfg = load_config(os.path.join(ROOT, CONFIG), base + extra + [f"embedding.plan_file={plan}"])
+        cfg = load_config(CONFIG, base + extra + [f"embedding.plan_file={plan}"])
     return cfg, plan
 
 
@@ -154,47 +128,18 @@ def step_collectives(trainer, st) -> list[dict]:
     return out
 
 
-def bytes_by_category(collectives: list[dict]) -> dict:
-    """{category: (intra, inter)} bytes per device per step."""
-    out: dict[str, list[float]] = {}
-    for c in collectives:
-        acc = out.setdefault(c["category"], [0.0, 0.0])
-        acc[0] += c["intra"] * c["per_step"]
-        acc[1] += c["inter"] * c["per_step"]
-    return {k: tuple(v) for k, v in out.items()}
-
-
-KIND_NAMES = {"all-to-all": "all_to_all", "all-reduce": "all_reduce", "all-gather": "all_gather"}
-
-
-def transport_key(collective: dict) -> str:
-    """The gloo_duplex.py measurement that matches a step collective: kind @ device group."""
-    kind = KIND_NAMES.get(collective["kind"], "exchange")
-    return f"{kind}@{'node' if collective['group'] == 'node' else 'all'}"
-
-
-def predicted_delta(collectives: list[dict], local: int, rate: str, factors: dict | None = None) -> float:
-    """Seconds a link limited to `rate` per node adds to a step, from the compiled bytes.
-
-    The alpha-beta model of `jaxscale.comm_model` on the emulated cluster: a node's NIC is its veth at
-    `rate`, shared by its `local` devices; latency is already in the unlimited step. Each collective's
-    cross-node bytes take `factor` x bytes / rate, the factor of its kind and device group as
-    gloo_duplex.py measured it on this transport (`factors`, e.g. {'all_to_all@all': 1.6}); without a
-    measurement, the exchange rule: gloo sends, then receives, factor 2 (sent + received over the rate).
-    """
-    from jaxscale import comm_model as cm
-    from jaxscale.cluster import ClusterSpec
-
-    total = 0.0
-    for c in collectives:
-        if c["inter"] == 0:
-            continue
-        factor = (factors or {}).get(transport_key(c)) or GLOO_DIRECTIONS
-        cluster = ClusterSpec(
-            2, local, inter_node_bandwidth=rate_bytes(rate) / factor, intra_node_latency=0.0, inter_node_latency=0.0
-        )
-        total += c["per_step"] * cm.seconds(cm.Traffic(inter_bytes=c["inter"]), cluster)
-    return total
+def print_config(st, nodes: int, local: int, batch_per_device: int) -> int:
+    """The setup a run of `st` would use, as one JSON line (the temp plan file is read, then removed)."""
+    cfg, path = build_config(st, nodes, local, batch_per_device)
+    plan = None
+    if path is not None:
+        with open(path) as f:
+            plan = json.load(f)
+        os.remove(path)
+    e = cfg.embedding
+    out = {"stage": st.name, "topology": e.topology, "sharding": e.sharding, "plan_file": e.plan_file, "plan": plan}
+    print(json.dumps(out))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -203,13 +148,23 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=2)
     p.add_argument("--batch-per-device", type=int, default=EMU_BATCH_PER_DEVICE)
-    p.add_argument("--process-id", type=int, required=True)
-    p.add_argument("--coordinator", required=True)
-    p.add_argument("--dev", required=True)
+    p.add_argument("--process-id", type=int)
+    p.add_argument("--coordinator")
+    p.add_argument("--dev")
     p.add_argument("--rate", default="4mbit")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="only build the stage's config (and plan), print it as JSON and exit: no cluster needed",
+    )
     a = p.parse_args(argv)
     st = parse_stage(a.stage)
+    if a.print_config:
+        return print_config(st, a.nodes, a.local, a.batch_per_device)
+    missing = [f"--{k.replace('_', '-')}" for k in ("process_id", "coordinator", "dev") if getattr(a, k) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (one process per emulated node)")
 
     from jaxscale import distributed
 

@@ -5,8 +5,8 @@
 
 Writes experiments/scaling/compiled_bytes.json: {key: {"overrides": [...], "report": comm_report output}}
 with key "<nodes>x<local>|<topology>|<fwd>|<bwd>|<half_dim>". An entry is stale when the overrides that
-produced it differ from the current ones (compiled_stages.py). run_ablation.py and tests/test_scaling_model.py
-compare these compiled bytes with the model's formulas.
+produced it differ from the current ones (`jaxscale.scaling_model.compiled_overrides`). run_ablation.py and
+tests/test_scaling_model.py compare these compiled bytes with the model's formulas (`scaling_model.cross_check`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,6 @@ from jaxscale import atomic
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(HERE, "compiled_bytes.json")
-MESHES = ((2, 4), (4, 2))
-
-
-def entry_key(nodes: int, local: int, stage) -> str:
-    from compiled_stages import compile_key
-
-    return f"{nodes}x{local}|" + "|".join(map(str, compile_key(stage)))
 
 
 def load(path: str = OUT) -> dict:
@@ -50,20 +43,19 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from compiled_stages import CONFIG, distinct_compiled_stages, overrides
-
+    from jaxscale import scaling_model as M
     from jaxscale.comm_report import comm_report
     from jaxscale.config import load_config
 
     results = {} if args.force else load()
-    for nodes, local in MESHES:
-        for stage in distinct_compiled_stages():
-            key = entry_key(nodes, local, stage)
-            ov = overrides(stage, nodes, local)
+    for nodes, local in M.COMPILED_MESHES:
+        for stage in M.distinct_compiled_stages():
+            key = M.compiled_entry_key(nodes, local, stage)
+            ov = M.compiled_overrides(stage, nodes, local)
             if results.get(key, {}).get("overrides") == ov:
                 continue
             t0 = time.perf_counter()
-            rep = comm_report(load_config(os.path.join(ROOT, CONFIG), ov))
+            rep = comm_report(load_config(M.CONFIG, ov))
             results[key] = {"overrides": ov, "report": rep}
             save(results)
             s = rep["per_step"]

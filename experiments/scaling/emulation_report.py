@@ -1,6 +1,6 @@
 """Writes experiments/scaling/EMULATION.md from the raw JSON lines of one run_emulation.sh run.
 
-    python experiments/scaling/emulation_report.py experiments/scaling/emulation/run_<stamp>.jsonl
+    python experiments/scaling/emulation_report.py experiments/scaling/emulation/run_<stamp>.jsonl [--out PATH]
 
 Every figure in EMULATION.md is computed here from those lines; the headline run's lines are quoted.
 """
@@ -11,9 +11,8 @@ import json
 import os
 import sys
 
-from bench_step import predicted_delta
-
 from jaxscale import atomic
+from jaxscale.link_emulation import predicted_delta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 0.20  # measured delta within 20% of the predicted one
@@ -192,13 +191,15 @@ def _stages(rows: list[dict], nodes: int, factors: dict | None) -> list[str]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    path = os.path.abspath(argv[0])
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", help="the raw JSON lines of one run_emulation.sh run")
+    p.add_argument("--out", default=os.path.join(HERE, "EMULATION.md"), help="where to write (default: EMULATION.md)")
+    a = p.parse_args(argv)
+    path = os.path.abspath(a.run)
     text = render(load(path), path)
-    atomic.write_text(os.path.join(HERE, "EMULATION.md"), text)
+    atomic.write_text(a.out, text)
     print(text)
     return 0
 

@@ -26,7 +26,9 @@ import statistics
 import sys
 import time
 
-from bench_step import rate_bytes, tc, wire_bytes_counters
+from bench_step import tc, wire_bytes_counters
+
+from jaxscale.link_emulation import rate_bytes
 
 KINDS = (
     "one_way@node",

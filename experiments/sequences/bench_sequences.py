@@ -160,11 +160,17 @@ ENGINES = {"jaxscale": run_jaxscale, "duckdb": run_duckdb, "polars": run_polars}
 def engine_child(args) -> None:
     """Runs one engine cold then warm in this (fresh) process; prints JSON."""
     fn = ENGINES[args.engine]
-    import duckdb  # noqa: F401 - libraries loaded before timing: cold = first run, libraries in memory
-    import polars  # noqa: F401
+    import duckdb  # libraries loaded before timing: cold = first run, libraries in memory
+    import polars
+    import pyarrow
 
     import jaxscale.sequences.runtime  # noqa: F401
 
+    threads = {
+        "polars_pool": polars.thread_pool_size(),
+        "duckdb": int(duckdb.connect().execute("SELECT current_setting('threads')").fetchone()[0]),
+        "pyarrow_cpu": pyarrow.cpu_count(),
+    }
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, extra = [], None
     for i in range(1 + args.warm):
@@ -174,6 +180,8 @@ def engine_child(args) -> None:
         extra = fn(Path(args.events), Path(args.items), out, Path(args.defs))
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if extra and "threads" in extra:  # jaxscale's backfill workers, beside the pools every engine process has
+        extra["threads"] = {"workers": extra["threads"], **threads}
     store = Path(args.out) / "run0"
     out_dir = store / "engagement" if args.engine == "jaxscale" else store
     print(
@@ -185,10 +193,48 @@ def engine_child(args) -> None:
                 "peak_rss_mb": peak / 1024,
                 "rss_after_import_mb": base_rss / 1024,
                 "checksum": checksum(out_dir),
+                "threads": threads,
                 **(extra or {}),
             }
         )
     )
+
+
+def bench_backfill_rounds(log: Path, defs: Path, work: Path, n: int, warm: int, rounds: int) -> dict:
+    """`rounds` rounds of every engine (each a fresh process per engine, as in `bench_backfill`); per round
+    jaxscale's warm events/s over the faster reference's of that round. The table's rows are the engines'
+    medians over the rounds; the ratio is reported as the median and the worst round."""
+    per_round = []
+    for i in range(rounds):
+        load = os.getloadavg()
+        print(f"  round {i + 1}/{rounds} (load average {load[0]:.1f})", flush=True)
+        rows = bench_backfill(log, defs, work, n, warm)
+        best_ref = max(r["warm_events_per_s"] for r in rows if r["engine"] != "jaxscale")
+        mine = next(r for r in rows if r["engine"] == "jaxscale")
+        per_round.append(
+            {"round": i + 1, "load_average": load, "rows": rows, "ratio": mine["warm_events_per_s"] / best_ref}
+        )
+        print(f"  round {i + 1}: jaxscale / faster reference (warm) {per_round[-1]['ratio']:.2f}x", flush=True)
+    medians = []
+    for engine in ENGINES:
+        runs = [next(r for r in rnd["rows"] if r["engine"] == engine) for rnd in per_round]
+        row = dict(runs[0])
+        for key in ("cold_s", "warm_s", "peak_rss_mb"):
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)  # the worst round's peak
+        row["cold_events_per_s"] = n / row["cold_s"]
+        row["warm_events_per_s"] = n / row["warm_s"] if row["warm_s"] else None
+        row["checksums_equal_over_rounds"] = len({r["checksum"] for r in runs}) == 1
+        medians.append(row)
+    ratios = [rnd["ratio"] for rnd in per_round]
+    return {
+        "events": n,
+        "rows": medians,
+        "rounds": per_round,
+        "ratio_median": statistics.median(ratios),
+        "ratio_worst": min(ratios),
+    }
 
 
 def bench_backfill(log: Path, defs: Path, work: Path, n: int, warm: int) -> list[dict]:
@@ -349,7 +395,7 @@ def bench_stream(log: Path, defs: Path, work: Path, n: int, micro_batches: list[
 
 
 def bench_training(store: Path, defs: Path, work: Path) -> dict:
-    from jaxscale.sequences.training import SequenceBatches
+    from jaxscale_models.foundation_sequences import SequenceBatches
 
     out = {}
     for L in (32, 256):
@@ -377,6 +423,17 @@ def bench_training(store: Path, defs: Path, work: Path) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine type where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def machine() -> dict:
     import duckdb
     import polars
@@ -384,6 +441,7 @@ def machine() -> dict:
 
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "load_average": os.getloadavg(),
@@ -401,12 +459,50 @@ def backfill_run_lines(res: dict) -> list[str]:
     m = run["machine"]
     return [
         "Recorded by `python experiments/sequences/bench_sequences.py --only backfill "
-        f"--sizes {' '.join(run['sizes'])}` "
+        f"--sizes {' '.join(run['sizes'])}"
+        + (f" --rounds {run['rounds']} --warm {run['warm']}" if "rounds" in run else "")
+        + "` "
         f"(load average at start {m['load_average'][0]:.1f}, at end {run['load_average_end'][0]:.1f}); the other "
         "sections below come from the run named above. jaxscale's backfill holds at most `spill_budget` (256 MiB) "
         "of transformed frames and spills the rest per day (spilled MB in the last column).",
         "",
     ]
+
+
+def backfill_rounds_lines(res: dict) -> list[str]:
+    """Per-round warm seconds and ratios (each round: every engine in a fresh process), the median and the
+    worst round, and the threads each engine ran with."""
+    sized = [size for size in res["backfill"] if "rounds" in size]
+    if not sized:
+        return []
+    m = res.get("backfill_run", {}).get("machine", res["machine"])
+    lines = [
+        f"Rounds (CPU: {m.get('cpu_model', m['cpu'])}, {m['cores']} cores). Ratio: jaxscale's warm events/s over "
+        "the faster reference's in the same round.",
+        "",
+        "| events | round | load average | jaxscale warm s | duckdb warm s | polars warm s | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sized:
+        for rnd in size["rounds"]:
+            warm = {r["engine"]: r["warm_s"] for r in rnd["rows"]}
+            lines.append(
+                f"| {size['events']:,} | {rnd['round']} | {rnd['load_average'][0]:.1f} | {warm['jaxscale']:.2f} | "
+                f"{warm['duckdb']:.2f} | {warm['polars']:.2f} | {rnd['ratio']:.2f}x |"
+            )
+        lines.append(
+            f"| {size['events']:,} | median | | | | | **{size['ratio_median']:.2f}x** (worst round "
+            f"{size['ratio_worst']:.2f}x) |"
+        )
+    threads = {r["engine"]: r.get("threads") for r in sized[0]["rows"]}
+    lines += [
+        "",
+        "Threads: " + "; ".join(f"{engine} {json.dumps(t, sort_keys=True)}" for engine, t in threads.items() if t),
+        "(jaxscale `workers`: its backfill's worker threads; every process also has Polars' pool, DuckDB's and "
+        "pyarrow's).",
+        "",
+    ]
+    return lines
 
 
 def fmt(x, digits=0):
@@ -435,6 +531,8 @@ def write_markdown(res: dict, path: Path) -> None:
     for size in res["backfill"]:
         rows = size["rows"]
         best_ref = max(r["warm_events_per_s"] for r in rows if r["engine"] != "jaxscale")
+        if "rounds" in size:
+            lines.append(f"| {size['events']:,} | (median of {len(size['rounds'])} rounds) | | | | | | | | |")
         for r in rows:
             ratio = r["warm_events_per_s"] / best_ref
             lines.append(
@@ -445,6 +543,7 @@ def write_markdown(res: dict, path: Path) -> None:
         same = len({r["checksum"] for r in rows}) == 1
         lines.append(f"| | | | | | | | | {'all equal' if same else '**MISMATCH**'} | |")
     lines += ["", "Target: jaxscale >= 0.8x the faster of DuckDB and Polars.", ""]
+    lines += backfill_rounds_lines(res)
     lines += [
         "## Per-batch transform backends (one raw file)",
         "",
@@ -521,13 +620,13 @@ def only_backfill(args, work: Path, defs: Path) -> None:
     """The backfill part alone, merged into the recorded results.json (its machine and load recorded beside it)."""
     results = Path(args.out).parent / "results.json"
     res = json.loads(results.read_text())
-    run = {"sizes": args.sizes, "machine": machine()}
+    run = {"sizes": args.sizes, "rounds": args.rounds, "warm": args.warm, "machine": machine()}
     res["backfill"] = []
     for size in args.sizes:
         n = int(float(size))
         log = generate_log(work, n)
         print(f"backfill {n:,} (load average {os.getloadavg()[0]:.1f})", flush=True)
-        res["backfill"].append({"events": n, "rows": bench_backfill(log, defs, work, n, args.warm)})
+        res["backfill"].append(bench_backfill_rounds(log, defs, work, n, args.warm, args.rounds))
     run["load_average_end"] = os.getloadavg()
     res["backfill_run"] = run
     results.write_text(json.dumps(res, indent=2) + "\n")
@@ -540,6 +639,9 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["1e6", "1e7"])
     ap.add_argument("--work", default="/tmp/jaxscale-seq-bench")
     ap.add_argument("--warm", type=int, default=2, help="warm runs per engine (median)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="backfill rounds (every engine in a fresh process each round)"
+    )
     ap.add_argument("--serve-seconds", type=float, default=10.0, help="seconds of load per rate (bench_serving)")
     ap.add_argument("--skip-companions", action="store_true", help="leave serving, broker and memory as recorded")
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"))
@@ -575,7 +677,7 @@ def main() -> None:
             sh([sys.executable, str(HERE / "make_events.py"), "--out", str(log), "--events", str(n), "--days", "7"])
         logs[n] = log
         print(f"backfill {n:,}", flush=True)
-        res["backfill"].append({"events": n, "rows": bench_backfill(log, defs, work, n, args.warm)})
+        res["backfill"].append(bench_backfill_rounds(log, defs, work, n, args.warm, args.rounds))
         print(f"stream {n:,}", flush=True)
         res["stream"] += bench_stream(log, defs, work, n, [10_000, 100_000] if n <= 1_000_000 else [100_000])
     n0 = min(logs)

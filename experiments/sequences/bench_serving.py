@@ -15,9 +15,12 @@ percentiles instead of silently lowering the rate (no coordinated omission). The
              on): POST /predict of a demo request (200 features, ``--root-batch`` candidates), fanned out to
              ``--root-models`` (default one leaf; "all" = the six).
 
-Rates: 200, 500 and 1,000 req/s (root->leaf also 100). For each rate: p50 / p99 / max ms, errors (non-200 or
-failed), achieved rate; and the highest rate whose p99 is <= 10 ms with no errors. The machine's CPU model and
-load average (start and end) are recorded.
+Rates: 200, 500 and 1,000 req/s (root->leaf also 100), each run ``--rounds`` times for ``--seconds`` (rounds
+go round-robin over the rates, so a drift in background load spreads over all of them). For each rate: p50 /
+p99 / max ms over all rounds, each round's p50 and p99 and the worst round's p99, errors (non-200 or failed),
+achieved rate, and the CPU time per request of each process (server processes from /proc, the client's own);
+the highest rate whose p99 is <= 10 ms with no errors (pooled over the rounds, and in every round). The
+machine's CPU model, load average (start and end) and each process's thread count are recorded.
 
 `run(...)` returns the same dict the CLI writes (bench_sequences.py calls it).
 """
@@ -35,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +91,21 @@ def start_process(cmd: list[str], ready: str) -> tuple[subprocess.Popen, str]:
     return proc, re.search(r"https?://[0-9.]+:\d+", line).group(0)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def server_args() -> list[str]:
+    """Extra flags for every server (``BENCH_SERVER_ARGS``, e.g. ``--no-uvloop``; the leaves read only that)."""
+    return os.environ.get("BENCH_SERVER_ARGS", "").split()
+
+
 def stop_process(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout=60)
@@ -95,7 +114,8 @@ def stop_process(proc: subprocess.Popen) -> int:
 # ------------------------------------------------------------------------------------------------ load generator
 
 
-async def _open_loop(url: str, requests: list[tuple], rate: float, connections: int) -> dict:
+async def _open_loop(url: str, requests: list[tuple], rate: float, connections: int, pids: dict) -> dict:
+    """One open-loop round; ``pids`` = {name: pid} of the server processes whose CPU time is measured."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=connections, force_close=False)
@@ -119,6 +139,8 @@ async def _open_loop(url: str, requests: list[tuple], rate: float, connections: 
         # open every connection first (a warm pool, as a long-running client has)
         warm = [requests[i % len(requests)] for i in range(connections)]
         await asyncio.gather(*(_fire(session, r) for r in warm))
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        client0 = time.process_time()
         start = time.perf_counter() + 0.05
         tasks = []
         for i in range(len(requests)):
@@ -129,18 +151,51 @@ async def _open_loop(url: str, requests: list[tuple], rate: float, connections: 
             tasks.append(asyncio.create_task(one(i, due)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    ms = latencies * 1000
+        cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+        cpu["client"] = time.process_time() - client0
+    return {
+        "requests": len(requests),
+        "elapsed_s": elapsed,
+        "latency_ms": latencies * 1000,
+        "statuses": statuses,
+        "events": sizes,
+        "cpu_ms_per_request": {name: round(sec * 1000 / len(requests), 3) for name, sec in cpu.items()},
+    }
+
+
+def _summary(rate: float, rounds: list[dict]) -> dict:
+    """One rate's record: percentiles over all rounds' requests, and each round's own."""
+    ms = np.concatenate([r["latency_ms"] for r in rounds])
+    statuses = np.concatenate([r["statuses"] for r in rounds])
+    sizes = np.concatenate([r["events"] for r in rounds])
     ok = statuses == 200
+    per_round = [
+        {
+            "p50_ms": round(float(np.percentile(r["latency_ms"], 50)), 3),
+            "p99_ms": round(float(np.percentile(r["latency_ms"], 99)), 3),
+            "max_ms": round(float(r["latency_ms"].max()), 3),
+            "errors": int((r["statuses"] != 200).sum()),
+            "achieved_rps": round(r["requests"] / r["elapsed_s"], 1),
+            "cpu_ms_per_request": r["cpu_ms_per_request"],
+        }
+        for r in rounds
+    ]
+    cpu_names = rounds[0]["cpu_ms_per_request"]
     return {
         "target_rps": rate,
-        "requests": len(requests),
-        "achieved_rps": round(len(requests) / elapsed, 1),
+        "requests": int(len(ms)),
+        "achieved_rps": round(len(ms) / sum(r["elapsed_s"] for r in rounds), 1),
         "p50_ms": round(float(np.percentile(ms, 50)), 3),
         "p99_ms": round(float(np.percentile(ms, 99)), 3),
         "max_ms": round(float(ms.max()), 3),
+        "worst_round_p99_ms": max(r["p99_ms"] for r in per_round),
         "errors": int((~ok).sum()),
         "status_counts": {str(s): int(c) for s, c in zip(*np.unique(statuses, return_counts=True))},
         "mean_events": round(float(sizes[ok].mean()), 1) if ok.any() else None,
+        "cpu_ms_per_request": {
+            name: round(float(np.median([r["cpu_ms_per_request"][name] for r in per_round])), 3) for name in cpu_names
+        },  # the median round's, per process
+        "rounds": per_round,
     }
 
 
@@ -150,16 +205,39 @@ async def _fire(session, request) -> None:
         await resp.read()
 
 
-def load(url: str, requests: list[tuple], rates, seconds: float, connections: int) -> dict:
-    """One open-loop run per rate (``rate * seconds`` requests, cycling through ``requests``)."""
-    runs = []
-    for rate in rates:
-        n = int(rate * seconds)
-        plan = [requests[i % len(requests)] for i in range(n)]
-        runs.append(asyncio.run(_open_loop(url, plan, float(rate), connections)))
-        print(f"  {rate} req/s: {json.dumps(runs[-1])}", flush=True)
+def load(
+    url: str, requests: list[tuple], rates, seconds: float, connections: int, rounds: int = 1, pids: dict = None
+) -> dict:
+    """``rounds`` open-loop runs per rate (``rate * seconds`` requests each, cycling through ``requests``), the
+    rounds going round-robin over the rates; ``pids`` = {name: pid} of server processes to measure CPU time of."""
+    pids = pids or {}
+    done = {rate: [] for rate in rates}
+    for k in range(rounds):
+        for rate in rates:
+            n = int(rate * seconds)
+            plan = [requests[(k * n + i) % len(requests)] for i in range(n)]
+            r = asyncio.run(_open_loop(url, plan, float(rate), connections, pids))
+            done[rate].append(r)
+            ms = r["latency_ms"]
+            print(
+                f"  round {k + 1}/{rounds} {rate} req/s: p50 {np.percentile(ms, 50):.2f} ms, "
+                f"p99 {np.percentile(ms, 99):.2f} ms, max {ms.max():.2f} ms, errors {(r['statuses'] != 200).sum()}, "
+                f"CPU ms/request {r['cpu_ms_per_request']}, load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+    runs = [_summary(float(rate), done[rate]) for rate in rates]
     passing = [r["target_rps"] for r in runs if r["p99_ms"] <= P99_TARGET_MS and r["errors"] == 0]
-    return {"runs": runs, "best_rate_p99_le_10ms": max(passing) if passing else None}
+    every = [r["target_rps"] for r in runs if r["worst_round_p99_ms"] <= P99_TARGET_MS and r["errors"] == 0]
+    return {
+        "runs": runs,
+        "rounds": rounds,
+        "best_rate_p99_le_10ms": max(passing) if passing else None,
+        "best_rate_every_round_p99_le_10ms": max(every) if every else None,
+        "threads": {
+            **{name: thread_count(pid) for name, pid in pids.items()},
+            "client": threading.active_count(),
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- sequences
@@ -197,15 +275,15 @@ def sequence_requests(store: Path, n: int, seed: int = 0) -> tuple[list[tuple], 
     return requests, {"events": int(table.num_rows), "users_with_300_events": int(len(heavy))}
 
 
-def bench_sequences(store: Path, rates, seconds: float, connections: int, max_in_flight: int) -> dict:
+def bench_sequences(store: Path, rates, seconds: float, connections: int, max_in_flight: int, rounds: int) -> dict:
     requests, info = sequence_requests(store, 20_000)
     proc, url = start_process(
         [sys.executable, "-m", "jaxscale.sequences", "serve", "--store", str(store), "--port", "0",
-         "--max-in-flight", str(max_in_flight), *os.environ.get("BENCH_SERVER_ARGS", "").split()],
+         "--max-in-flight", str(max_in_flight), *server_args()],
         "serving ",
     )  # fmt: skip
     try:
-        result = load(url, requests, rates, seconds, connections)
+        result = load(url, requests, rates, seconds, connections, rounds, {"server": proc.pid})
     finally:
         exit_status = stop_process(proc)
     return {**info, **result, "server_exit_status": exit_status}
@@ -214,13 +292,18 @@ def bench_sequences(store: Path, rates, seconds: float, connections: int, max_in
 # --------------------------------------------------------------------------------------------------- root->leaf
 
 
-def leaves_child(store: str, buckets: str) -> None:
+def leaves_child(store: str, buckets: str, server_args: list[str]) -> None:
     """``--child-leaves``: the six demo leaves in this process; prints their URLs as JSON, serves until SIGTERM."""
+    from jaxscale.http_server import ServerConfig
     from jaxscale.serving import demo
     from jaxscale.serving.leaf import Leaf, LeafConfig
 
     sizes = tuple(int(b) for b in buckets.split(","))
-    leaves = [Leaf(LeafConfig(store, m, v, batch_buckets=sizes, warmup=True)).start() for m, v in demo.MODEL_SPECS]
+    server = ServerConfig(uvloop="--no-uvloop" not in server_args)
+    leaves = [
+        Leaf(LeafConfig(store, m, v, batch_buckets=sizes, warmup=True, server=server)).start()
+        for m, v in demo.MODEL_SPECS
+    ]
     print("leaves " + json.dumps({leaf.signature.label: leaf.url for leaf in leaves}), flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -230,7 +313,9 @@ def leaves_child(store: str, buckets: str) -> None:
         leaf.stop()
 
 
-def bench_root(rates, seconds: float, connections: int, batch: int, models: str, max_in_flight: int) -> dict:
+def bench_root(
+    rates, seconds: float, connections: int, batch: int, models: str, max_in_flight: int, rounds: int
+) -> dict:
     from jaxscale.serving import demo, wire
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-models-") as tmp:
@@ -251,7 +336,7 @@ def bench_root(rates, seconds: float, connections: int, batch: int, models: str,
             leaf_args = [a for label, url in urls.items() for a in ("--leaf", f"{label}={url}")]
             root, root_url = start_process(
                 [sys.executable, "-m", "jaxscale.serving", "root", "--store", tmp, *leaf_args,
-                 "--max-in-flight", str(max_in_flight)],
+                 "--max-in-flight", str(max_in_flight), *server_args()],
                 "root serving on",
             )  # fmt: skip
             rng = np.random.default_rng(1)
@@ -259,7 +344,8 @@ def bench_root(rates, seconds: float, connections: int, batch: int, models: str,
             bodies = [wire.encode(demo.make_request(universe, batch, rng)) for _ in range(16)]
             path = "/predict" if models == "all" else f"/predict?models={models}"
             requests = [("POST", path, b, {"Content-Type": wire.MEDIA_TYPE}) for b in bodies]
-            result = load(root_url, requests, rates, seconds, connections)
+            pids = {"root": root.pid, "leaves": leaves.pid}
+            result = load(root_url, requests, rates, seconds, connections, rounds, pids)
             for r in result["runs"]:
                 r.pop("mean_events")  # counts sequence events; an Arrow answer has none
             result.update(batch=batch, models=models, request_bytes=int(np.mean([len(b) for b in bodies])))
@@ -286,6 +372,8 @@ def run(
     root_batch: int = 8,
     root_models: str = "ctr/1",
     skip_root: bool = False,
+    skip_sequences: bool = False,
+    rounds: int = 3,
 ) -> dict:
     """Both benchmarks; ``store`` = an existing store with an ``engagement`` sequence (else one is built from
     make_events.py's log of ``events`` events under ``work``)."""
@@ -294,19 +382,24 @@ def run(
         "command": "python experiments/sequences/bench_serving.py " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "client": f"aiohttp, open loop, {connections} keep-alive connections, 127.0.0.1",
+        "server_args": server_args(),
         "seconds_per_rate": seconds,
+        "rounds": rounds,
         "p99_target_ms": P99_TARGET_MS,
     }
     m = result["machine"]
     print(f"{m['cpu_model']}, {m['nproc']} CPUs; load average {m['loadavg_at_start']}", flush=True)
-    work = Path(work)
-    work.mkdir(parents=True, exist_ok=True)
-    store = Path(store) if store else build_store(events, work)
-    print(f"sequence server over {store}", flush=True)
-    result["sequences"] = bench_sequences(store, rates, seconds, connections, max_in_flight)
+    if not skip_sequences:
+        work = Path(work)
+        work.mkdir(parents=True, exist_ok=True)
+        store = Path(store) if store else build_store(events, work)
+        print(f"sequence server over {store}", flush=True)
+        result["sequences"] = bench_sequences(store, rates, seconds, connections, max_in_flight, rounds)
     if not skip_root:
         print(f"root->leaf ({root_models}, batch {root_batch})", flush=True)
-        result["root_leaf"] = bench_root(root_rates, seconds, connections, root_batch, root_models, max_in_flight)
+        result["root_leaf"] = bench_root(
+            root_rates, seconds, connections, root_batch, root_models, max_in_flight, rounds
+        )
     result["loadavg_at_end"] = list(os.getloadavg())
     print(f"load average at end {result['loadavg_at_end']}", flush=True)
     result["wall_s"] = round(time.time() - t0, 1)
@@ -323,10 +416,13 @@ def render(result: dict) -> str:
         "",
         f"Recorded with `{result['command'].strip()}` on {m['cpu_model']} ({m['nproc']} CPUs, {m['memory']}), "
         f"Python {m['python']}; load average (1/5/15 min) at start {load}, at end {end}. Client: "
-        f"{result['client']}; {result['seconds_per_rate']:g} s per rate; latency from each request's scheduled "
-        "send time.",
+        f"{result['client']}; {result.get('rounds', 1)} round(s) of {result['seconds_per_rate']:g} s per rate "
+        "(round-robin over the rates); latency from each request's scheduled send time. p50/p99/max over all "
+        "rounds; per-round p50 and p99 listed; CPU ms per request of each process (median round).",
     ]
-    sections = [("sequences", "Sequence server: GET 256-event answers (limit=256, random as_of)")]
+    sections = []
+    if "sequences" in result:
+        sections.append(("sequences", "Sequence server: GET 256-event answers (limit=256, random as_of)"))
     if "root_leaf" in result:
         r = result["root_leaf"]
         what = (
@@ -336,17 +432,34 @@ def render(result: dict) -> str:
         sections.append(("root_leaf", what))
     for key, title in sections:
         r = result[key]
-        best = r["best_rate_p99_le_10ms"]
         lines += ["", f"## {title}", ""]
-        lines += ["| target req/s | achieved req/s | requests | p50 ms | p99 ms | max ms | errors |"]
-        lines += ["|---:|---:|---:|---:|---:|---:|---:|"]
+        head = "| target req/s | achieved req/s | requests | p50 ms | p99 ms | max ms | errors | rounds: p50 / p99 ms |"
+        rule = "|---:|---:|---:|---:|---:|---:|---:|---|"
+        if "rounds" in r:
+            head += " worst round p99 ms | CPU ms/request |"
+            rule += "---:|---|"
+        lines += [head, rule]
         for run in r["runs"]:
-            lines.append(
+            rounds = run.get("rounds", [run])
+            per_round = ", ".join(f"{x['p50_ms']:.2f} / {x['p99_ms']:.2f}" for x in rounds)
+            row = (
                 f"| {run['target_rps']:,.0f} | {run['achieved_rps']:,.1f} | {run['requests']:,} | {run['p50_ms']:.2f} "
-                f"| {run['p99_ms']:.2f} | {run['max_ms']:.2f} | {run['errors']} |"
+                f"| {run['p99_ms']:.2f} | {run['max_ms']:.2f} | {run['errors']} | {per_round} |"
             )
+            if "rounds" in r:
+                cpu = ", ".join(f"{name} {ms:.2f}" for name, ms in run["cpu_ms_per_request"].items())
+                row += f" {run['worst_round_p99_ms']:.2f} | {cpu} |"
+            lines.append(row)
+        best = r["best_rate_p99_le_10ms"]
         best_text = f"{best:g} req/s" if best else "none of the rates"
-        lines += ["", f"Highest rate with p99 <= {P99_TARGET_MS:g} ms and no errors: {best_text}."]
+        lines += ["", f"Highest rate with p99 <= {P99_TARGET_MS:g} ms and no errors: {best_text}"]
+        if "rounds" in r:
+            every = r["best_rate_every_round_p99_le_10ms"]
+            lines[-1] += f" (in every one of the {r['rounds']} rounds: {f'{every:g} req/s' if every else 'none'})"
+            threads = ", ".join(f"{name} {n}" for name, n in r["threads"].items())
+            lines[-1] += f". Threads per process: {threads}."
+        else:
+            lines[-1] += "."
     return "\n".join(lines) + "\n"
 
 
@@ -376,13 +489,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-in-flight", type=int, default=256)
     ap.add_argument("--root-batch", type=int, default=8, help="candidates per root request")
     ap.add_argument("--root-models", default="ctr/1", help='models a root request targets ("all" = the six)')
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per rate (round-robin over the rates)")
     ap.add_argument("--skip-root", action="store_true")
+    ap.add_argument("--skip-sequences", action="store_true")
     ap.add_argument("--out", default=str(HERE / "serving_results.json"))
     ap.add_argument("--render-only", action="store_true", help="only rewrite the Markdown from --out's JSON")
     ap.add_argument("--child-leaves", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_leaves:
-        return leaves_child(args.child_leaves, str(args.root_batch))
+        return leaves_child(args.child_leaves, str(args.root_batch), server_args())
     out = Path(args.out)
     if args.render_only:
         out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
@@ -401,6 +516,8 @@ def main(argv=None) -> None:
         root_batch=args.root_batch,
         root_models=args.root_models,
         skip_root=args.skip_root,
+        skip_sequences=args.skip_sequences,
+        rounds=args.rounds,
     )
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(render(result))

@@ -20,11 +20,11 @@ signal; this is where the context's clean signal carries over to requests withou
 embedding, get that structure for free, and the context-withheld model is only level with the context-free
 one.
 
-Training uses a direct loop over the model's `ModelSpec` (its tables, ids, build, loss) and a real
-`EmbeddingCollection` on one device rather than the Trainer, because (1) the loop carries the model's
-non-parameter state from step to step (the logQ frequency estimator and the dropout RNG counters; the
-Trainer currently resets them every step) and (2) one device avoids the cost of eight simulated CPU devices
-on a small machine. The run is deterministic given --seed (counter-based data, fixed init keys, XLA:CPU).
+Training is the library's one training loop: `jaxscale.trainer.Trainer` on a one-device mesh, the model's
+synthetic stream from the run config (`data.source: synthetic`), the trainer's dense optimizer (AdamW,
+warmup-cosine schedule, gradient clipping) and row-wise AdaGrad on the tables; the trainer carries the
+model's non-parameter state (the logQ frequency estimator, the dropout RNG counters) from step to step.
+The run is deterministic given --seed (counter-based data, fixed init keys, XLA:CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,61 +70,58 @@ def make_config(args, use_context: bool):
     )
 
 
-def train(cfg, data, *, steps: int, seed: int, lr: float, sparse_lr: float, log_every: int, label: str):
-    """Direct training loop: returns (model, collection, table state, [(step, loss)])."""
+def run_config(cfg, args, label: str, workdir: str):
+    """The `jaxscale.config.Config` of one arm: one device, the planted-context stream, the recipe's
+    optimizers and schedule; no in-run evaluation (both arms are evaluated the same way afterwards)."""
+    import jaxscale
+    from jaxscale.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
+
+    return Config(
+        mesh=MeshConfig(nodes=1, local=1),
+        model=ModelConfig(kind="contextual_two_tower", sections={"contextual_two_tower": cfg}),
+        # capacity_factor 1.0 on one device: every request fits (nothing can overflow) and the exchange has
+        # one shape, so the step compiles once instead of once per batch's counted sizes
+        embedding=jaxscale.EmbeddingSettings(
+            sharding="table_wise", optimizer=jaxscale.RowWiseAdagrad(args.sparse_lr), capacity_factor=1.0
+        ),
+        data=DataConfig(source="synthetic", seed=args.seed, zipf_exponent=1.1, scramble_ids=True, eval_batches=0),
+        train=TrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            learning_rate=args.lr,
+            warmup_steps=max(1, args.steps // 20),
+            weight_decay=0.01,
+            grad_clip_norm=1.0,
+            eval_every=0,
+            checkpoint_every=0,
+            log_every=args.log_every,
+            seed=args.seed,
+            workdir=str(Path(workdir) / label),
+        ),
+    )
+
+
+def train(cfg, args, *, label: str, workdir: str):
+    """One arm trained by the Trainer: returns (model, collection, table state, [(step, loss)])."""
     import jax
     import numpy as np
-    import optax
     from flax import nnx
 
     import jaxscale
-    from jaxscale.data import to_global
-    from jaxscale_models.contextual_two_tower import SPEC
+    from jaxscale.trainer import Trainer
 
     mesh = jaxscale.make_mesh(1, 1, devices=jax.devices()[:1])
-    ec = jaxscale.EmbeddingCollection(
-        SPEC.tables(cfg),
-        mesh,
-        jaxscale.EmbeddingSettings(sharding="table_wise", optimizer=jaxscale.RowWiseAdagrad(sparse_lr)),
-    )
-    model = SPEC.build(cfg, nnx.Rngs(seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(steps, 2), lr * 0.1)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
-    opt = tx.init(params)
-    emb_state = ec.init(jax.random.key(seed))
-
-    def step_fn(params, rest, opt, emb_state, ids, batch):
-        emb = ec.lookup(emb_state, ids)
-
-        def loss_fn(params, emb):
-            m = nnx.merge(graphdef, params, rest, copy=True)  # fresh variables: the loss may update them
-            loss, _ = SPEC.loss(m, emb, batch)
-            _, _, new_rest = nnx.split(m, nnx.Param, ...)  # estimator arrays, RNG counters: carried forward
-            return loss, new_rest
-
-        (loss, new_rest), (g_params, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, emb)
-        updates, opt = tx.update(g_params, opt, params)
-        params = optax.apply_updates(params, updates)
-        return params, new_rest, opt, ec.update(emb_state, ids, g_emb), loss
-
-    step_jit = jax.jit(step_fn, donate_argnums=(0, 1, 2, 3))
-    losses = []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        host = data.batch(step)
-        # plain (checked) id arrays: one shape, so one compilation (the exchange is sized for the worst case,
-        # free on one device)
-        ids = to_global(ec.validate_ids(SPEC.ids(cfg, host)), mesh)
-        batch = to_global(host, mesh)
-        params, rest, opt, emb_state, loss = step_jit(params, rest, opt, emb_state, ids, batch)
-        if (step + 1) % log_every == 0 or step == 0 or step + 1 == steps:
-            losses.append((step + 1, float(loss)))
-            print(f"  [{label}] step {step + 1}/{steps} loss {losses[-1][1]:.4f} ({time.perf_counter() - t0:.0f} s)")
-    model = nnx.merge(graphdef, params, rest)
-    if not np.isfinite(losses[-1][1]):
-        raise FloatingPointError(f"{label}: training diverged (loss {losses[-1][1]})")
-    return model, ec, emb_state, losses
+    trainer = Trainer(run_config(cfg, args, label, workdir), mesh, progress=False)
+    history = trainer.run()
+    state = history["final_state"]
+    steps, losses = history["steps"], history["losses"]
+    curve = [(s, loss) for s, loss in zip(steps, losses) if s == 1 or s % args.log_every == 0 or s == steps[-1]]
+    for s, loss in curve:
+        print(f"  [{label}] step {s}/{args.steps} loss {loss:.4f}")
+    if history["final_step"] != args.steps or not np.isfinite(losses[-1]):
+        raise FloatingPointError(f"{label}: training stopped at step {history['final_step']} (loss {losses[-1]})")
+    model = nnx.merge(trainer.graphdef, state["dense"], state["rest"])
+    return model, trainer.ec, state["emb"], curve
 
 
 def evaluate(model, ec, emb_state, data, users: int, *, withhold: bool) -> dict:
@@ -148,22 +146,12 @@ def run(args) -> dict:
     from jaxscale_models.contextual_two_tower_data import SyntheticContextualData
 
     runs, curves, timings = {}, {}, {}
-    for name, use_context in (("context", True), ("no_context", False)):
-        cfg = make_config(args, use_context)
-        data = SyntheticContextualData(cfg, args.batch_size, args.seed)
-        t0 = time.perf_counter()
-        runs[name] = train(
-            cfg,
-            data,
-            steps=args.steps,
-            seed=args.seed,
-            lr=args.lr,
-            sparse_lr=args.sparse_lr,
-            log_every=args.log_every,
-            label=name,
-        )
-        timings[name] = time.perf_counter() - t0
-        curves[name] = runs[name][3]
+    with tempfile.TemporaryDirectory(prefix="two_tower_compare_") as workdir:  # the runs' final checkpoints
+        for name, use_context in (("context", True), ("no_context", False)):
+            t0 = time.perf_counter()
+            runs[name] = train(make_config(args, use_context), args, label=name, workdir=workdir)
+            timings[name] = time.perf_counter() - t0
+            curves[name] = runs[name][3]
     eval_data = SyntheticContextualData(make_config(args, True), args.batch_size, args.seed).held_out()
     eval_data = eval_data.with_options(corpus=False)
     recalls = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxscale import atomic
+from jaxscale.benchmarks.machine import machine_lines  # noqa: F401 -- the scripts import it from here
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -21,15 +22,6 @@ def machine() -> dict:
     from jaxscale.bench import machine as suite_machine
 
     return {**suite_machine(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:1]}
-
-
-def machine_lines(m: dict, load_at_end) -> list[str]:
-    fmt = lambda x: "n/a" if x is None else ", ".join(f"{v:.2f}" for v in x)  # noqa: E731
-    return [
-        f"- machine: {m['cpu_model']}, {m['nproc']} cores visible, {m['memory']}; {m['platform']}",
-        f"- python {m['python']}, jax {m['jax']}, numpy {m['numpy']}",
-        f"- load average (1, 5, 15 min) at start: {fmt(m['loadavg_at_start'])}; at end: {fmt(load_at_end)}",
-    ]
 
 
 def write_section(name: str, markdown: str, path: Path = RESULTS) -> Path:

@@ -8,8 +8,9 @@ XLA needs static shapes, so every exchange has a capacity: slots per destination
   that does not fit is counted as overflow (the trainer refuses or grows).
 * counted (the default for host ids): the host counts, for this batch, the unique rows each device asks
   of each owner (and the rows each replica touches, for the replica sync) with the same request builders
-  the device runs (`routing.row_requests`, `routing.pair_requests`), then rounds each count UP on a short
-  ladder (x1.25 steps) so a run compiles a handful of executables. The counts are exact, so a counted
+  the device runs (`routing.row_requests`, `routing.pair_requests`), then rounds each count UP on the one
+  capacity ladder (`jaxscale.comm_model.round_up_capacity`: x1.25 steps, shared with the planner and the
+  scaling model) so a run compiles a handful of executables. The counts are exact, so a counted
   batch can never overflow. They travel as static metadata of the batch pytree (`ids.ShardedIds`), and
   `jit` selects the executable compiled for them; in multi-process runs the processes exchange their
   counts (and touched-row keys, for the sync) so every process picks the same executable.
@@ -23,22 +24,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxscale.comm_model import CAPACITY_LADDER as LADDER_GROWTH
-from jaxscale.comm_model import round_up_capacity
+from jaxscale.comm_model import CAPACITY_LADDER, round_up_capacity
 from jaxscale.embedding import routing
 from jaxscale.embedding.layout import Layout
 from jaxscale.mesh import Topology
 
 SYNC_STRATEGIES = ("gather", "owner")
-
-
-def ladder_up(n: int) -> int:
-    """The smallest capacity >= n on the ladder ceil(1.25**i): 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 19, ...
-
-    Rounding up costs at most 25% padding and a run sees O(log) distinct capacities. The one ladder, shared
-    with the planner and the scaling model (`jaxscale.comm_model.round_up_capacity`).
-    """
-    return round_up_capacity(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +114,7 @@ class CapacityCache:
                 ]
                 value = max([getattr(cap, field), *seen])
                 if value:
-                    value = ladder_up(math.ceil(value * LADDER_GROWTH))
+                    value = round_up_capacity(math.ceil(value * CAPACITY_LADDER))
                     if worst is not None and key in dict(worst.stacks):
                         bound = getattr(worst[key], field) or value
                         value = min(value, max(bound, getattr(cap, field)))
@@ -281,8 +272,8 @@ class LocalCounts:
         for key, (rows_cap, pairs_cap) in zip(self.stacks, top):
             bound = self.worst[key]
             cap = StackCapacity(
-                rows=min(ladder_up(int(rows_cap)), bound.rows) if rows_cap else 0,
-                pairs=min(ladder_up(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
+                rows=min(round_up_capacity(int(rows_cap)), bound.rows) if rows_cap else 0,
+                pairs=min(round_up_capacity(int(pairs_cap)), bound.pairs) if pairs_cap else 0,
             )
             out.append((key, dataclasses.replace(cap, **self.sync_caps.get(key, {}))))
         return Capacities(tuple(out), counted=True)
@@ -374,7 +365,7 @@ def count_local(
             owner_cap = _max_count((rep_k * S + dest_k) * rep_count + owner)
             union = np.unique(dest_k * R[key] + row_k)
             owned_cap = _max_count((union // R[key]) * rep_count + (union % R[key]) % rep_count)
-            g, o, u = (ladder_up(v) if v else 1 for v in (gather_cap, owner_cap, owned_cap))
+            g, o, u = (round_up_capacity(v) if v else 1 for v in (gather_cap, owner_cap, owned_cap))
             if sync_strategy == "auto":
                 row_bytes = 4 + wire_bytes(st.width)
                 gather_bytes = (rep_count - 1) * g * row_bytes

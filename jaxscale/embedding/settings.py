@@ -141,6 +141,10 @@ def optimizer_from_tree(value) -> SGD | RowWiseAdagrad:
             raise SettingError(name, f"must be a number, got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
             raise SettingError(name, f"must be finite, got {v!r}")
+    for f in dataclasses.fields(cls):
+        required = f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in fields:
+            raise SettingError(f.name, f"is required for kind {kind!r}")
     try:
         return cls(**fields)
     except ValueError as e:  # the optimizer names its own field: "RowWiseAdagrad.eps must be ..."

@@ -2,8 +2,9 @@
 
 backfill: every chunk of the log (row groups whose ts statistics fall outside --start/--end are skipped),
 grouped by (sequence, day), each day assembled and installed atomically. Days of the range with no events
-are removed, so re-running a day replaces it exactly. Transformed chunks are spilled per day and the days
-assembled one at a time (`jaxscale.sequences.spill`), so memory is bounded by a day, not the log.
+are removed, so re-running a day replaces it exactly. Transformed chunks are spilled per day and each day
+is assembled as soon as no row group left to read can hold it (`jaxscale.sequences.spill`), so memory is
+bounded by a few days, not the log.
 
 stream: the log replayed in arrival order in micro-batches of N rows; each micro-batch's events are
 assembled per (sequence, day) and added to their partitions as new sorted files (late events go to their
@@ -27,7 +28,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import polars as pl
@@ -37,7 +38,7 @@ from jaxscale.sequences.definitions import Definitions
 from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
 from jaxscale.sequences.events import check_schema, find_event_files, read_stream
 from jaxscale.sequences.incremental import IncrementalWriter
-from jaxscale.sequences.spill import SPILL_BUDGET, DaySpill, default_threads, install_spilled_days, spill_chunks
+from jaxscale.sequences.spill import SPILL_BUDGET, DaySpill, DayWriter, WorkerPool, default_threads, spill_chunks
 from jaxscale.sequences.store import (
     MS_PER_DAY,
     day_name,
@@ -153,24 +154,28 @@ def backfill(
     files, engine = prepare(defs, events, sources)
     report = RunReport("backfill", str(events))
     threads = default_threads() if threads is None else _check_threads(threads)
-    with open_sequences(defs, engine, store), ThreadPoolExecutor(threads) as pool:
+    with open_sequences(defs, engine, store), WorkerPool(threads) as pool:
         vocab = VocabularyWriter(store, defs)
         counters = {s.name: {f: IdCounter() for f in vocab.fields(s.name)} for s in defs.sequences}
         spill = DaySpill(Path(store), [s.name for s in defs.sequences], spill_budget)
+        writer = DayWriter(engine, Path(store), spill, pool)
         try:
-            for file, stats in spill_chunks(engine, files, spill, counters, lo_ms, hi_ms, pool, threads):
+            chunks = spill_chunks(engine, files, spill, counters, lo_ms, hi_ms, pool, threads, writer.complete)
+            for file, stats in chunks:
                 report.add(file, stats)
             total = report.totals()
             first = day_number(start) if start else total.first_day
             last = day_number(end) if end else total.last_day
             days = range(first, last + 1) if first is not None and last is not None else range(0)
-            saved = pool.submit(save_vocabularies, vocab, defs, Path(store), days, counters)
-            for s in defs.sequences:
-                seq_dir = Path(store) / s.name
-                written, removed = install_spilled_days(engine, seq_dir, days, spill, pool, threads, saved)
-                report.partitions[s.name], report.removed[s.name] = written, removed
-            saved.result()
+            # On a thread of its own: a worker keeps assembling days meanwhile (they are installed after it).
+            with ThreadPoolExecutor(1, thread_name_prefix="vocab") as saver:
+                saved = saver.submit(save_vocabularies, vocab, defs, Path(store), days, counters)
+                saved.add_done_callback(lambda f: _copy_outcome(f, writer.vocabularies))
+                for s in defs.sequences:
+                    report.partitions[s.name], report.removed[s.name] = writer.finish(s.name, days)
+                saved.result()
         finally:
+            writer.close()
             spill.remove()
     report.seconds = time.perf_counter() - t0
     report.extra["threads"] = threads
@@ -184,6 +189,14 @@ def save_vocabularies(vocab: VocabularyWriter, defs: Definitions, store: Path, d
     for s in defs.sequences:
         if s.vocabularies:
             update_vocabularies(vocab, store / s.name, {}, days, counters[s.name])
+
+
+def _copy_outcome(src: Future, dst: Future) -> None:
+    """Completes `dst` as `src` completed (its result or its exception)."""
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 def _check_threads(threads) -> int:

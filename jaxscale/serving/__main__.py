@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxscale.serving {export-demo,leaf,root} ...``"""
+"""Command line: ``python -m jaxscale.serving {export-demo,leaf,root,build-index,export-retrieval,states} ...``"""
 
 from __future__ import annotations
 
@@ -24,12 +24,28 @@ def export_demo_main(argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"export-demo": export_demo_main, "leaf": None, "root": None}
+    commands = {
+        "export-demo": export_demo_main,
+        "leaf": None,
+        "root": None,
+        "build-index": None,
+        "export-retrieval": None,
+        "states": None,
+    }
     if not argv or argv[0] not in commands:
         print(f"usage: python -m jaxscale.serving {{{','.join(commands)}}} [options]", file=sys.stderr)
         raise SystemExit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     command, rest = argv[0], argv[1:]
+    if command in ("build-index", "export-retrieval"):
+        from jaxscale.serving import retrieval
+
+        run = retrieval.build_index_main if command == "build-index" else retrieval.export_retrieval_main
+        raise SystemExit(run(rest))
+    if command == "states":
+        from jaxscale.serving.states import main as states_main
+
+        raise SystemExit(states_main(rest))
     if command == "leaf":
         from jaxscale.serving.leaf import main as leaf_main
 

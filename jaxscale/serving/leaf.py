@@ -2,11 +2,28 @@
 
     POST /predict     Arrow IPC features -> Arrow IPC outputs (one column per output)
     GET  /signature   the model's signature (JSON)
+    POST /v1/models/{name}:retrieve   a retrieval model version (`jaxscale.serving.retrieval`) with a state store:
+                      user_id + context -> top-K item ids (JSON or Arrow IPC)
     GET  /metrics     Prometheus text (the HTTP layer's metrics and the leaf's own)
     GET  /healthz
 
 Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict and /signature need a
 token granting the model's name.
+
+The fast path: /predict is an ``async def`` handler on the server's event loop. Decoding, the signature check
+and the column conversion run inline (tens of microseconds); the model call goes through ``self._offload``
+(`jaxscale.http_server.Offload`), which runs it on the loop while its measured time per batch bucket is under
+``LeafConfig.inline_budget_s`` and in a thread otherwise (a first call, a big batch). No request crosses a thread
+when the model is fast, so no thread wake-ups or GIL hand-offs are paid per request.
+
+Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way:
+  1. ``async def _retrieve(self, request: Request) -> Response``: decode and check the body inline; raise
+     `HTTPError` (or let `FeatureError`/`wire.PayloadError` become one, as `_predict` does) for a bad request;
+  2. every call that can take long (the model, an index search) goes through
+     ``await self._offload.run(("retrieve", self._bucket(rows)), fn, *args)``: one cost key per kind of call and
+     batch bucket, so a slow call never runs on the loop;
+  3. list it in `routes` with ``resources=self._model_resource`` (bearer tokens) and count it in
+     ``self.metrics`` (declare new names in `LEAF_METRICS`).
 
 A request must carry every feature the model uses, with the declared dtype and shape (else 400 naming the
 feature). Declared features the compiled function never reads may be absent: the leaf passes zeros for them,
@@ -31,6 +48,7 @@ import pyarrow as pa
 from jaxscale.http_server import (
     BackgroundServer,
     HTTPError,
+    Offload,
     Request,
     Response,
     Route,
@@ -40,6 +58,7 @@ from jaxscale.http_server import (
     serve_until_signal,
     server_options,
 )
+from jaxscale.serving import retrieval as retrieval_lib
 from jaxscale.serving import wire
 from jaxscale.serving.export import ExportedModel, load_model
 from jaxscale.serving.metrics import MetricDef, Metrics
@@ -55,6 +74,7 @@ LEAF_METRICS = (
     MetricDef("features_received", "counter", "feature columns received over all requests"),
     MetricDef("ignored_features", "counter", "received feature columns the model does not declare (ignored)"),
     MetricDef("filled_unused_features", "counter", "declared-but-unused features absent and passed as zeros"),
+    MetricDef("retrieved", "counter", "retrieve requests (rows) answered"),
 )
 
 
@@ -98,18 +118,24 @@ class LeafConfig:
     batch_buckets: tuple[int, ...] = ()
     warmup: bool = False  # compile every bucket at start-up
     server: ServerConfig = field(default_factory=ServerConfig)  # host, port, in-flight bound, tokens, TLS, ...
+    states: str | Path | None = None  # retrieval: the state directory (`jaxscale.serving.states`) to read
+    states_watch_s: float = 1.0  # retrieval: how often to look for a new state publication
+    inline_budget_s: float = 0.002  # model calls measured shorter than this run on the event loop (0 = never)
 
     def __post_init__(self):
         buckets = tuple(self.batch_buckets)
         if any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"batch_buckets must be increasing positive integers, got {buckets!r}")
+        if not isinstance(self.inline_budget_s, (int, float)) or self.inline_budget_s < 0:
+            raise ValueError(f"inline_budget_s must be a number >= 0, got {self.inline_budget_s!r}")
         object.__setattr__(self, "batch_buckets", buckets)
 
 
 class Leaf:
     """One model version: checks requests against its signature and runs `jax.export.deserialize(...).call`."""
 
-    def __init__(self, config: LeafConfig):
+    def __init__(self, config: LeafConfig, *, states=None):
+        """``states``: the state reader of a retrieval version (default: a `StateReader` of ``config.states``)."""
         self.config = config
         self.model: ExportedModel = load_model(config.store, config.model, config.version)
         self.signature = self.model.signature
@@ -118,10 +144,28 @@ class Leaf:
         self._server: BackgroundServer | None = None
         self._plans: list[tuple[pa.Schema, _InputPlan]] = []
         self._plans_lock = threading.Lock()
+        # the model call: on the loop while it is short, else in threads (`jaxscale.http_server.Offload`)
+        self._offload = Offload(config.server.workers, config.inline_budget_s, name="leaf-model")
+        self.retrieval, self.states, self._own_states = None, states, False
+        if retrieval_lib.is_retrieval_version(config.store, config.model, config.version):
+            self.retrieval = retrieval_lib.RetrievalModel(config.store, config.model, config.version)
+            if self.states is None and config.states is not None:
+                from jaxscale.serving.states import StateReader
+
+                self.states, self._own_states = StateReader(config.states), True
+                self.states.watch(config.states_watch_s)
+            if self.states is None:
+                log.warning("leaf %s: a retrieval model without a state store: no retrieve route", self.signature.label)
+            else:
+                self._retrieve_endpoint = retrieval_lib.RetrieveEndpoint(self.retrieval, self.states, self.metrics)
+                if config.warmup:
+                    self.retrieval.warmup()
         if config.warmup:  # compile every bucket, and load what decoding a request imports (pyarrow -> pandas)
             for b in config.batch_buckets:
                 batch = wire.to_record_batch(self._zeros(b))
-                self._run({s.name: wire.to_numpy(batch, s.name) for s in self.signature.features})
+                inputs = {s.name: wire.to_numpy(batch, s.name) for s in self.signature.features}
+                self._run(inputs)  # compiles
+                self._offload.measure(("predict", b), self._run, inputs)  # a warm call: its cost picks inline or not
 
     # ------------------------------------------------------------------------------------------- predicting
 
@@ -159,6 +203,10 @@ class Leaf:
 
     def predict_batch(self, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         """Score an Arrow record batch of features; raises `FeatureError` naming a missing or mismatched one."""
+        return self._run(self._inputs(batch))
+
+    def _inputs(self, batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+        """The model's inputs from a request batch (checked against the signature, counted in the metrics)."""
         plan = self._input_plan(batch.schema)
         rows = batch.num_rows
         inputs = {}
@@ -171,7 +219,7 @@ class Leaf:
         self.metrics.inc("ignored_features", plan.ignored)
         self.metrics.inc("filled_unused_features", plan.filled)
         self.metrics.inc("examples", rows)
-        return self._run(inputs)
+        return inputs
 
     def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score ``{feature: array [batch, ...]}`` (same checks as the HTTP path)."""
@@ -185,7 +233,7 @@ class Leaf:
         payload.setdefault("version", self.signature.version)
         return HTTPError(400, payload)
 
-    def _predict(self, request: Request) -> Response:
+    async def _predict(self, request: Request) -> Response:
         self.metrics.inc("request_bytes", len(request.body))
         status = 200
         try:
@@ -195,7 +243,9 @@ class Leaf:
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             try:
                 batch = wire.decode(request.body)
-                outputs = self.predict_batch(batch)
+                inputs = self._inputs(batch)
+                rows = batch.num_rows
+                outputs = await self._offload.run(("predict", self._bucket(rows)), self._run, inputs)
             except wire.PayloadError as e:
                 status = 400
                 raise self._bad("payload", {"error": str(e), "reason": "payload"}) from None
@@ -216,8 +266,22 @@ class Leaf:
         return [
             Route("POST", "/predict", self._predict, resources=model),
             Route("GET", "/signature", lambda r: Response.json(self.signature.to_json()), resources=model),
+            *self._retrieve_routes(),
             Route("GET", "/healthz", lambda r: Response.json({"status": "ok", **label}), public=True, inline=True),
         ]
+
+    async def _retrieve(self, request: Request) -> Response:
+        """``POST /v1/models/{name}:retrieve``: decoded and checked inline; the state lookup, the query step and
+        the index search go through ``self._offload`` (one cost key per batch bucket)."""
+        parsed = self._retrieve_endpoint.parse(request)
+        key = ("retrieve", retrieval_lib.bucket(parsed.rows))
+        result = await self._offload.run(key, self._retrieve_endpoint.run, parsed)
+        return self._retrieve_endpoint.respond(parsed, result)
+
+    def _retrieve_routes(self) -> list[Route]:
+        if self.retrieval is None or self.states is None:
+            return []
+        return [Route("POST", "/v1/models/{name}:retrieve", self._retrieve, resources=self._model_resource)]
 
     def service(self) -> Service:
         return Service(
@@ -241,6 +305,9 @@ class Leaf:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._own_states:
+            self.states.close()
+        self._offload.shutdown()
 
     def __enter__(self) -> Leaf:
         return self.start()
@@ -258,11 +325,12 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--batch-buckets", default="", help="comma-separated batch sizes to pad to, e.g. 1,8,64,512")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+    p.add_argument("--states", default=None, help="retrieval: the state directory (python -m jaxscale.serving states)")
     add_server_arguments(p)
     args = p.parse_args(argv)
     buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
     server = ServerConfig(host=args.host, port=args.port, **server_options(args))
-    leaf = Leaf(LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server))
+    leaf = Leaf(LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server, states=args.states))
     serve_until_signal(
         leaf.service(), lambda url: print(f"leaf {leaf.signature.label} serving on {url}", flush=True)
     )  # until SIGTERM/SIGINT; in-flight requests finish first

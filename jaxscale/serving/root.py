@@ -4,12 +4,25 @@ the features its model's signature says it uses.
     POST /predict[?models=m/v,...]   Arrow IPC features -> Arrow IPC outputs, columns "<model>/<version>/<output>"
     GET  /routes                     the current map model/version -> allowed features (JSON)
     POST /admin/reload               rescan the signatures now; answers the new map
+    POST /v1/models/{name}:retrieve  a retrieve request (`jaxscale.serving.retrieval`), trimmed to user_id + the
+                                     query step's features, forwarded to the model's leaf (?version= picks one)
     GET  /metrics                    Prometheus text (the HTTP layer's metrics and the root's own)
     GET  /healthz
 
-Served by the shared HTTP layer (`jaxscale.http_server`); leaves are called with its keep-alive `Client` (https
-with ``leaf_ca_file``, a bearer token with ``leaf_token``). With a tokens file, /predict needs a token granting
+Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict needs a token granting
 every model it targets (all served models when ``models`` is absent), /admin/reload one granting "admin".
+
+The fast path: /predict is an ``async def`` handler on the server's event loop from end to end. Decoding,
+checking and trimming run inline (the schema and the per-leaf plans are cached, trimming is zero-copy), and the
+leaves are called concurrently over keep-alive `AsyncClient` connections (aiohttp, ``TCP_NODELAY``; https with
+``leaf_ca_file``, a bearer token with ``leaf_token``) on the same loop: no thread hand-off anywhere on the
+request's path. `Root.fan_out` is the same fan-out for Python callers (blocking `Client`s, threads).
+
+Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way: an ``async def`` handler that decodes
+inline, gets its plans from ``self._plan(batch, models)`` (or its own planner), sends each leaf's body with
+``await self._async_clients[(model, version)].request("POST", path, body, headers)`` (through a helper like
+`_call_leaf_async`, which counts the metrics and turns a leaf's failure into `LeafCallError`) and maps the
+errors to statuses as `_predict` does; then list it in `routes_http` with its ``resources``.
 
 Response headers: ``X-Jaxscale-Routes-Generation`` (the map the request used) and ``X-Jaxscale-Fanout``
 (JSON: per leaf, the features and bytes sent and whether it failed open).
@@ -18,6 +31,7 @@ Response headers: ``X-Jaxscale-Routes-Generation`` (the map the request used) an
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import time
@@ -31,6 +45,7 @@ import pyarrow as pa
 
 from jaxscale.http_server import (
     JSON,
+    AsyncClient,
     BackgroundServer,
     Client,
     HTTPError,
@@ -45,8 +60,9 @@ from jaxscale.http_server import (
 )
 from jaxscale.serving import wire
 from jaxscale.serving.metrics import MetricDef, Metrics
+from jaxscale.serving.retrieval import TIMINGS_HEADER, trim_retrieve_request
 from jaxscale.serving.routes import OK, RouteTable
-from jaxscale.serving.signature import FeatureError, check_name
+from jaxscale.serving.signature import FeatureError, SignatureError, check_name
 from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
 
 log = logging.getLogger(__name__)
@@ -198,6 +214,12 @@ class Root:
             )
             for a in config.leaves
         }
+        self._async_clients = {  # the HTTP path's: bound to the server's event loop on first use
+            (a.model, a.version): AsyncClient(
+                a.url, config.leaf_timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
+            )
+            for a in config.leaves
+        }
         self._planner = FanoutPlanner()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
         self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
@@ -234,7 +256,8 @@ class Root:
             out.append((model, version))
         return out
 
-    def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
+    def _leaf_body(self, plan: LeafPlan, batch: pa.RecordBatch) -> bytes:
+        """The body one leaf is sent (trimmed, encoded), counted in the metrics."""
         t0 = time.perf_counter()
         payload = trim_batch(batch, plan)
         self.metrics.inc("trim_seconds", time.perf_counter() - t0)
@@ -247,12 +270,15 @@ class Root:
         self.metrics.inc("features_trimmed", batch.num_columns - sent, **labels)
         if plan.fail_open:
             self.metrics.inc("fail_open_requests", reason=plan.fail_open, **labels)
-        client = self._clients[(plan.model, plan.version)]
-        try:
-            status, _, data = client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
-        except OSError as e:
-            self.metrics.inc("leaf_errors", **labels)
-            raise LeafCallError(502, {"error": f"leaf {plan.label} at {client.url} unreachable: {e}"}) from None
+        return body
+
+    def _leaf_failed(self, plan: LeafPlan, url: str, error: OSError) -> LeafCallError:
+        self.metrics.inc("leaf_errors", model=plan.model, version=plan.version)
+        return LeafCallError(502, {"error": f"leaf {plan.label} at {url} unreachable: {error}"})
+
+    def _leaf_result(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes, status: int, data: bytes):
+        """A leaf's answer -> `LeafResult`, or raises `LeafCallError` (its 400 passed on, anything else 502)."""
+        labels = {"model": plan.model, "version": plan.version}
         if status != 200:
             self.metrics.inc("leaf_errors", **labels)
             try:
@@ -276,35 +302,83 @@ class Root:
             )
         return LeafResult(plan, len(body), outputs)
 
-    def fan_out(self, batch: pa.RecordBatch | Mapping[str, np.ndarray], models: Sequence[str] | None = None):
-        """Check, trim and send one request to every target leaf (in parallel); -> `FanoutResult`.
+    def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
+        body = self._leaf_body(plan, batch)
+        client = self._clients[(plan.model, plan.version)]
+        try:
+            status, _, data = client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
+        except OSError as e:
+            raise self._leaf_failed(plan, client.url, e) from None
+        return self._leaf_result(plan, batch, body, status, data)
 
-        Raises `FeatureError` (bad request, names the feature and model) before calling any leaf.
-        """
-        if not isinstance(batch, pa.RecordBatch):
-            batch = wire.to_record_batch(batch)
+    async def _call_leaf_async(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
+        body = self._leaf_body(plan, batch)
+        client = self._async_clients[(plan.model, plan.version)]
+        try:
+            status, _, data = await client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
+        except OSError as e:
+            raise self._leaf_failed(plan, client.url, e) from None
+        return self._leaf_result(plan, batch, body, status, data)
+
+    def _plan(self, batch, models: Sequence[str] | None):
+        """-> (the route map, one plan per target leaf); raises `FeatureError` / `UnknownModelError`."""
         targets = self._select_targets(models)
         routes = self.routes.current()  # one snapshot for the whole fan-out
         t0 = time.perf_counter()
         plans = self._planner.plan(batch, routes, targets, trim=self.config.trim)
         self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-        # the last leaf is called on this thread (one leaf: no hand-off to the pool at all)
-        futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans[:-1]]
-        futures.append(_Run(self._call_leaf, plans[-1], batch))
-        result = FanoutResult(routes.generation)
-        errors = []
-        for plan, fut in zip(plans, futures):
-            try:
-                result.leaves[plan.label] = fut.result()
-            except LeafCallError as e:
-                errors.append(e)
+        return routes, plans
+
+    @staticmethod
+    def _collect(generation: int, plans: list[LeafPlan], outcomes: list) -> FanoutResult:
+        result, errors = FanoutResult(generation), []
+        for plan, outcome in zip(plans, outcomes):
+            if isinstance(outcome, LeafCallError):
+                errors.append(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                result.leaves[plan.label] = outcome
         if errors:
             raise min(errors, key=lambda e: e.status)  # a leaf's 400 (bad request) wins over a 502
         return result
 
+    def fan_out(self, batch: pa.RecordBatch | Mapping[str, np.ndarray], models: Sequence[str] | None = None):
+        """Check, trim and send one request to every target leaf (in parallel threads); -> `FanoutResult`.
+
+        For Python callers; the HTTP route runs `fan_out_async` on the server's event loop.
+        Raises `FeatureError` (bad request, names the feature and model) before calling any leaf.
+        """
+        if not isinstance(batch, pa.RecordBatch):
+            batch = wire.to_record_batch(batch)
+        routes, plans = self._plan(batch, models)
+        # the last leaf is called on this thread (one leaf: no hand-off to the pool at all)
+        futures = [self._pool.submit(self._call_leaf, plan, batch) for plan in plans[:-1]]
+        futures.append(_Run(self._call_leaf, plans[-1], batch))
+        outcomes = []
+        for fut in futures:
+            try:
+                outcomes.append(fut.result())
+            except LeafCallError as e:
+                outcomes.append(e)
+        return self._collect(routes.generation, plans, outcomes)
+
+    async def fan_out_async(self, batch: pa.RecordBatch, models: Sequence[str] | None = None) -> FanoutResult:
+        """`fan_out` on the running event loop: the leaves are called concurrently over `AsyncClient`s."""
+        routes, plans = self._plan(batch, models)
+        if len(plans) == 1:
+            try:
+                outcomes = [await self._call_leaf_async(plans[0], batch)]
+            except LeafCallError as e:
+                outcomes = [e]
+        else:
+            calls = (self._call_leaf_async(plan, batch) for plan in plans)
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        return self._collect(routes.generation, plans, outcomes)
+
     # ------------------------------------------------------------------------------------------------- HTTP
 
-    def _predict(self, request: Request) -> Response:
+    async def _predict(self, request: Request) -> Response:
         status = 200
         try:
             ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
@@ -313,7 +387,7 @@ class Root:
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             models = [m for m in request.query.get("models", "").split(",") if m]
             try:
-                result = self.fan_out(wire.decode(request.body), models)
+                result = await self.fan_out_async(wire.decode(request.body), models)
             except wire.PayloadError as e:
                 status = 400
                 self.metrics.inc("bad_requests", reason="payload")
@@ -339,6 +413,75 @@ class Root:
         finally:
             self.metrics.inc("requests", status=status)
 
+    def _retrieve_target(self, request: Request) -> tuple[str, str]:
+        name, version = request.params["name"], request.query.get("version")
+        keys = [(m, v) for m, v in self.targets if m == name and (not version or v == version)]
+        if not keys:
+            served = [f"{m}/{v}" for m, v in self.targets]
+            raise HTTPError(404, {"error": f"no leaf serves model {name!r} (served: {served})", "reason": "model"})
+        if len(keys) > 1:
+            versions = [v for _, v in keys]
+            raise HTTPError(
+                400, {"error": f"model {name!r} has versions {versions}: pass ?version=", "reason": "model"}
+            )
+        return keys[0]
+
+    async def _retrieve(self, request: Request) -> Response:
+        """``POST /v1/models/{name}:retrieve``: check and trim the request inline (fail open without a signature),
+        forward it to the model's leaf over its `AsyncClient`, pass the answer on."""
+        model, version = self._retrieve_target(request)
+        routes = self.routes.current()
+        entry = routes.entry(model, version)
+        labels = {"model": model, "version": version}
+        ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
+        ok = entry.status == OK
+        try:
+            t0 = time.perf_counter()
+            trimmed = trim_retrieve_request(
+                request.body, ctype, entry.signature if ok else None, trim=self.config.trim,
+                fail_open=None if ok else entry.status, compression=self.config.compression,
+            )  # fmt: skip
+            self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        except (wire.PayloadError, SignatureError) as e:
+            self.metrics.inc("bad_requests", reason="payload")
+            raise HTTPError(400, {"error": str(e), "reason": "payload", **labels}) from None
+        except FeatureError as e:
+            self.metrics.inc("bad_requests", reason=e.reason)
+            raise HTTPError(400, e.to_json()) from None
+        except ValueError as e:  # the content type
+            raise HTTPError(415, {"error": str(e)}) from None
+        self.metrics.inc("leaf_requests", **labels)
+        self.metrics.inc("leaf_request_bytes", len(trimmed.body), **labels)
+        self.metrics.inc("features_sent", trimmed.features_sent, **labels)
+        self.metrics.inc("features_trimmed", trimmed.features_received - trimmed.features_sent, **labels)
+        if trimmed.fail_open:
+            self.metrics.inc("fail_open_requests", reason=trimmed.fail_open, **labels)
+        client = self._async_clients[(model, version)]
+        path = f"/v1/models/{model}:retrieve" + (f"?{request.query_string}" if request.query_string else "")
+        try:
+            status, leaf_headers, data = await client.request("POST", path, trimmed.body, {"Content-Type": ctype})
+        except OSError as e:
+            self.metrics.inc("leaf_errors", **labels)
+            raise HTTPError(502, {"error": f"leaf {model}/{version} at {client.url} unreachable: {e}"}) from None
+        if status != 200:
+            self.metrics.inc("leaf_errors", **labels)
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                payload = {"error": data[:200].decode(errors="replace")}
+            raise HTTPError(400 if status == 400 else 502, {**payload, "leaf": f"{model}/{version}"})
+        fanout = {"features": trimmed.features_sent, "bytes": len(trimmed.body), "fail_open": trimmed.fail_open}
+        headers = {
+            GENERATION_HEADER: str(routes.generation),
+            FANOUT_HEADER: json.dumps({f"{model}/{version}": fanout}, separators=(",", ":")),
+        }
+        if TIMINGS_HEADER.lower() in leaf_headers:
+            headers[TIMINGS_HEADER] = leaf_headers[TIMINGS_HEADER.lower()]
+        return Response(200, data, leaf_headers.get("content-type", ctype), headers)
+
+    def _retrieve_model(self, request: Request) -> list[str]:
+        return [request.params["name"]]
+
     def _reload(self, request: Request) -> Response:
         return Response.json(self.reload().to_json())
 
@@ -350,6 +493,7 @@ class Root:
     def routes_http(self) -> list[Route]:
         return [
             Route("POST", "/predict", self._predict, resources=self._predict_models),
+            Route("POST", "/v1/models/{name}:retrieve", self._retrieve, resources=self._retrieve_model),
             Route("GET", "/routes", lambda r: Response.json(self.routes.current().to_json())),
             Route("POST", "/admin/reload", self._reload, resources=lambda r: ("admin",)),
             Route("GET", "/healthz", lambda r: Response(200, b'{"status": "ok"}\n', JSON), public=True, inline=True),
@@ -358,8 +502,12 @@ class Root:
     def service(self) -> Service:
         return Service(
             self.routes_http(), self.config.server, name="jaxscale-root", metrics_prefix="jaxscale_root",
-            collectors=[self.metrics],
+            collectors=[self.metrics], on_close=[self._close_leaf_connections],
         )  # fmt: skip
+
+    async def _close_leaf_connections(self) -> None:
+        for client in self._async_clients.values():
+            await client.close()
 
     def start(self) -> Root:
         self._server = BackgroundServer(self.service()).start()

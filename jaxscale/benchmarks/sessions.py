@@ -1,17 +1,19 @@
-"""What the benchmark scripts share: Zipf ids, the machine description, load checks, and the worker protocol.
+"""The worker protocol: every engine timed in its own processes, with no other engine process alive.
 
-Timing protocol (why the workers exist): on a small CPU machine an engine process that is idle in theory
-still distorts another engine's time (see `timing_probe.py` and docs/benchmarks.md), so every engine is
-timed in its own processes with no other engine process alive. A *session* is one engine's whole
-processes: start, load the data, build and compile, warm up, run the timed steps, write a result file,
-exit. `alternate` runs sessions A, B, C, A, B, C, ... (order rotated each round) and the report compares
-medians over all timed steps. The parent process only waits (it never imports JAX or torch).
+Why: on a small CPU machine an engine process that is idle in theory still distorts another engine's time
+(an XLA process keeps its pool spinning after a step; experiments/bench/timing_probe.py measures it, and
+docs/benchmarks.md explains it), so a *session* is one engine's whole processes: start, load the data,
+build and compile, warm up, run the timed steps, write a result file, exit. `alternate` runs sessions
+A, B, C, A, B, C, ... (order rotated each round); the parent process only waits (it never imports JAX or
+torch).
 
-Worker protocol: the parent writes a JSON spec and runs ``python SCRIPT KIND SPEC RESULT``; the script
-calls `worker_main`, which runs the handler for KIND and writes its JSON result atomically to RESULT
-(``{"error": ..., "traceback": ...}`` on failure, exit code 1). `run_session` starts one or several such
-processes together (a multi-process engine), kills all of them when one fails or the timeout passes, and
-raises `WorkerError` with the tail of their output.
+Worker protocol: the parent writes a JSON spec and runs ``COMMAND KIND SPEC RESULT``, where COMMAND is
+`module_command("jaxscale.benchmarks.one_device")` (``python -m ...``) or `script_command(path)`; the
+worker calls `worker_main`, which runs the handler for KIND and writes its JSON result atomically to
+RESULT (``{"error": ..., "traceback": ...}`` on failure, exit code 1). `run_session` starts one or several
+such processes together (a multi-process engine), kills all of them when one fails or the timeout passes,
+and raises `WorkerError` with the tail of their output. `Worker` / `serve` drive a persistent worker step
+by step instead (timing_probe.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,141 +29,18 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
-
 from jaxscale import atomic
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-RESULTS = REPO / "experiments" / "results"
+from jaxscale.benchmarks.threads import XLA_THREADS_ENV
 
 
-# ------------------------------------------------------------------------------------------- data
+def module_command(module: str) -> list[str]:
+    """The command that runs `module` as a worker (``python -m module``) under this interpreter."""
+    return [sys.executable, "-m", module]
 
 
-def zipf_ids(rng: np.random.Generator, rows: int, shape, a: float) -> np.ndarray:
-    """Zipf(a) ranks scattered over the table by a multiplicative hash (hot rows are not adjacent)."""
-    rank = rng.zipf(a, size=shape).astype(np.int64) - 1
-    return ((rank * 2654435761) % rows).astype(np.int32)
-
-
-def median_ms(seconds: Sequence[float]) -> float:
-    return 1e3 * statistics.median(seconds) if len(seconds) else float("nan")
-
-
-def spread(seconds: Sequence[float]) -> dict:
-    """Median, p10, p90, min and max in ms, and the count."""
-    ts = sorted(seconds)
-    if not ts:
-        return {"n": 0}
-    pick = lambda q: 1e3 * ts[min(len(ts) - 1, int(q * len(ts)))]  # noqa: E731
-    return {
-        "median_ms": median_ms(ts),
-        "p10_ms": pick(0.1),
-        "p90_ms": pick(0.9),
-        "min_ms": 1e3 * ts[0],
-        "max_ms": 1e3 * ts[-1],
-        "n": len(ts),
-    }
-
-
-# -------------------------------------------------------------------------------------- machine
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def background_busy(window_s: float = 1.0) -> float | None:
-    """Fraction of the machine's CPU time (0..1) spent busy during `window_s`, sampled while this
-    process sleeps. Called when no benchmark process of ours runs, it measures everyone else's load,
-    unlike the load average, which still carries our own previous sessions for minutes."""
-    a = _cpu_jiffies()
-    time.sleep(window_s)
-    b = _cpu_jiffies()
-    if a is None or b is None or b[1] == a[1]:
-        return None
-    return round((b[0] - a[0]) / (b[1] - a[1]), 3)
-
-
-def machine() -> dict:
-    """CPU model, cores, memory, load average and software versions: printed beside every result
-    (`jaxscale.bench.machine`, plus the cores this process may use)."""
-    from jaxscale import bench
-
-    m = bench.machine()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count()
-    return {
-        "cpu_model": m["cpu_model"],
-        "cores": m["nproc"],
-        "usable_cores": usable,
-        "memory": m["memory"],
-        "load_average": load_average(),
-        "python": m["python"],
-        "platform": m["platform"],
-        "numpy": m["numpy"],
-    }
-
-
-def describe_machine(m: Mapping) -> str:
-    return (
-        f"{m['cpu_model']}, {m['cores']} cores ({m['usable_cores']} usable), {m['memory']} memory; "
-        f"{m['platform']}, Python {m['python']}, numpy {m['numpy']}"
-    )
-
-
-def load_line(before, after, busy=None) -> str:
-    """'load average 0.12 -> 0.95 (1 min)' [+ the others' CPU share sampled before each session]."""
-    fmt = lambda la: "?" if not la else f"{la[0]:.2f}"  # noqa: E731
-    text = f"Load average (1 min) {fmt(before)} before, {fmt(after)} after"
-    if busy:
-        text += f"; other processes' CPU before each session: max {100 * max(busy):.0f}% of the machine"
-    return text
-
-
-class LoadGate:
-    """Decides whether timings may be recorded: the 1-min load average before anything of ours ran must
-    be <= max_load, and every background sample taken before a session must be <= max_busy. With
-    `allow=True` the run goes on and every affected table is marked instead."""
-
-    def __init__(self, max_load: float, max_busy: float, allow: bool):
-        self.max_load, self.max_busy, self.allow = max_load, max_busy, allow
-        self.start = load_average()
-        self.busy: list[float] = []
-
-    @property
-    def start_ok(self) -> bool:
-        return self.start is None or self.start[0] <= self.max_load
-
-    def sample(self) -> float | None:
-        b = background_busy()
-        if b is not None:
-            self.busy.append(b)
-        return b
-
-    def problems(self, busy: Sequence[float] = ()) -> list[str]:
-        out = []
-        if not self.start_ok:
-            out.append(f"load average {self.start[0]:.2f} at start > {self.max_load:g}")
-        if busy and max(busy) > self.max_busy:
-            out.append(f"other processes used {100 * max(busy):.0f}% of the CPU > {100 * self.max_busy:.0f}%")
-        return out
+def script_command(path: str | os.PathLike) -> list[str]:
+    """The command that runs the script at `path` as a worker under this interpreter."""
+    return [sys.executable, str(path)]
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -176,9 +54,11 @@ def free_port() -> int:
 
 
 def child_env(**extra: str) -> dict:
-    """This environment without XLA_FLAGS (each worker sets its own device count), CPU JAX, plus `extra`."""
+    """This environment without XLA_FLAGS (each worker sets its own device count) and without an XLA thread
+    count (each session sets its own, `threads.xla_env`), CPU JAX, plus `extra`."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    env.pop(XLA_THREADS_ENV, None)
     env["JAX_PLATFORMS"] = "cpu"
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -188,17 +68,12 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
-    atomic.write_text(path, text)
-
-
 class WorkerError(RuntimeError):
     """A worker process failed, produced no result, or ran past its timeout."""
 
 
 def run_session(
-    script: str | os.PathLike,
+    command: Sequence[str],
     kind: str,
     specs: Sequence[Mapping],
     *,
@@ -206,7 +81,7 @@ def run_session(
     timeout_s: float,
     env: Mapping | None = None,
 ) -> list[dict]:
-    """Run one process per spec (`python SCRIPT KIND SPEC RESULT`), all at once; return their results.
+    """Run one process per spec (`COMMAND KIND SPEC RESULT`), all at once; return their results.
 
     The processes form one session: if one fails the others are killed (peers of a failed rank would
     wait in a collective forever), and so are all of them at the timeout."""
@@ -223,11 +98,10 @@ def run_session(
             paths.append(result_path)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), kind, spec_path, result_path],
+                    [*command, kind, spec_path, result_path],
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env=dict(env) if env is not None else child_env(),
-                    cwd=str(REPO),
                 )
             )
         deadline = time.monotonic() + timeout_s
@@ -273,16 +147,16 @@ def worker_main(handlers: Mapping[str, Callable[[dict], dict]], argv: Sequence[s
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises WorkerError
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         code = 1
-    write_atomic(result_path, json.dumps(result, default=float))
+    atomic.write_text(result_path, json.dumps(result, default=float))
     return code
 
 
-def alternate(sessions: Mapping[str, Callable[[], object]], rounds: int, gate: LoadGate | None = None) -> dict:
+def alternate(sessions: Mapping[str, Callable[[], object]], rounds: int, gate=None) -> dict:
     """Run every session once per round, order rotated each round (A B C, B C A, ...); returns
     {"results": {name: [result per round]}, "order": [names in run order], "busy": {name: [samples]}}.
 
-    Only one session runs at a time, and each returns only after its processes exited. With a gate,
-    the background CPU load is sampled (1 s, nothing of ours running) before every session."""
+    Only one session runs at a time, and each returns only after its processes exited. With a gate
+    (`machine.LoadGate`), the background CPU load is sampled (1 s, nothing of ours running) before every session."""
     names = list(sessions)
     out = {"results": {n: [] for n in names}, "order": [], "busy": {n: [] for n in names}}
     for r in range(rounds):
@@ -298,7 +172,7 @@ def alternate(sessions: Mapping[str, Callable[[], object]], rounds: int, gate: L
     return out
 
 
-# ------------------------------------------------------------------ persistent workers (timing_probe.py)
+# ------------------------------------------------------------------------------ persistent workers
 
 
 class Worker:
@@ -314,7 +188,6 @@ class Worker:
             stderr=sys.stderr,
             text=True,
             env=dict(env) if env is not None else child_env(),
-            cwd=str(REPO),
             bufsize=1,
         )
         self.name = Path(str(argv[0])).stem + " " + " ".join(map(str, argv[1:2]))

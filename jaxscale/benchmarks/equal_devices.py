@@ -1,18 +1,25 @@
 """Equal devices: jaxscale's distributed lookup + row-wise AdaGrad step against TorchRec's, same work.
 
 Same tables (pooled, sum), same weights, same global batch of Zipf ids (fresh every step), same output
-gradients, same optimizer, same number of devices W:
-  jaxscale_sim  one process, W simulated CPU devices (mesh 1 x W, topology 1d)
+gradients, same optimizer, same number of devices W, same intra-op threads per process
+(`threads.per_process`: max(1, usable cores // processes)):
   jaxscale_mp   W processes of one CPU device each (mesh W x 1, 'node' = process), gloo over 127.0.0.1,
-                started by `jaxscale.distributed.initialize` as the trainer starts them
-  torchrec      TorchRec `DistributedModelParallel` on W gloo ranks (experiments/baselines/torchrec_runner.py),
-                fused FBGEMM TBE kernels, max(1, cores // W) torch threads per rank
-per sharding type (table_wise, row_wise, column_wise) and payload precision. W = 1 (one device, no
-communication) is the reference row.
+                started by `jaxscale.distributed.initialize` as the trainer starts them; at W = 1 one
+                process of one device (no communication)
+  torchrec      TorchRec `DistributedModelParallel` on W gloo ranks (`jaxscale.benchmarks.torchrec_runner`),
+                fused FBGEMM TBE kernels
+  jaxscale_sim  one process, W simulated CPU devices (mesh 1 x W): NOT equal devices (its collectives are
+                in-process copies, no transport), reported apart from the comparison as what the transport costs
+per sharding type (table_wise, row_wise, column_wise), payload precision, and exchange sizing (`reuse`:
+`reuse_capacities=True`; `count`: counted on the host every batch, one row per sharding beside fp32).
 
-A session is one engine at one W, all its configurations, in its own processes; sessions alternate
-(`common.alternate`), so no other engine process is alive while one is timed. Step time: median over the
-timed steps of all sessions (for several processes or ranks: the slowest of them in each step). Bytes:
+Each jaxscale row is compared with TorchRec at its matched precision (`TORCHREC_MATCH`) and with TorchRec's
+fastest configuration that ran for the same sharding and W (fp32 or fp16; on CPU its fp16 is often the
+slower). A session is one engine at one W, all its configurations, in its own processes; sessions
+alternate in rounds (`sessions.alternate`), so no other engine process is alive while one is timed, and
+session r of every engine ran in round r: each row carries the per-round ratios and the worst round's.
+Step time: median over the timed steps of all sessions (for several processes or ranks: the slowest of
+them in each step). Bytes:
 what leaves a device per step, summed over the W devices: jaxscale's from the compiled HLO
 (`jaxscale.comm_inspect.list_collectives`, for the executable each step ran), TorchRec's from the
 torch.distributed collectives it calls, both under one byte model (all-to-all: the part sent to others;
@@ -24,7 +31,7 @@ Column-wise tables run with `RowWiseAdagrad(per_column_shard=True)`: TorchRec ke
 and column shard, so that is the same work. jaxscale's default instead keeps one accumulator per full row
 (the result does not depend on the layout), which sends each touched row's squared-gradient sum once more.
 
-`python equal_devices.py jaxscale SPEC RESULT` is the jaxscale worker (one process of a session).
+`python -m jaxscale.benchmarks.equal_devices jaxscale SPEC RESULT` is the jaxscale worker (one process).
 """
 
 from __future__ import annotations
@@ -33,17 +40,19 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-from common import REPO, child_env, free_port, run_session, spread, worker_main, zipf_ids
 
 from jaxscale import reference
+from jaxscale.benchmarks.sessions import child_env, free_port, module_command, run_session, worker_main
+from jaxscale.benchmarks.stats import round_ratios, spread, zipf_ids
+from jaxscale.benchmarks.threads import per_process, xla_env, xla_intra_op_threads
 from jaxscale.tables import TableConfig
 
-HERE = Path(__file__).resolve().parent
-RUNNER = REPO / "experiments" / "baselines" / "torchrec_runner.py"
+WORKER = "jaxscale.benchmarks.equal_devices"  # python -m WORKER jaxscale SPEC RESULT
+RUNNER = "jaxscale.benchmarks.torchrec_runner"
 LR, EPS = 0.01, 1e-8
 SHARDINGS = ("table_wise", "row_wise", "column_wise")
 # jaxscale payload precision -> (forward, backward). 'fp8' is fp8 both ways (gradients in e5m2), as
@@ -67,6 +76,9 @@ TORCHREC_MATCH = {
     "fp8/bf16": ("fp16", _FP8_WHY),
     "fp8": ("fp16", _FP8_WHY),
 }
+# TorchRec always runs these too at W > 1, so every row also has TorchRec's fastest configuration beside it.
+TORCHREC_ALWAYS = ("fp32", "fp16")
+CAPACITIES = ("reuse", "count")  # reuse_capacities=True / counted on the host every batch
 # Bytes targets vs TorchRec: 1.0x; fp8 0.5x (TorchRec's fp8 does not run on CPU, its int64 ids are never
 # compressed); fp8/bf16 0.75x: its fp8 forward held to 0.5x and its bf16 backward to 1.0x of TorchRec's fp16,
 # two payloads of the same size.
@@ -93,8 +105,9 @@ def tables(n: int, rows: int, dim: int) -> list[TableConfig]:
     return [TableConfig(f"t{i}", rows=rows, dim=dim, pooling="sum", features=(f"f{i}",)) for i in range(n)]
 
 
-def config_name(sharding: str, precision: str) -> str:
-    return f"{sharding}/{precision}"
+def config_name(sharding: str, precision: str, capacities: str = "reuse") -> str:
+    """'row_wise/fp32', or 'row_wise/fp32+count' for jaxscale counting every batch."""
+    return f"{sharding}/{precision}" + ("" if capacities == "reuse" else f"+{capacities}")
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -155,17 +168,25 @@ def _jaxscale(spec: dict) -> dict:
     mesh = jaxscale.make_mesh(nproc, local)
     devices = nproc * local
     out = {"devices": devices, "mesh": [nproc, local], "process_id": pid, "jax": jax.__version__, "configs": {}}
-    for sharding, precision in spec["configs"]:
-        name = config_name(sharding, precision)
+    for sharding, precision, capacities in spec["configs"]:
+        name = config_name(sharding, precision, capacities)
         try:
-            out["configs"][name] = _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision)
+            out["configs"][name] = _time_config(
+                spec, mesh, ts, weights, batches, grads, sharding, precision, capacities
+            )
         except Exception as e:  # noqa: BLE001 - recorded; the other configurations still run
-            out["configs"][name] = {"sharding": sharding, "precision": precision, "error": f"{type(e).__name__}: {e}"}
+            out["configs"][name] = {
+                "sharding": sharding,
+                "precision": precision,
+                "capacities": capacities,
+                "error": f"{type(e).__name__}: {e}",
+            }
         print(f"[jaxscale {devices} dev, process {pid}] {name} done", file=sys.stderr, flush=True)
+    out["threads"] = xla_intra_op_threads()  # XLA's intra-op pool as it ran (set by the environment)
     return out
 
 
-def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -> dict:
+def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision, capacities) -> dict:
     """Warm-up and timed steps of one configuration; bytes per step from each executable's HLO; the check."""
     import jax
     from jax.experimental import multihost_utils
@@ -188,7 +209,7 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
             optimizer=jaxscale.RowWiseAdagrad(LR, eps=EPS, per_column_shard=sharding == "column_wise"),
             comm=jaxscale.CommConfig(forward=fwd, backward=bwd),
             capacity_factor=spec.get("capacity_factor"),
-            reuse_capacities=bool(spec.get("reuse_capacities")),
+            reuse_capacities=capacities == "reuse",
         ),
     )
     state = ec.from_dense(weights)
@@ -254,6 +275,7 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision) -
     return {
         "sharding": sharding,
         "precision": precision,
+        "capacities": capacities,
         "comm": [fwd, bwd],
         "times_s": times[timed],
         "warmup_s": times[: spec["warmup"]],
@@ -279,8 +301,10 @@ def _collective_bytes(collectives) -> dict:
 
 
 def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiprocess: bool, timeout_s: float) -> dict:
-    """One jaxscale session at W devices: one process of W devices, or W processes of one."""
+    """One jaxscale session at W devices: one process of W devices, or W processes of one, each with
+    `threads.per_process(processes)` intra-op threads."""
     nproc, local = (world, 1) if multiprocess else (1, world)
+    threads = per_process(nproc, cfg.get("cores"))
     base = {
         "dir": d,
         "configs": configs,
@@ -288,28 +312,28 @@ def jaxscale_session(d: str, tmp: str, world: int, configs, cfg: dict, multiproc
         "num_processes": nproc,
         "local_devices": local,
         "capacity_factor": cfg.get("capacity_factor"),
-        "reuse_capacities": cfg.get("reuse_capacities", False),
         "coordinator": f"127.0.0.1:{free_port()}",
     }
     results = run_session(
-        HERE / "equal_devices.py",
+        module_command(WORKER),
         "jaxscale",
         [base | {"process_id": i} for i in range(nproc)],
         tmp=tmp,
         timeout_s=timeout_s,
+        env=child_env(**xla_env(threads)),
     )
     first = results[0]
+    first["threads"] = {"set": threads, "measured": [r.get("threads") for r in results]}
     for name, c in first["configs"].items():  # the slowest process in each step
         errors = [r["configs"][name]["error"] for r in results if "error" in r["configs"][name]]
         if errors:
-            first["configs"][name] = {"sharding": c["sharding"], "precision": c["precision"], "error": errors[0]}
+            first["configs"][name] = {k: c[k] for k in ("sharding", "precision", "capacities")} | {"error": errors[0]}
             continue
         c["times_s"] = np.max([r["configs"][name]["times_s"] for r in results], axis=0).tolist()
     return first
 
 
 def torchrec_jobs(d: str, cfg: dict, world: int, shardings, precisions) -> list[dict]:
-    cores = os.cpu_count() or 1
     ts = tables(cfg["tables"], cfg["rows"], cfg["dim"])
     jobs = []
     for sharding in shardings:
@@ -336,7 +360,7 @@ def torchrec_jobs(d: str, cfg: dict, world: int, shardings, precisions) -> list[
                     lr=LR,
                     eps=EPS,
                     qcomms=precision,
-                    threads=max(1, cores // world),
+                    threads=per_process(world, cfg.get("cores")),  # the same as a jaxscale process at W
                     expected_tables=os.path.join(d, f"expected_cp{cp}.npz"),
                     keep_arrays=False,
                     timeout_s=600,
@@ -346,13 +370,13 @@ def torchrec_jobs(d: str, cfg: dict, world: int, shardings, precisions) -> list[
 
 
 def run_torchrec_jobs(jobs: list[dict], tmp: str, timeout_s: float) -> list[dict]:
-    """The TorchRec runner script on a list of jobs, in its own process group (killed whole on timeout)."""
-    fd, inp = __import__("tempfile").mkstemp(dir=tmp, prefix="torchrec_jobs_", suffix=".pkl")
+    """The TorchRec runner on a list of jobs, in its own process group (killed whole on timeout)."""
+    fd, inp = tempfile.mkstemp(dir=tmp, prefix="torchrec_jobs_", suffix=".pkl")
     out = inp.replace(".pkl", ".out.pkl")
     with os.fdopen(fd, "wb") as fh:
         pickle.dump(jobs, fh)
     proc = subprocess.Popen(
-        [sys.executable, str(RUNNER), "--input", inp, "--output", out],
+        [*module_command(RUNNER), "--input", inp, "--output", out],
         env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -391,13 +415,14 @@ def torchrec_session(d: str, tmp: str, world: int, cfg: dict, shardings, precisi
     jobs = torchrec_jobs(d, cfg, world, shardings, precisions)
     results = run_torchrec_jobs(jobs, tmp, timeout_s)
     timed = slice(cfg["warmup"], None)
-    out = {"devices": world, "configs": {}}
+    out = {"devices": world, "configs": {}, "threads": {"set": jobs[0]["threads"] if jobs else None, "measured": []}}
     for job, res in zip(jobs, results):
         name = config_name(job["sharding"], job["qcomms"])
         if "error" in res:
             error = res["error"][:400]
             out["configs"][name] = {"sharding": job["sharding"], "precision": job["qcomms"], "error": error}
             continue
+        out["threads"]["measured"] = sorted({*out["threads"]["measured"], *res.get("threads_per_rank", [])})
         per_kind = torchrec_bytes(res, world, timed)
         out["configs"][name] = {
             "sharding": job["sharding"],
@@ -406,6 +431,7 @@ def torchrec_session(d: str, tmp: str, world: int, cfg: dict, shardings, precisi
             "bytes_cluster_per_kind": per_kind,
             "bytes_per_device": sum(per_kind.values()) / world,
             "threads": job["threads"],
+            "threads_per_rank": res.get("threads_per_rank"),
             "notes": res["config"]["notes"],
             "check": {
                 "col_parts": world if job["sharding"] == "column_wise" else 1,
@@ -419,15 +445,31 @@ def torchrec_session(d: str, tmp: str, world: int, cfg: dict, shardings, precisi
 
 
 def plan(cfg: dict) -> dict:
-    """{world: {"jaxscale": [(sharding, precision)], "torchrec": (shardings, precisions)}}."""
-    out = {"1": {"jaxscale": [("table_wise", "fp32")], "torchrec": (("table_wise",), ("fp32",))}}
-    tr_precisions = sorted({TORCHREC_MATCH[p][0] for p in cfg["precisions"]}, key=list(TORCHREC_MATCH).index)
+    """{world: {"jaxscale": [(sharding, precision, capacities)], "torchrec": (shardings, precisions)}}.
+
+    jaxscale: every sharding x precision with `cfg["capacities"]` ("reuse", the default, or "count"), plus
+    one counted-every-batch fp32 row per sharding beside the reused ones when `cfg["count_row"]`. TorchRec:
+    every precision a row is matched with, and always fp32 and fp16 (its fastest is one of them)."""
+    mode = cfg.get("capacities", "reuse")
+    w1 = [("table_wise", "fp32", mode)] + ([("table_wise", "fp32", "count")] if _count_row(cfg) else [])
+    out = {"1": {"jaxscale": w1, "torchrec": (("table_wise",), ("fp32",))}}
+    wanted = {TORCHREC_MATCH[p][0] for p in cfg["precisions"]} | set(TORCHREC_ALWAYS)
+    tr_precisions = tuple(p for p in TORCHREC_MATCH if p in wanted)
     for w in cfg["worlds"]:
-        out[str(w)] = {
-            "jaxscale": [(s, p) for s in cfg["shardings"] for p in cfg["precisions"]],
-            "torchrec": (tuple(cfg["shardings"]), tuple(tr_precisions)),
-        }
+        configs = [(s, p, mode) for s in cfg["shardings"] for p in cfg["precisions"]]
+        if _count_row(cfg):
+            configs += [(s, "fp32", "count") for s in cfg["shardings"]]
+        out[str(w)] = {"jaxscale": configs, "torchrec": (tuple(cfg["shardings"]), tr_precisions)}
     return out
+
+
+def _count_row(cfg: dict) -> bool:
+    """The count-every-batch rows run beside reused capacities (not when every row counts, nor with fixed ones)."""
+    return (
+        bool(cfg.get("count_row", True))
+        and cfg.get("capacities", "reuse") == "reuse"
+        and not cfg.get("capacity_factor")
+    )
 
 
 def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
@@ -438,13 +480,11 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
     sessions = {}
     for key, p in todo.items():
         w = int(key)
-        sessions[f"jaxscale_sim@{w}"] = lambda w=w, p=p: jaxscale_session(
-            d, tmp, w, p["jaxscale"], cfg, False, timeout_s
-        )
-        if w > 1:
-            sessions[f"jaxscale_mp@{w}"] = lambda w=w, p=p: jaxscale_session(
-                d, tmp, w, p["jaxscale"], cfg, True, timeout_s
+        if w > 1:  # in one process: W simulated devices, no transport (reported apart, not compared)
+            sessions[f"jaxscale_sim@{w}"] = lambda w=w, p=p: jaxscale_session(
+                d, tmp, w, p["jaxscale"], cfg, False, timeout_s
             )
+        sessions[f"jaxscale_mp@{w}"] = lambda w=w, p=p: jaxscale_session(d, tmp, w, p["jaxscale"], cfg, True, timeout_s)
         if cfg.get("torchrec", True):
             sessions[f"torchrec@{w}"] = lambda w=w, p=p: torchrec_session(d, tmp, w, cfg, *p["torchrec"], timeout_s)
     runs = alternate(sessions)
@@ -452,14 +492,22 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
     for name, results in runs["results"].items():
         engine, world = name.split("@")
         merged = merge_sessions(results)
-        engines.setdefault(engine, {})[world] = {"configs": merged, "background_busy": runs["busy"][name]}
+        engines.setdefault(engine, {})[world] = {
+            "configs": merged,
+            "background_busy": runs["busy"][name],
+            "threads": {
+                "set": results[0]["threads"]["set"],
+                "measured": sorted({t for r in results for t in r["threads"]["measured"] if t is not None}),
+            },
+        }
         if engine.startswith("jaxscale"):
             engines[engine][world]["mesh"] = results[0]["mesh"]
     if cfg.get("torchrec_fp8_probe") and cfg.get("torchrec", True):
         engines["torchrec_fp8_probe"] = _fp8_probe(d, tmp, cfg, timeout_s)
     return {
         "capacity_factor": cfg.get("capacity_factor"),
-        "reuse_capacities": cfg.get("reuse_capacities", False),
+        "capacities": cfg.get("capacities", "reuse"),
+        "reuse_capacities": cfg.get("capacities", "reuse") == "reuse",
         "shape": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "hotness", "zipf", "warmup", "steps")}
         | {"lr": LR, "eps": EPS},
         "worlds": sorted(todo, key=int),
@@ -470,8 +518,9 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 3600) -> dict:
 
 
 def merge_sessions(results: list[dict]) -> dict:
-    """{config: description + timing spread over every session's timed steps + per-session medians}. A
-    configuration that failed in any session keeps only its error: its sessions did not do the same work."""
+    """{config: description + timing spread over every session's timed steps + per-session medians, in
+    round order}. A configuration that failed in any session keeps only its error: its sessions did not do
+    the same work."""
     merged = {}
     for res in results:
         for cname, c in res["configs"].items():
@@ -479,6 +528,8 @@ def merge_sessions(results: list[dict]) -> dict:
                 cname,
                 {"sharding": c["sharding"], "precision": c["precision"], "times_s": [], "session_medians_ms": []},
             )
+            if "capacities" in c:
+                m["capacities"] = c["capacities"]
             if "error" in c:
                 m["error"] = c["error"]
                 continue
@@ -492,7 +543,7 @@ def merge_sessions(results: list[dict]) -> dict:
     for m in merged.values():
         times = m.pop("times_s")
         if "error" in m:
-            for k in [k for k in m if k not in ("error", "sharding", "precision")]:
+            for k in [k for k in m if k not in ("error", "sharding", "precision", "capacities")]:
                 del m[k]
         else:
             m.update(spread(times))
@@ -510,36 +561,57 @@ def _fp8_probe(d, tmp, cfg, timeout_s) -> dict:
     return out
 
 
+def _against(prefix: str, j: dict, t: dict) -> dict:
+    """jaxscale / TorchRec: the pooled medians' ratio, each round's, and the worst round's (None when either
+    did not run)."""
+    if "median_ms" not in j or "median_ms" not in t:
+        return {f"{prefix}_ratio": None, f"{prefix}_round_ratios": None, f"{prefix}_worst_ratio": None}
+    rounds = round_ratios(j["session_medians_ms"], t["session_medians_ms"])
+    return {
+        f"{prefix}_ratio": j["median_ms"] / t["median_ms"],
+        f"{prefix}_round_ratios": rounds,
+        f"{prefix}_worst_ratio": max(rounds),
+    }
+
+
 def comparisons(engines: dict, worlds) -> list[dict]:
-    """One row per (W, sharding, jaxscale precision): jaxscale sim / mp vs the matching TorchRec run."""
+    """One row per (W, sharding, jaxscale precision, capacities): jaxscale on W processes of one device (one
+    process at W = 1) against TorchRec on W ranks, at the matched precision and at TorchRec's fastest
+    configuration for that sharding; the in-process time (W simulated devices) rides along, labelled."""
     rows = []
     sim, mp, tr = engines.get("jaxscale_sim", {}), engines.get("jaxscale_mp", {}), engines.get("torchrec", {})
     for key in worlds:
         w = int(key)
-        for cname, j in sim.get(key, {}).get("configs", {}).items():
+        tr_configs = tr.get(key, {}).get("configs", {})
+        for cname, j in mp.get(key, {}).get("configs", {}).items():
             tr_precision, why = TORCHREC_MATCH[j["precision"]]
-            t = tr.get(key, {}).get("configs", {}).get(config_name(j["sharding"], tr_precision), {})
-            m = mp.get(key, {}).get("configs", {}).get(cname, {})
+            t = tr_configs.get(config_name(j["sharding"], tr_precision), {})
+            ran = {n: c for n, c in tr_configs.items() if c["sharding"] == j["sharding"] and "median_ms" in c}
+            fastest = ran[min(ran, key=lambda n: ran[n]["median_ms"])] if ran else {}
+            inproc = sim.get(key, {}).get("configs", {}).get(cname, {})
             ok_t = "median_ms" in t
             row = {
                 "devices": w,
                 "sharding": j["sharding"] if w > 1 else "-",
                 "precision": j["precision"],
+                "capacities": j.get("capacities", "reuse"),
                 "torchrec_precision": tr_precision,
                 "match": why,
-                "jaxscale_sim_ms": j.get("median_ms"),
-                "jaxscale_mp_ms": m.get("median_ms"),
+                "jaxscale_ms": j.get("median_ms"),
+                "jaxscale_session_ms": j.get("session_medians_ms"),
                 "torchrec_ms": t.get("median_ms"),
+                "torchrec_session_ms": t.get("session_medians_ms"),
+                "torchrec_fastest_precision": fastest.get("precision"),
+                "torchrec_fastest_ms": fastest.get("median_ms"),
+                "in_process_ms": inproc.get("median_ms"),
                 "jaxscale_bytes": j["bytes_per_device"] * w if "bytes_per_device" in j else None,
                 "torchrec_bytes": t.get("bytes_per_device", float("nan")) * w if ok_t else None,
                 "torchrec_error": t.get("error"),
-                "jaxscale_error": j.get("error") or m.get("error"),
+                "jaxscale_error": j.get("error") or inproc.get("error"),
             }
-            row["time_ratio_sim"] = (
-                row["jaxscale_sim_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_sim_ms"] else None
-            )
-            row["time_ratio_mp"] = (
-                row["jaxscale_mp_ms"] / row["torchrec_ms"] if ok_t and row["jaxscale_mp_ms"] else None
+            row |= _against("time", j, t) | _against("time_fastest", j, fastest)
+            row["in_process_ratio"] = (
+                row["in_process_ms"] / row["torchrec_ms"] if ok_t and row["in_process_ms"] else None
             )
             row["bytes_ratio"] = (
                 row["jaxscale_bytes"] / row["torchrec_bytes"]

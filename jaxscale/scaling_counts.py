@@ -1,4 +1,6 @@
-"""Per-step counts of the large foundation preset on 1-64 nodes, by Monte Carlo over the model's own ids.
+"""Exact per-step counts of one global batch on every nested mesh (1..N nodes), for the scaling model.
+
+Used by experiments/scaling/run_ablation.py (--recount) for the large foundation preset on 1-64 nodes.
 
 One global batch of the largest mesh is generated with the trainer's synthetic data
 (`jaxscale.data.SyntheticFoundationData`: Zipf(1.1) item ranks within 32 item clusters over a 2B-id
@@ -28,7 +30,7 @@ import numpy as np
 from jaxscale.cluster import ClusterSpec
 from jaxscale.comm_model import StackCounts, round_up_capacity
 from jaxscale.plan import ShardingPlan
-from jaxscale.planner import sorted_unique  # np.unique by sorting: far faster
+from jaxscale.planner.step_counts import sorted_unique  # np.unique by sorting: far faster
 from jaxscale.tables import TableConfig
 
 

@@ -10,7 +10,7 @@ the previous one):
   2d_ar      2D, all-reduce flavour: tables sharded across nodes, replicas inside a node
   2d_a2a     2D, all-to-all flavour: all-to-alls inside a node, replicas across nodes (exact sync)
 
-`python stages.py bytes SPEC RESULT` is the worker (8 simulated CPU devices) that `suite.py` runs.
+`python -m jaxscale.benchmarks.stages bytes SPEC RESULT` is the worker (8 simulated CPU devices) the suite runs.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
-from common import REPO, worker_main
-
+from jaxscale.benchmarks.sessions import worker_main
 from jaxscale.techniques import Stage
 
-FOUNDATION_CONFIG = REPO / "jaxscale" / "configs" / "foundation_smoke.yaml"
+WORKER = "jaxscale.benchmarks.stages"  # python -m WORKER bytes SPEC RESULT
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding jaxscale/ (a checkout or site-packages)
+FOUNDATION_CONFIG = PACKAGE_ROOT / "jaxscale" / "configs" / "foundation_smoke.yaml"  # shipped in the wheel
 MESH = (2, 4)
 
 
@@ -66,6 +68,19 @@ def _sharding(stage: Stage, cfg, tables, host_ids):
     )
 
 
+def stage_settings(stage: Stage) -> dict:
+    """What a stage runs, as the flat JSON the report prints (topology, wire precisions, plan, reshape, sync)."""
+    s = stage.settings
+    return {
+        "topology": s.topology,
+        "comm_forward": s.comm.forward,
+        "comm_backward": s.comm.backward,
+        "balanced": stage.balanced,
+        "half_dim": stage.half_dim,
+        "replica_sync": dataclasses.asdict(s.replica_sync),
+    }
+
+
 def stage_bytes(stage: Stage) -> dict:
     """Bytes per example of the embedding step (lookup, then update with d(loss)/d(emb) = emb), from the
     compiled HLO, split intra-/inter-node. The dense model's all-reduce is the same in every stage and not
@@ -95,7 +110,7 @@ def stage_bytes(stage: Stage) -> dict:
     devices = MESH[0] * MESH[1]
     return {
         "stage": stage.name,
-        "settings": dataclasses.asdict(stage),
+        "settings": stage_settings(stage),
         "global_batch": batch,
         "collectives": len(collectives),
         "intra_node_bytes_per_example": intra * devices / batch,
@@ -118,7 +133,7 @@ def _bytes_worker(spec: dict) -> dict:
     return {
         "stages": out,
         "mesh": list(MESH),
-        "config": str(FOUNDATION_CONFIG.relative_to(REPO)),
+        "config": FOUNDATION_CONFIG.relative_to(PACKAGE_ROOT).as_posix(),
         "jax": jax.__version__,
     }
 

@@ -1,18 +1,19 @@
 """One device: lookup + row-wise AdaGrad by jaxscale, FBGEMM's CPU TBE and the NumPy reference.
 
 Same initial table, same Zipf ids (fresh ones every step), same per-bag output gradients, same number of
-steps. Each engine runs in its own process with no other engine process alive (`common.alternate`); a
+steps. Each engine runs in its own process with no other engine process alive (`sessions.alternate`); a
 session warms up, then times its steps; every session ends with the same table, which is checked against
 `jaxscale.reference` (the rows touched by any step, and the first step's output).
 
-Engines (`python one_device.py ENGINE SPEC RESULT`):
+Engines (`python -m jaxscale.benchmarks.one_device ENGINE SPEC RESULT`):
   jaxscale  `EmbeddingCollection` on a 1x1 mesh: `shard_batch` + one jitted, donated lookup + update step
   fbgemm    `SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM): forward, then
             backward with the fused optimizer (the kernel TorchRec runs for an unsharded CPU table)
   numpy     `jaxscale.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place
 
 Timed per step: the engine's own input preparation (jaxscale `shard_batch`; FBGEMM's int64 indices and
-offsets) and the step, until its results are ready. The output gradients are prepared before.
+offsets) and the step, until its results are ready. The output gradients are prepared before. Threads:
+jaxscale's XLA pool and FBGEMM's torch both get the usable cores (`threads`), read back in each session.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-from common import run_session, spread, worker_main, zipf_ids
 
 from jaxscale import reference
+from jaxscale.benchmarks.sessions import child_env, module_command, run_session, worker_main
+from jaxscale.benchmarks.stats import round_ratios, spread, zipf_ids
+from jaxscale.benchmarks.threads import usable_cores, xla_env, xla_intra_op_threads
 from jaxscale.tables import TableConfig
 
-HERE = Path(__file__).resolve().parent
+WORKER = "jaxscale.benchmarks.one_device"  # python -m WORKER ENGINE SPEC RESULT
 ENGINES = ("jaxscale", "fbgemm", "numpy")
 LR, EPS = 0.01, 1e-8
 TABLE = TableConfig("t", rows=1, dim=1, pooling="sum", features=("f",))  # the shape comes from the data
@@ -78,10 +80,10 @@ def _load(d: str):
 class JaxscaleEngine:
     """`EmbeddingCollection` on a 1x1 mesh; one jitted, donated lookup + update step (compiled on step 0)."""
 
-    def __init__(self, d: str, lr: float, eps: float):
+    def __init__(self, d: str, lr: float, eps: float, threads: int):
         import jax
 
-        jax.config.update("jax_num_cpu_devices", 1)
+        jax.config.update("jax_num_cpu_devices", 1)  # its intra-op threads come from the environment
         import jaxscale
 
         self.jax = jax
@@ -101,7 +103,10 @@ class JaxscaleEngine:
             return ec.update(state, ids, {"f": g}, after=emb), emb["f"]  # after: no table copy
 
         self._step = jax.jit(step, donate_argnums=0)
-        self.info = {"jax": jax.__version__}
+        self.info = {"jax": jax.__version__, "threads_set": threads}
+
+    def read_threads(self):
+        self.info["threads"] = xla_intra_op_threads()  # the pool exists once a computation ran
 
     def step(self, s: int):
         """(seconds, output) of step s: `shard_batch` of its ids, then the jitted step, until ready."""
@@ -118,9 +123,9 @@ class JaxscaleEngine:
 
 
 class FbgemmEngine:
-    """`SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM), torch's default threads."""
+    """`SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM), `threads` torch threads."""
 
-    def __init__(self, d: str, lr: float, eps: float):
+    def __init__(self, d: str, lr: float, eps: float, threads: int):
         import fbgemm_gpu
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -130,6 +135,7 @@ class FbgemmEngine:
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
+        torch.set_num_threads(threads)
         self.torch = torch
         W0, self.ids, self.grads, self.touched = _load(d)
         rows, dim = W0.shape
@@ -148,6 +154,7 @@ class FbgemmEngine:
         self.info = {
             "torch": torch.__version__,
             "fbgemm": getattr(fbgemm_gpu, "__version__", "?"),
+            "threads_set": threads,
             "threads": torch.get_num_threads(),
         }
 
@@ -167,11 +174,11 @@ class FbgemmEngine:
 class NumpyEngine:
     """`jaxscale.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place."""
 
-    def __init__(self, d: str, lr: float, eps: float):
+    def __init__(self, d: str, lr: float, eps: float, threads: int):
         self.W, self.ids, self.grads, self.touched = _load(d)
         self.acc = np.zeros(self.W.shape[0], np.float32)
         self.lr, self.eps = lr, eps
-        self.info = {"numpy": np.__version__}
+        self.info = {"numpy": np.__version__, "threads": 1}  # the reference's loops run on one thread
 
     def step(self, s: int):
         t = time.perf_counter()
@@ -189,12 +196,14 @@ def session(kind: str):
     """The worker handler of one engine session: every step in order, warm-up first."""
 
     def handler(spec: dict) -> dict:
-        engine = ENGINE_CLASSES[kind](spec["dir"], spec["lr"], spec["eps"])
+        engine = ENGINE_CLASSES[kind](spec["dir"], spec["lr"], spec["eps"], int(spec["threads"]))
         times, first = [], None
         for s in range(len(engine.ids)):
             dt, out = engine.step(s)
             times.append(dt)
             first = np.asarray(out) if first is None else first
+        if hasattr(engine, "read_threads"):
+            engine.read_threads()
         stem, warm = spec["result_stem"], int(spec["warmup"])
         np.save(stem + ".first.npy", np.asarray(first, np.float32))
         np.save(stem + ".rows.npy", np.asarray(engine.final_rows(), np.float32))
@@ -215,19 +224,22 @@ def session(kind: str):
 def run(cfg: dict, tmp: str, alternate, timeout_s: float = 1800) -> dict:
     """Sessions of every engine, alternated; returns timings, checks and the workload description.
 
-    `alternate(sessions)` is `common.alternate` bound to the round count and load gate."""
+    `alternate(sessions)` is `sessions.alternate` bound to the round count and load gate. Every engine
+    gets the usable cores as its intra-op threads (`cfg["threads"]` overrides)."""
     d = os.path.join(tmp, "one_device")
     os.makedirs(d, exist_ok=True)
     steps = cfg["warmup"] + cfg["steps"]
     make_data(d, cfg["rows"], cfg["dim"], cfg["batch"], cfg["hotness"], steps, cfg["zipf"])
     want = expected(d, LR, EPS)
     counter = iter(range(10**6))
+    threads = int(cfg.get("threads") or usable_cores())
 
     def session(engine):
         def go():
-            spec = {"dir": d, "lr": LR, "eps": EPS, "warmup": cfg["warmup"]}
+            spec = {"dir": d, "lr": LR, "eps": EPS, "warmup": cfg["warmup"], "threads": threads}
             spec["result_stem"] = os.path.join(d, f"{engine}_{next(counter)}")
-            return run_session(HERE / "one_device.py", engine, [spec], tmp=tmp, timeout_s=timeout_s)[0]
+            env = child_env(**xla_env(threads))
+            return run_session(module_command(WORKER), engine, [spec], tmp=tmp, timeout_s=timeout_s, env=env)[0]
 
         return go
 
@@ -264,10 +276,24 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 1800) -> dict:
     return {
         "shape": {k: cfg[k] for k in ("rows", "dim", "batch", "hotness", "zipf", "warmup", "steps")}
         | {"touched_rows": int(len(touched)), "lr": LR, "eps": EPS},
+        "threads": threads,
         "engines": engines,
+        "speed_vs_fbgemm": speed_vs_fbgemm(engines),
         "order": runs["order"],
         "check": {"ok": bool(ok and moved > 0), "tolerance": tol, "rows_moved_up_to": moved},
     }
+
+
+def speed_vs_fbgemm(engines: dict) -> dict:
+    """{engine: speed (FBGEMM's median / the engine's), per-round speeds, the worst round's} when FBGEMM ran."""
+    fb = engines.get("fbgemm")
+    if not fb:
+        return {}
+    out = {}
+    for name, e in engines.items():
+        rounds = [1 / r for r in round_ratios(e["session_medians_ms"], fb["session_medians_ms"])]
+        out[name] = {"speed": fb["median_ms"] / e["median_ms"], "round_speeds": rounds, "worst_round": min(rounds)}
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Training from the store: point-in-time sequences as padded arrays, served to the trainer by Grain.
+"""The foundation model's sequence adapter: point-in-time examples of a `jaxscale.sequences` store as padded
+arrays in the model's batch format, served to the trainer by Grain (`data.source: sequences`).
 
 Two ways to split the store into examples (`split_mode`, the config's `data.sequences.split`):
 
@@ -357,10 +358,15 @@ class PointInTimeExamples:
         cuts = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), at - lo]
         return [(parts[int(part[a])], int(row[a]), int(row[b - 1]) + 1) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
+    def item_vocabulary(self):
+        """The `item_id` vocabulary the model's item ids are indices of (None: raw ids): the store's own. A
+        source that reads another store than the model was trained on (serving) uses the training store's."""
+        return self.reader.vocabulary("item_id")
+
     def _model_columns(self, part) -> dict[str, np.ndarray]:
         """A partition's events in the model's encoding (computed once per partition and vocabulary version,
         then sliced). `item_ids` are dense indices when the store has an `item_id` vocabulary."""
-        vocab = self.reader.vocabulary("item_id")
+        vocab = self.item_vocabulary()
         key = (part.day, part.signature, None if vocab is None else vocab.version)
         cols = self._maps.get(key)
         if cols is None:
