@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from jaxscale.mesh import AXES, TOPOLOGIES, Topology, shard_axes
 from jaxscale.tables import TableConfig, check_tables
@@ -95,6 +96,15 @@ class ShardingPlan:
     @classmethod
     def from_json(cls, s: str) -> ShardingPlan:
         return cls.from_dict(json.loads(s))
+
+    @classmethod
+    def from_file(cls, path: str) -> ShardingPlan:
+        """The plan a JSON file holds (`EmbeddingSettings.plan_file`); an unreadable file names the setting."""
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ValueError(f"embedding.plan_file: cannot read {path!r}: {err}") from err
+        return cls.from_json(text)
 
     def check(self, tables: Sequence[TableConfig], nodes: int, local: int) -> None:
         """Raises ValueError if this plan cannot serve `tables` on a (nodes, local) mesh."""

@@ -67,15 +67,10 @@ def make_collection(
     cfg: Config, mesh, tables, settings: EmbeddingSettings | None = None, plan: ShardingPlan | None = None
 ) -> EmbeddingCollection:
     """The collection of the config's `embedding` settings (or `settings`) running `plan` (the planner's,
-    `jaxscale.planner.resolve`); without one, a `plan_file` replaces `sharding`."""
+    `jaxscale.planner.resolve`); without one, the collection runs `plan_file` or `sharding`."""
     settings = cfg.embedding if settings is None else settings
     if settings.topology == AUTO_TOPOLOGY:
         raise ValueError("embedding.topology=auto is resolved by the planner (jaxscale.train.plan_run) first")
-    if plan is None and settings.plan_file:
-        try:
-            plan = ShardingPlan.from_json(Path(settings.plan_file).read_text())
-        except OSError as err:
-            raise ValueError(f"embedding.plan_file: cannot read {settings.plan_file!r}: {err}") from err
     return EmbeddingCollection(tables, mesh, settings, plan)
 
 

@@ -466,7 +466,8 @@ def render(r: dict) -> str:
         "Written by `python experiments/movielens/serve.py --run OUT` (after `bash experiments/movielens/run.sh OUT`);"
         " every figure below comes from its JSON.",
         "",
-        f"- run: `{r['run']}`, model `{r['model']}`, k = {r['k']}; states: {r['states']['users']} users, version "
+        f"- run: `{Path(r['run']).name}/` (run.sh's output), model `{r['model']}`, k = {r['k']}; states: "
+        f"{r['states']['users']} users, version "
         f"{r['states']['version']}, model version `{r['states']['model_version']}`",
         f"- machine: {r['machine']['cpu_model']}, {r['machine']['nproc']} cores, load at end "
         + ", ".join(f"{x:.2f}" for x in r["machine"]["loadavg_at_end"]),

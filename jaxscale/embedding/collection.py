@@ -33,12 +33,11 @@ from jaxscale import collectives
 from jaxscale.embedding import capacity as capacity_lib
 from jaxscale.embedding import kernels, routing, sync
 from jaxscale.embedding.ids import PADDING_ID, ShardedIds, check_ids
-from jaxscale.embedding.layout import build_layout, piece_meta
+from jaxscale.embedding.layout import piece_meta, plan_layout
 from jaxscale.embedding.settings import AUTO_TOPOLOGY, EmbeddingSettings
 from jaxscale.embedding.state import StateSpec
 from jaxscale.mesh import BATCH_AXES, Topology
 from jaxscale.optimizers import RowWiseAdagrad
-from jaxscale.plan import resolve_plan
 from jaxscale.quantization import payload_bytes
 from jaxscale.tables import TableConfig, check_tables
 
@@ -68,8 +67,13 @@ class EmbeddingCollection:
         self.mesh = mesh
         self.topology = Topology.of(settings.topology, mesh)
         self.nodes, self.local = self.topology.nodes, self.topology.local
-        self.plan = resolve_plan(
-            self.tables, settings.topology, self.nodes, self.local, settings.sharding if plan is None else plan
+        self.plan, self.layout = plan_layout(
+            self.tables,
+            settings.topology,
+            self.nodes,
+            self.local,
+            settings.sharding if plan is None else plan,
+            settings.plan_file if plan is None else None,
         )
         if settings.reuse_capacities and self._exact_sync:
             raise ValueError(
@@ -79,7 +83,6 @@ class EmbeddingCollection:
                 "overflow. Use a periodic replica_sync, topology='1d', or reuse_capacities=False"
             )
         self.feature_table = {f: i for i, t in enumerate(self.tables) for f in t.features}
-        self.layout = build_layout(self.tables, self.plan)
         markers = ("touched",) if settings.replica_sync.sparse and self.num_replicas > 1 else ()
         self.state_spec = StateSpec(mesh, self.layout, self.topology, settings.optimizer, markers)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxscale.plan import ShardingPlan
+from jaxscale.plan import ShardingPlan, resolve_plan
 from jaxscale.tables import TableConfig
 
 
@@ -69,6 +69,16 @@ class Layout:
     @property
     def num_shards(self) -> int:
         return self.plan.num_shards
+
+
+def plan_layout(
+    tables: Sequence[TableConfig], topology: str, nodes: int, local: int, sharding, plan_file: str | None = None
+) -> tuple[ShardingPlan, Layout]:
+    """What a collection stores where: the plan of `sharding` (a type, a {table: type} dict or a plan; see
+    `jaxscale.plan.resolve_plan`), or of the JSON `plan_file` when there is one, checked against the topology
+    and the mesh, and the layout built from it."""
+    plan = resolve_plan(tables, topology, nodes, local, ShardingPlan.from_file(plan_file) if plan_file else sharding)
+    return plan, build_layout(tables, plan)
 
 
 def build_layout(tables: Sequence[TableConfig], plan: ShardingPlan) -> Layout:

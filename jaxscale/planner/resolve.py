@@ -5,7 +5,6 @@ the trainer is built, so the plan that runs is the plan that was scored.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -81,8 +80,5 @@ def resolve(
             sync = choice.sync  # the exact strategy the planner priced
         return settings.replace(topology=choice.topology, replica_sync=sync, plan_file=None), choice.plan
     if settings.plan_file:
-        try:
-            return settings, ShardingPlan.from_json(Path(settings.plan_file).read_text())
-        except OSError as err:
-            raise ValueError(f"embedding.plan_file: cannot read {settings.plan_file!r}: {err}") from err
+        return settings, ShardingPlan.from_file(settings.plan_file)
     return settings, resolve_plan(tables, settings.topology, nodes, local, settings.sharding)
