@@ -77,7 +77,9 @@ def plan_layout(
     """What a collection stores where: the plan of `sharding` (a type, a {table: type} dict or a plan; see
     `jaxscale.plan.resolve_plan`), or of the JSON `plan_file` when there is one, checked against the topology
     and the mesh, and the layout built from it."""
-    plan = resolve_plan(tables, topology, nodes, local, ShardingPlan.from_file(plan_file) if plan_file else sharding)
+    if plan_file:
+        sharding = ShardingPlan.from_file(plan_file)
+    plan = resolve_plan(tables, topology, nodes, local, sharding)
     return plan, build_layout(tables, plan)
 
 
