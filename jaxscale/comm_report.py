@@ -58,7 +58,7 @@ def _set_device_count(n: int) -> None:
         )
 
 
-def _group_layout(group, mesh_shape) -> tuple[int, int, dict]:
+def group_layout(group, mesh_shape) -> tuple[int, int, dict]:
     """(k nodes, m max members per node, {node: members}) of one replica group."""
     from jaxscale.mesh import node_of_position
 
@@ -75,11 +75,11 @@ def split_bytes(c, mesh_shape) -> tuple[float, float]:
         return 0.0, 0.0
     R = float(c.result_bytes)
     if c.kind == "collective-permute":
-        cross = any(_group_layout(pair, mesh_shape)[0] > 1 for pair in c.groups)
+        cross = any(group_layout(pair, mesh_shape)[0] > 1 for pair in c.groups)
         return (0.0, total) if cross else (total, 0.0)
     best = (0.0, 0.0)
     for g in c.groups:
-        k, m, per_node = _group_layout(g, mesh_shape)
+        k, m, per_node = group_layout(g, mesh_shape)
         G = len(g)
         if k == 1:
             split = (total, 0.0)

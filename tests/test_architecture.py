@@ -186,3 +186,18 @@ def test_the_settings_walk_from_the_yaml_to_the_collective(tmp_path):
         text = (tmp_path / f"{setting}.txt").read_text()
         assert "reaches a collective: yes" in text and "climbs back (a hand-off to a higher floor): none" in text
         assert "(one: EmbeddingSettings)" in text and "jax.lax" in text
+
+
+def test_experiments_import_only_public_names():
+    """Experiments are scripts over the installed package: no private name of it, no edit of the import path."""
+    offenders = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        text = path.read_text()
+        if "sys.path.insert" in text or "sys.path.append" in text:
+            offenders.append(f"{path.relative_to(ROOT)}: edits sys.path")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxscale"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or any(part.startswith("_") for part in node.module.split(".")):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import {private}")
+    assert not offenders, offenders

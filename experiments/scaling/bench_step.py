@@ -108,7 +108,7 @@ def step_collectives(trainer, st) -> list[dict]:
     """Every collective of the compiled step: kind, device group ('node': one device per node, 'all',
     'local': inside a node), category, bytes per device (intra, inter) and how often it runs per step
     (a periodic sync: 1/k)."""
-    from jaxscale.comm_report import _group_layout, categorize, replica_groups, split_bytes
+    from jaxscale.comm_report import categorize, group_layout, replica_groups, split_bytes
 
     shape = tuple(trainer.mesh.devices.shape)
     reps = replica_groups(trainer.ec.topology)
@@ -119,7 +119,7 @@ def step_collectives(trainer, st) -> list[dict]:
     for c in trainer.collectives:
         intra, inter = split_bytes(c, shape)
         cat = categorize(c, reps, largest)
-        k, m, _ = _group_layout(c.groups[0], shape) if c.groups else (1, 1, None)
+        k, m, _ = group_layout(c.groups[0], shape) if c.groups else (1, 1, None)
         group = "local" if k == 1 else ("node" if m == 1 else "all")
         per_step = 1 / st.settings.replica_sync.every if cat == "replica_sync" else 1.0
         out.append(

@@ -32,7 +32,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def rss_mb() -> float:

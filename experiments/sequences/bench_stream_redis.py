@@ -39,11 +39,10 @@ import pyarrow as pa
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
 
-from jaxscale.sequences.broker import Producer, StreamConsumer, publish_columns  # noqa: E402
-from jaxscale.sequences.definitions import compile_definitions  # noqa: E402
-from jaxscale.sequences.events import find_event_files  # noqa: E402
+from jaxscale.sequences.broker import Producer, StreamConsumer, publish_columns
+from jaxscale.sequences.definitions import compile_definitions
+from jaxscale.sequences.events import find_event_files
 
 TARGET_EVENTS_PER_SECOND = 100_000
 
