@@ -32,6 +32,7 @@ _YAML_FIELDS = {
     "intra_node_latency_us": ("intra_node_latency", lambda v: v / 1e6),
     "inter_node_latency_us": ("inter_node_latency", lambda v: v / 1e6),
     "efficiency": ("efficiency", float),
+    "a2a_extra_message_cost": ("a2a_extra_message_cost", float),
 }
 
 
@@ -50,6 +51,10 @@ class ClusterSpec:
       intra_node_latency: seconds per message over the intra-node link.
       inter_node_latency: seconds per message across nodes.
       efficiency: fraction of the line rates that collectives reach (1.0 = line rate).
+      a2a_extra_message_cost: what each further message of one grouped all-to-all adds to its latency,
+        as a fraction of one message's latency: 1.0 = additive (G-1 messages cost (G-1) x latency, the
+        plain alpha-beta rule); 0.0 = every message posted at once (one latency whatever G). Measured on
+        the emulated cluster: experiments/scaling/latency.json.
       name: a label (the preset's name when loaded from meshes/).
     """
 
@@ -61,6 +66,7 @@ class ClusterSpec:
     intra_node_latency: float = 3e-6
     inter_node_latency: float = 10e-6
     efficiency: float = 1.0
+    a2a_extra_message_cost: float = 1.0
     name: str = ""
 
     def __post_init__(self):
@@ -76,6 +82,11 @@ class ClusterSpec:
         _check_number("efficiency", self.efficiency, positive=True)
         if self.efficiency > 1:
             raise ValueError(f"ClusterSpec.efficiency must be in (0, 1], got {self.efficiency!r}")
+        _check_number("a2a_extra_message_cost", self.a2a_extra_message_cost, positive=False)
+        if self.a2a_extra_message_cost > 1:
+            raise ValueError(
+                f"ClusterSpec.a2a_extra_message_cost must be in [0, 1], got {self.a2a_extra_message_cost!r}"
+            )
         if not isinstance(self.name, str):
             raise ValueError(f"ClusterSpec.name must be a string, got {self.name!r}")
 

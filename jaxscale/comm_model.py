@@ -14,7 +14,9 @@ Three layers, each usable alone:
    - all-gather of R_out bytes: intra (m-1)/m R_out in m-1 steps, inter (k-1)/k R_out/m in k-1 steps.
    These byte splits are the ones `jaxscale.comm_report` reads off compiled HLO.
    `seconds(traffic, cluster)`: messages x latency + bytes / bandwidth; the NIC's line rate is shared by
-   the node's devices (all of them run the same collective at once in SPMD).
+   the node's devices (all of them run the same collective at once in SPMD). An all-to-all's messages are
+   posted at once: with `ClusterSpec.a2a_extra_message_cost` c < 1 its G-1 messages cost 1 + (G-2) c
+   latencies instead of G-1 (`latency_messages`; c = 1, the default, is the additive rule).
 
 2. **The embedding step** (`embedding_comms`) as functions of per-step counts (`StackCounts`), one
    entry per embedding stack, for a jaxscale topology and comm precisions (wire sizes from
@@ -173,13 +175,24 @@ def all_gather(group: Group, result_bytes: float) -> Traffic:
     )
 
 
+def latency_messages(messages: int, traffic: Traffic, cluster: ClusterSpec) -> float:
+    """How many message latencies `messages` cost: all of them one after the other (ring steps), or, for
+    a grouped all-to-all whose messages are posted at once (`concurrent`), the first one plus
+    `cluster.a2a_extra_message_cost` of each further one."""
+    if not traffic.concurrent or messages == 0:
+        return messages
+    return 1 + (messages - 1) * cluster.a2a_extra_message_cost
+
+
 def link_seconds(traffic: Traffic, cluster: ClusterSpec) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of one collective: latency x messages + bytes / bandwidth."""
     intra = (
-        traffic.intra_messages * cluster.intra_node_latency + traffic.intra_bytes / cluster.intra_bandwidth_per_device
+        latency_messages(traffic.intra_messages, traffic, cluster) * cluster.intra_node_latency
+        + traffic.intra_bytes / cluster.intra_bandwidth_per_device
     )
     inter = (
-        traffic.inter_messages * cluster.inter_node_latency + traffic.inter_bytes / cluster.inter_bandwidth_per_device
+        latency_messages(traffic.inter_messages, traffic, cluster) * cluster.inter_node_latency
+        + traffic.inter_bytes / cluster.inter_bandwidth_per_device
     )
     return intra, inter
 

@@ -53,6 +53,15 @@ EMU_BATCH_PER_DEVICE = 8
 TBF_QUEUE = "16mb"  # a deep queue: no packet is dropped (a drop costs a TCP timeout, not bandwidth)
 
 
+def timed_steps(st, steps: int) -> int:
+    """Timed steps per phase: `steps`, and for a periodic sync every k steps at least 12 periods, a whole
+    number of them (the mean then weighs the sync step as the run does, with a standard error over 12+)."""
+    if st.settings.replica_sync.mode != "periodic":
+        return steps
+    k = st.settings.replica_sync.every
+    return max(steps, 12 * k) // k * k
+
+
 def tc(dev: str, rate: str | None) -> None:
     subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
     if rate:
@@ -96,7 +105,9 @@ def build_config(st, nodes: int, local: int, batch_per_device: int):
     from jaxscale.scaling_model import compiled_overrides as overrides
 
     base = overrides(dataclasses.replace(st, balanced=False), nodes, local, EMU_MODEL, batch_per_device * nodes * local)
-    extra = ["train.overflow_policy=grow", "train.warmup_steps=1"]
+    # capacity_factor null: every exchange and the exact replica sync are sized for the batch they carry,
+    # counted on the host (the engine the model's counts describe), not fixed slot-padded shapes
+    extra = ["train.overflow_policy=grow", "train.warmup_steps=1", "embedding.capacity_factor=null"]
     cfg = load_config(CONFIG, base + extra)
     plan = plan_file_for(st, cfg, nodes, local)
     if plan is not None:
@@ -123,8 +134,9 @@ def step_collectives(trainer, st) -> list[dict]:
         group = "local" if k == 1 else ("node" if m == 1 else "all")
         per_step = 1 / st.settings.replica_sync.every if cat == "replica_sync" else 1.0
         out.append(
-            {"kind": c.kind, "group": group, "category": cat, "intra": intra, "inter": inter, "per_step": per_step}
-        )
+            {"kind": c.kind, "group": group, "category": cat, "intra": intra, "inter": inter, "per_step": per_step,
+             "operands": len(c.shapes)}  # XLA:CPU runs a tuple all-reduce as one ring per operand
+        )  # fmt: skip
     return out
 
 
@@ -153,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--dev")
     p.add_argument("--rate", default="4mbit")
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--delay-ms", type=float, default=0.0, help="recorded only: the link's one-way delay")
     p.add_argument(
         "--print-config",
         action="store_true",
@@ -162,13 +175,20 @@ def main(argv=None) -> int:
     st = parse_stage(a.stage)
     if a.print_config:
         return print_config(st, a.nodes, a.local, a.batch_per_device)
+    single = a.nodes == 1
+    if single:
+        a.process_id = 0  # one node: no cluster, no link, the unlimited phase only
     missing = [f"--{k.replace('_', '-')}" for k in ("process_id", "coordinator", "dev") if getattr(a, k) is None]
-    if missing:
+    if missing and not single:
         p.error(f"{', '.join(missing)} required (one process per emulated node)")
+    steps = timed_steps(st, a.steps)
 
     from jaxscale import distributed
 
-    distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
+    if single:
+        distributed.initialize(local_devices=a.local)
+    else:
+        distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
     import jax
     from jax.experimental import multihost_utils
 
@@ -194,16 +214,21 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t)
         return times[2:]
 
+    timed(len(batches))  # every batch's shapes compiled (exact counts: a batch may size its buffers anew)
     out, wire = {}, {}
-    for phase, rate in (("unlimited", None), ("limited", a.rate)):
-        tc(a.dev, rate)
-        multihost_utils.sync_global_devices(f"start-{phase}")
-        before = wire_bytes_counters(a.dev)
-        out[phase] = timed(a.steps)
-        after = wire_bytes_counters(a.dev)
-        wire[phase] = [(y - x) / (a.steps + 2) for x, y in zip(before, after)]
-        multihost_utils.sync_global_devices(f"done-{phase}")
-    tc(a.dev, None)
+    phases = (("unlimited", None),) if single else (("unlimited", None), ("limited", a.rate))
+    for phase, rate in phases:
+        if not single:
+            tc(a.dev, rate)
+            multihost_utils.sync_global_devices(f"start-{phase}")
+            before = wire_bytes_counters(a.dev)
+        out[phase] = timed(steps)
+        if not single:
+            after = wire_bytes_counters(a.dev)
+            wire[phase] = [(y - x) / (steps + 2) for x, y in zip(before, after)]
+            multihost_utils.sync_global_devices(f"done-{phase}")
+    if not single:
+        tc(a.dev, None)
     if plan is not None:
         os.remove(plan)
     if a.process_id == 0:
@@ -212,25 +237,25 @@ def main(argv=None) -> int:
             "stage": a.stage,
             "nodes": a.nodes,
             "local": a.local,
-            "rate": a.rate,
-            "steps": a.steps,
+            "rate": None if single else a.rate,
+            "delay_ms": None if single else a.delay_ms,
+            "steps": steps,
             "batch_per_device": a.batch_per_device,
             "sharding": {k: v.sharding for k, v in trainer.ec.plan.tables.items()},
             "compile_s": compile_s,
             "bytes_by_category": by_cat,
             "inter_bytes_per_device": inter,
             "inter_bytes_per_node": inter * a.local,
-            "wire_sent_per_step": wire["unlimited"][0],  # node 0's veth, TCP/IP headers included
-            "wire_received_per_step": wire["unlimited"][1],
-            "unlimited_mean_s": statistics.fmean(out["unlimited"]),
-            "unlimited_median_s": statistics.median(out["unlimited"]),
-            "limited_mean_s": statistics.fmean(out["limited"]),
-            "limited_median_s": statistics.median(out["limited"]),
             "collectives": collectives,
-            "predicted_delta_s": predicted_delta(collectives, a.local, a.rate),
-            "unlimited_s": out["unlimited"],
-            "limited_s": out["limited"],
         }
+        for phase, times in out.items():
+            result[f"{phase}_mean_s"] = statistics.fmean(times)
+            result[f"{phase}_median_s"] = statistics.median(times)
+            result[f"{phase}_s"] = times
+        if not single:
+            result["wire_sent_per_step"] = wire["unlimited"][0]  # node 0's link, TCP/IP headers included
+            result["wire_received_per_step"] = wire["unlimited"][1]
+            result["predicted_delta_s"] = predicted_delta(collectives, a.local, a.rate)
         print(json.dumps(result), flush=True)
     return 0
 

@@ -16,6 +16,9 @@
    alternative calibration, with the compute values where each check flips.
 4. Weak-scaling speedups per stage at 100 / 400 / 3200 Gbit/s per node; the replica-sync options; the
    planner's topology recommendation; the periodic-sync study (from --k-study FILE when given).
+5. Latency: the 16-64-node ranking under the additive all-to-all latency (every message's latency adds
+   up) and under the extra-message cost measured on the emulated cluster (the newest
+   emulation/latency_*.jsonl, `jaxscale.link_emulation.fit_latency`).
 `--json OUT` writes {"calibration": {...}, "checks": [...], "fragility": {...}, ...}.
 """
 
@@ -52,6 +55,9 @@ SEED = 0
 EXACT_SYNCS = M.EXACT_SYNCS
 PERIODIC_K = (4, 16, 64)
 SWEEP_S = tuple(x / 1e3 for x in range(2, 21))  # compute sweep of the fragility table: 2-20 ms
+LATENCY_RUNS = os.path.join(HERE, "emulation")  # run_emulation.sh calibrate writes latency_<stamp>.jsonl
+RANKING_NODES = (16, 32, 64)
+ONE_D = ("baseline", "+fp8", "+balanced", "+half_dim")
 
 
 def load_json(path: str) -> dict:
@@ -279,6 +285,56 @@ def predictions(sc: M.Scenario, mc: dict, cal: M.Calibration, log=print) -> dict
     return out
 
 
+def measured_latency() -> dict | None:
+    """The fit of the newest emulated latency run (None when there is none)."""
+    import glob
+
+    from jaxscale.link_emulation import fit_latency
+
+    runs = sorted(glob.glob(os.path.join(LATENCY_RUNS, "latency_*.jsonl")))
+    if not runs:
+        return None
+    with open(runs[-1]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return dict(fit_latency(rows), file=os.path.relpath(runs[-1], ROOT))
+
+
+def latency_ranking(sc: M.Scenario, cal: M.Calibration, costs: dict) -> dict:
+    """{latency model: {fabric: {nodes: {...}}}}: at 16-64 nodes the best 1d stage, 2d_ar, 2d_a2a and the
+    planner's choice with every all-to-all message's latency costing `cost` after the first (1 = additive),
+    and the a2a_latency_ratio check under that model."""
+    large, fn = sc.workload, sc.counts_fn
+    out = {}
+    for model, cost in costs.items():
+        out[model] = {"a2a_extra_message_cost": cost}
+        for fname, spec in M.FABRICS.items():
+            cluster = dataclasses.replace(cal.cluster(spec), a2a_extra_message_cost=cost)
+            rows = {}
+            for n in RANKING_NODES:
+                sp = {}
+                for name in (*ONE_D, "2d_ar", "2d_a2a"):
+                    st = stage(name)
+                    sp[name] = M.speedup(
+                        large, st, fn, cluster, n, cal.compute_s, M.best_sync(sc, st, cluster, n, cal.compute_s)
+                    )
+                best_1d = max(ONE_D, key=sp.get)
+                choice = M.recommend(sc, cluster, n, cal.compute_s)
+                ranked = sorted((best_1d, "2d_ar", "2d_a2a"), key=sp.get, reverse=True)
+                rows[n] = {
+                    "best_1d": best_1d,
+                    "speedup": {k: sp[k] for k in (best_1d, "2d_ar", "2d_a2a")},
+                    "ranking": ["1d" if k == best_1d else k for k in ranked],
+                    "recommended": choice.chosen.label,
+                }
+            out[model][fname] = rows
+        efa = dataclasses.replace(cal.cluster(M.CALIBRATION_FABRICS["with EFA"]), a2a_extra_message_cost=cost)
+        n, sync = M.A2A_LATENCY_NODES, EXACT_SYNCS[0]
+        out[model]["a2a_latency_ratio"] = M.a2a_seconds(large, stage("+half_dim"), fn, efa, n, sync) / M.a2a_seconds(
+            large, stage("2d_a2a"), fn, efa, n, sync
+        )
+    return out
+
+
 def bytes_table(sc: M.Scenario, cal: M.Calibration) -> list[dict]:
     large, fn = sc.workload, sc.counts_fn
     rows = []
@@ -348,6 +404,9 @@ def main(argv=None) -> int:
     frag = fragility(sc, sc_hashed, cals)
     preds = predictions(sc, mc, cal)
     btab = bytes_table(sc, cal)
+    lat = measured_latency()
+    costs = {"additive": 1.0} | ({"measured": lat["a2a_extra_message_cost"]} if lat else {})
+    ranking = latency_ranking(sc, cal, costs)
     import write_results
 
     k_study = write_results.load_k_study(args.k_study or (K_STUDY if os.path.exists(K_STUDY) else None))
@@ -379,9 +438,10 @@ def main(argv=None) -> int:
         "predictions": {f: {k: v for k, v in r.items() if k != "recommended"} for f, r in preds.items()},
         "recommended": {f: r["recommended"] for f, r in preds.items()},
         "flops_compute_s": flops_s,
+        "latency": {"measured": lat, "ranking": ranking},
     }
     text = write_results.render(
-        mach, checks_hlo, bad, large, mc, cal, eff, checks, detail, frag, preds, btab, k_study, flops_s
+        mach, checks_hlo, bad, large, mc, cal, eff, checks, detail, frag, preds, btab, k_study, flops_s, lat, ranking
     )
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(text)
