@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import http.client
 import inspect
@@ -585,6 +586,10 @@ def serve_until_signal(service: Service, announce: Callable[[str], None]) -> Non
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # everything loaded so far (modules, models, caches) lives as long as the process: out of the cyclic
+        # collector's sight, a full collection scans only what requests allocate, not a ~30 ms pause
+        gc.collect()
+        gc.freeze()
         announce(service.url)
         await stop.wait()
         log.info("%s: signal received, finishing %d in-flight requests", service.name, service.in_flight)

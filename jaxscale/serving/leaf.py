@@ -14,7 +14,9 @@ The fast path: /predict is an ``async def`` handler on the server's event loop. 
 and the column conversion run inline (tens of microseconds); the model call goes through ``self._offload``
 (`jaxscale.http_server.Offload`), which runs it on the loop while its measured time per batch bucket is under
 ``LeafConfig.inline_budget_s`` and in a thread otherwise (a first call, a big batch). No request crosses a thread
-when the model is fast, so no thread wake-ups or GIL hand-offs are paid per request.
+when the model is fast, so no thread wake-ups or GIL hand-offs are paid per request. A body laid out like one
+already read (`wire.LayoutCache`: the root sends the same schema and batch size every time) is not decoded: each
+input is a NumPy view of the body's bytes at the offset the full path found.
 
 Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way:
   1. ``async def _retrieve(self, request: Request) -> Response``: decode and check the body inline; raise
@@ -144,6 +146,7 @@ class Leaf:
         self._server: BackgroundServer | None = None
         self._plans: list[tuple[pa.Schema, _InputPlan]] = []
         self._plans_lock = threading.Lock()
+        self._layouts = wire.LayoutCache()  # request layouts seen: their inputs are read without decoding
         # the model call: on the loop while it is short, else in threads (`jaxscale.http_server.Offload`)
         self._offload = Offload(config.server.workers, config.inline_budget_s, name="leaf-model")
         self.retrieval, self.states, self._own_states = None, states, False
@@ -215,11 +218,47 @@ class Leaf:
                 inputs[name] = np.zeros((rows, *shape), dtype)
             else:
                 inputs[name] = wire.column_to_numpy(batch.column(index), name, dtype, shape)
+        self._count(plan, rows)
+        return inputs
+
+    def _count(self, plan: _InputPlan, rows: int) -> None:
         self.metrics.inc("features_received", plan.received)
         self.metrics.inc("ignored_features", plan.ignored)
         self.metrics.inc("filled_unused_features", plan.filled)
         self.metrics.inc("examples", rows)
-        return inputs
+
+    def _body_inputs(self, body: bytes) -> tuple[dict[str, np.ndarray], int]:
+        """(the model's inputs, rows) from a request body. A body laid out like one already read (same schema,
+        rows, buffer offsets: `wire.LayoutCache`) is not parsed again: each input is a NumPy view of its bytes at
+        the offset the full path found, the array the full path would return."""
+        known = self._layouts.find(body)
+        if known is not None:
+            plan, rows, reads = known
+            inputs = {}
+            for name, offset, dtype, shape, count in reads:
+                if offset is None:
+                    inputs[name] = np.zeros(shape, dtype)
+                else:
+                    inputs[name] = np.frombuffer(body, dtype, count, offset).reshape(shape)
+            self._count(plan, rows)
+            return inputs, rows
+        batch = wire.decode(body)
+        inputs = self._inputs(batch)
+        self._learn_layout(body, batch, inputs)
+        return inputs, batch.num_rows
+
+    def _learn_layout(self, body: bytes, batch: pa.RecordBatch, inputs: dict[str, np.ndarray]) -> None:
+        """Remember where each input lies in ``body`` when every one the request carries is a view of it."""
+        reads = []
+        for name, index, dtype, shape in self._input_plan(batch.schema).reads:
+            offset = None
+            if index is not None:
+                offset = wire.view_offset(inputs[name], body)
+                if offset is None or inputs[name].dtype != np.dtype(dtype):
+                    return  # a copied or converted column: this layout always takes the full path
+            full = (batch.num_rows, *shape)
+            reads.append((name, offset, np.dtype(dtype), full, int(np.prod(full))))
+        self._layouts.learn(body, (self._input_plan(batch.schema), batch.num_rows, tuple(reads)))
 
     def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score ``{feature: array [batch, ...]}`` (same checks as the HTTP path)."""
@@ -242,9 +281,7 @@ class Leaf:
                 status = 415
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             try:
-                batch = wire.decode(request.body)
-                inputs = self._inputs(batch)
-                rows = batch.num_rows
+                inputs, rows = self._body_inputs(request.body)
                 outputs = await self._offload.run(("predict", self._bucket(rows)), self._run, inputs)
             except wire.PayloadError as e:
                 status = 400

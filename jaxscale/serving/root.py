@@ -17,6 +17,9 @@ checking and trimming run inline (the schema and the per-leaf plans are cached, 
 leaves are called concurrently over keep-alive `AsyncClient` connections (aiohttp, ``TCP_NODELAY``; https with
 ``leaf_ca_file``, a bearer token with ``leaf_token``) on the same loop: no thread hand-off anywhere on the
 request's path. `Root.fan_out` is the same fan-out for Python callers (blocking `Client`s, threads).
+A body laid out like one already decoded (same length, framing, schema and batch metadata: `wire.LayoutCache`)
+is not decoded at all: it is planned from the known schema, and each uncompressed leaf body is cut from its bytes
+by a recipe learned (and checked byte for byte against `wire.encode`) on the layout's first request.
 
 Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way: an ``async def`` handler that decodes
 inline, gets its plans from ``self._plan(batch, models)`` (or its own planner), sends each leaf's body with
@@ -188,6 +191,63 @@ class _Run:
         return self._value
 
 
+_MAX_RECIPES = 16  # leaf plans per request layout whose body recipe the root keeps
+
+
+@dataclass(frozen=True)
+class _LeafBodyRecipe:
+    """A leaf body cut from the request's bytes: the body encoded for the first request of a layout, with the
+    ranges holding column values zeroed (``template``), and where each range's bytes come from in the request."""
+
+    template: bytes
+    copies: tuple[tuple[int, int, int], ...]  # (offset in the leaf body, offset in the request, length)
+
+    def apply(self, body: bytes) -> bytes:
+        out, src = bytearray(self.template), memoryview(body)
+        for to, at, n in self.copies:
+            out[to : to + n] = src[at : at + n]
+        return bytes(out)
+
+    @classmethod
+    def learn(cls, request: bytes, payload: pa.RecordBatch, encoded: bytes) -> _LeafBodyRecipe | None:
+        """The recipe that turns ``request`` into ``encoded`` (``payload``, zero-copy columns of the request, as
+        `wire.encode` wrote it, uncompressed), or None when some value bytes are not a plain copy of the request's."""
+        sent = wire.decode(encoded)  # its buffers are views of ``encoded``
+        request_at, encoded_at = pa.py_buffer(request).address, pa.py_buffer(encoded).address
+        if payload.num_columns != sent.num_columns or payload.num_rows != sent.num_rows:
+            return None
+        copies = []  # must cover every buffer written: any other byte of ``encoded`` is metadata or padding
+        for ours, theirs in zip(payload.columns, sent.columns):
+            mine, written = ours.buffers(), theirs.buffers()
+            if len(mine) != len(written) or ours.offset != 0:
+                return None
+            for a, b in zip(mine, written):
+                if b is None or b.size == 0:
+                    continue
+                if a is None or b.size > a.size:
+                    return None
+                at, to = a.address - request_at, b.address - encoded_at
+                if at < 0 or at + b.size > len(request) or to < 0 or to + b.size > len(encoded):
+                    return None
+                copies.append((to, at, b.size))
+        template = bytearray(encoded)
+        for to, _, n in copies:
+            template[to : to + n] = bytes(n)
+        recipe = cls(bytes(template), tuple(copies))
+        return recipe if recipe.apply(request) == encoded else None
+
+
+@dataclass
+class _KnownLayout:
+    """A request layout the root decoded before (`wire.LayoutCache`): what planning and counting read of the
+    batch (schema and shape), and per leaf plan the recipe of its body (None = encode from a decoded batch)."""
+
+    schema: pa.Schema
+    num_rows: int
+    num_columns: int
+    recipes: dict[LeafPlan, _LeafBodyRecipe | None] = field(default_factory=dict)
+
+
 class UnknownModelError(ValueError):
     """A request names a model version no leaf of this root serves."""
 
@@ -221,6 +281,7 @@ class Root:
             for a in config.leaves
         }
         self._planner = FanoutPlanner()
+        self._layouts = wire.LayoutCache()  # request layouts seen (uncompressed leaf bodies are cut from the bytes)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
         self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
         if config.rescan_interval_s > 0:
@@ -256,12 +317,13 @@ class Root:
             out.append((model, version))
         return out
 
-    def _leaf_body(self, plan: LeafPlan, batch: pa.RecordBatch) -> bytes:
-        """The body one leaf is sent (trimmed, encoded), counted in the metrics."""
-        t0 = time.perf_counter()
-        payload = trim_batch(batch, plan)
-        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-        body = wire.encode(payload, self.config.compression)
+    def _leaf_body(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None) -> bytes:
+        """The body one leaf is sent (trimmed, encoded; or ``body`` when already cut), counted in the metrics."""
+        if body is None:
+            t0 = time.perf_counter()
+            payload = trim_batch(batch, plan)
+            self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+            body = wire.encode(payload, self.config.compression)
         labels = {"model": plan.model, "version": plan.version}
         self.metrics.inc("leaf_requests", **labels)
         self.metrics.inc("leaf_request_bytes", len(body), **labels)
@@ -270,6 +332,18 @@ class Root:
         self.metrics.inc("features_trimmed", batch.num_columns - sent, **labels)
         if plan.fail_open:
             self.metrics.inc("fail_open_requests", reason=plan.fail_open, **labels)
+        return body
+
+    def _learn_leaf_body(self, known: _KnownLayout, request: bytes, batch: pa.RecordBatch, plan: LeafPlan) -> bytes:
+        """The body a leaf is sent (trimmed, encoded), and the recipe that cuts it from the request's bytes learned
+        for the request's layout (once per plan: None when it sends everything, compresses or cannot be cut)."""
+        t0 = time.perf_counter()
+        payload = trim_batch(batch, plan)
+        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        body = wire.encode(payload, self.config.compression)
+        if plan not in known.recipes and len(known.recipes) < _MAX_RECIPES:
+            cut = plan.send is not None and self.config.compression is None
+            known.recipes[plan] = _LeafBodyRecipe.learn(request, payload, body) if cut else None
         return body
 
     def _leaf_failed(self, plan: LeafPlan, url: str, error: OSError) -> LeafCallError:
@@ -311,8 +385,8 @@ class Root:
             raise self._leaf_failed(plan, client.url, e) from None
         return self._leaf_result(plan, batch, body, status, data)
 
-    async def _call_leaf_async(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
-        body = self._leaf_body(plan, batch)
+    async def _call_leaf_async(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None) -> LeafResult:
+        body = self._leaf_body(plan, batch, body)
         client = self._async_clients[(plan.model, plan.version)]
         try:
             status, _, data = await client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
@@ -366,15 +440,40 @@ class Root:
     async def fan_out_async(self, batch: pa.RecordBatch, models: Sequence[str] | None = None) -> FanoutResult:
         """`fan_out` on the running event loop: the leaves are called concurrently over `AsyncClient`s."""
         routes, plans = self._plan(batch, models)
+        return await self._send_async(routes, plans, batch, [None] * len(plans))
+
+    async def _send_async(self, routes, plans: list[LeafPlan], batch, bodies: list) -> FanoutResult:
         if len(plans) == 1:
             try:
-                outcomes = [await self._call_leaf_async(plans[0], batch)]
+                outcomes = [await self._call_leaf_async(plans[0], batch, bodies[0])]
             except LeafCallError as e:
                 outcomes = [e]
         else:
-            calls = (self._call_leaf_async(plan, batch) for plan in plans)
+            calls = (self._call_leaf_async(plan, batch, body) for plan, body in zip(plans, bodies))
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
         return self._collect(routes.generation, plans, outcomes)
+
+    async def _fan_out_body(self, body: bytes, models: Sequence[str]) -> FanoutResult:
+        """`fan_out_async` of a request body. A body laid out like one decoded before (`wire.LayoutCache`) is not
+        decoded: it is planned from the known schema and each leaf's body is cut from its bytes by the recipe
+        learned then (the same bytes `wire.encode` would write). Any other body is decoded, and its layout
+        learned."""
+        known = self._layouts.find(body)
+        if known is not None:
+            routes, plans = self._plan(known, models)
+            recipes = [known.recipes.get(plan) for plan in plans]
+            if all(r is not None for r in recipes):
+                t0 = time.perf_counter()
+                bodies = [r.apply(body) for r in recipes]
+                self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+                return await self._send_async(routes, plans, known, bodies)
+        batch = wire.decode(body)
+        routes, plans = self._plan(batch, models)
+        if known is None:
+            known = _KnownLayout(batch.schema, batch.num_rows, batch.num_columns)
+            self._layouts.learn(body, known)
+        bodies = [self._learn_leaf_body(known, body, batch, plan) for plan in plans]
+        return await self._send_async(routes, plans, batch, bodies)
 
     # ------------------------------------------------------------------------------------------------- HTTP
 
@@ -387,7 +486,7 @@ class Root:
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             models = [m for m in request.query.get("models", "").split(",") if m]
             try:
-                result = await self.fan_out_async(wire.decode(request.body), models)
+                result = await self._fan_out_body(request.body, models)
             except wire.PayloadError as e:
                 status = 400
                 self.metrics.inc("bad_requests", reason="payload")

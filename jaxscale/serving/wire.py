@@ -201,3 +201,61 @@ def column_to_numpy(col: pa.Array, name: str, dtype: str, shape: tuple[int, ...]
         raise FeatureError(f"feature {name!r} has null values", feature=name, reason="nulls")
     out = values.to_numpy(zero_copy_only=False)
     return out.reshape((len(col), *shape)).astype(dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------- repeated layouts
+
+_CONTINUATION = b"\xff\xff\xff\xff"
+_END_OF_STREAM = _CONTINUATION + b"\x00\x00\x00\x00"
+
+
+def batch_body_start(body: bytes) -> int | None:
+    """Where the record batch's body starts in ``body`` = [schema message][batch message][end-of-stream] (the
+    framing `encode` writes), from the two messages' length prefixes alone; None for any other framing."""
+    n = len(body)
+    if n < 24 or not body.startswith(_CONTINUATION) or not body.endswith(_END_OF_STREAM):
+        return None
+    at = 8 + int.from_bytes(body[4:8], "little")
+    if at + 8 > n or body[at : at + 4] != _CONTINUATION:
+        return None
+    start = at + 8 + int.from_bytes(body[at + 4 : at + 8], "little")
+    return start if start <= n - 8 else None
+
+
+class LayoutCache:
+    """What a server learned from a body (e.g. where each column's values lie), reused for later bodies with the
+    same layout: the same length and byte-identical framing, schema and record batch metadata. The metadata fixes
+    the row count, every buffer's offset and length and every null count, so such a body decodes to the same
+    arrays at the same offsets and only the values differ; nothing else about it has to be parsed or checked.
+    Only bodies that `decode` read without error are learned (the caller learns after the full path)."""
+
+    def __init__(self, max_entries: int = 8):
+        self.max_entries = max_entries
+        self._entries: list[tuple[bytes, int, object]] = []  # (everything before the batch body, length, value)
+        self._lock = threading.Lock()
+
+    def find(self, body: bytes):
+        """The value learned for ``body``'s layout, or None."""
+        n = len(body)
+        for prefix, length, value in self._entries:
+            if n == length and body.startswith(prefix) and body.endswith(_END_OF_STREAM):
+                return value
+        return None
+
+    def learn(self, body: bytes, value) -> bool:
+        """Remember ``value`` for ``body``'s layout (False when its framing is not the plain one)."""
+        start = batch_body_start(body)
+        if start is None:
+            return False
+        with self._lock:
+            self._entries = [(body[:start], len(body), value), *self._entries[: self.max_entries - 1]]
+        return True
+
+
+def view_offset(array: np.ndarray, body: bytes) -> int | None:
+    """The offset in ``body`` of a C-contiguous, non-empty NumPy ``array`` that is a view of ``body``'s bytes
+    (as `column_to_numpy` returns for a column of a body `decode` read); None when it is not such a view."""
+    if array.nbytes == 0 or not array.flags.c_contiguous:
+        return None
+    offset = array.ctypes.data - np.frombuffer(body, np.uint8).ctypes.data
+    return offset if 0 <= offset and offset + array.nbytes <= len(body) else None
