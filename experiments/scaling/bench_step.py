@@ -54,12 +54,12 @@ TBF_QUEUE = "16mb"  # a deep queue: no packet is dropped (a drop costs a TCP tim
 
 
 def timed_steps(st, steps: int) -> int:
-    """Timed steps per phase: `steps`, and for a periodic sync every k steps at least 12 periods, a whole
-    number of them (the mean then weighs the sync step as the run does, with a standard error over 12+)."""
+    """Timed steps per phase: `steps`, and for a periodic sync every k steps at least 8 periods, a whole
+    number of them (the mean then weighs the sync step as the run does, with a standard error over 8+)."""
     if st.settings.replica_sync.mode != "periodic":
         return steps
     k = st.settings.replica_sync.every
-    return max(steps, 12 * k) // k * k
+    return max(steps, 8 * k) // k * k
 
 
 def tc(dev: str, rate: str | None) -> None:
