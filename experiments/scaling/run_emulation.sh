@@ -12,7 +12,8 @@
 #   (+ 2d_a2a with periodic averaging) on 1 node (no link), then NODE_COUNTS nodes x LOCAL devices, STEPS timed
 #   steps per phase, links at RATE and DELAY -> emulation/run_<stamp>.jsonl; emulation_report.py writes
 #   EMULATION.md from it. The raw files are left as written; notes go in emulation/NOTES.md.
-# Environment: RATE (4mbit), DELAY (ms, 5), STEPS (32), LOCAL (2), STAGES (all), NODE_COUNTS ('4 2'), PY.
+# Environment: RATE (4mbit), DELAY (ms, 5), STEPS (32), LOCAL (2), STAGES (all), NODE_COUNTS ('4 2'), ONE_NODE
+# (1: run the 1-node step; 0: skip it, e.g. for a second run of other node counts), PY.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"; ROOT="$(cd "$HERE/../.." && pwd)"
 RATE=${RATE:-4mbit}; STEPS=${STEPS:-32}; STAGES=${STAGES:-all}; NODE_COUNTS=${NODE_COUNTS:-4 2}
@@ -46,7 +47,7 @@ echo "{\"run\": \"calibration\", \"latency\": \"$(basename "$LAT")\", \"transpor
 if [ "$STAGES" = all ]; then
   STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
 fi
-for stage in $STAGES; do  # 1 node: the same step in one process, no link
+for stage in $( [ "${ONE_NODE:-1}" = 1 ] && echo "$STAGES" ); do  # 1 node: the same step in one process, no link
   rc=0
   PYTHONPATH="$ROOT" "$PY" "$HERE/bench_step.py" --stage "$stage" --nodes 1 --local "$LOCAL" --steps "$STEPS" \
     > /tmp/jaxscale_emulate_1node.out 2> /tmp/jaxscale_emulate_1node.err || rc=$?

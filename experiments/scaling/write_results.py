@@ -548,7 +548,10 @@ def _latency(lat, ranking) -> list[str]:
         ]
     else:
         c = lat["a2a_extra_message_cost"]
-        pts = ", ".join(f"{p['inter_node_peers']} peers {p['all_to_all_s'] * 1e3:.2f} ms" for p in lat["points"])
+        pts = ", ".join(
+            f"{p['inter_node_peers']} peer{'s' if p['inter_node_peers'] != 1 else ''} {p['all_to_all_s'] * 1e3:.2f} ms"
+            for p in lat["points"]
+        )
         shape = "does not grow with the peers: the messages are posted at once" if c < 0.5 else "grows with the peers"
         peers = max(M.NODES) * M.LOCAL - 1
         L += [
