@@ -11,11 +11,10 @@ import urllib.request
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import demo_store
+from serving_helpers import demo_store, running_leaves
 
 from jaxscale.serving import demo, wire
 from jaxscale.serving import store as store_lib
-from jaxscale.serving.leaf import Leaf, LeafConfig
 from jaxscale.serving.root import FANOUT_HEADER, GENERATION_HEADER, LeafAddress, Root, RootConfig
 from jaxscale.serving.signature import Signature
 
@@ -47,10 +46,8 @@ def store():
 
 @pytest.fixture(scope="module")
 def leaves(store):
-    started = {key: Leaf(LeafConfig(store, *key, batch_buckets=(BATCH,), warmup=True)).start() for key in MODELS}
-    yield started
-    for leaf in started.values():
-        leaf.stop()
+    with running_leaves(store, MODELS, BATCH) as started:
+        yield started
 
 
 def addresses(leaves):

@@ -8,10 +8,9 @@ import urllib.request
 import numpy as np
 import pyarrow as pa
 import pytest
-from serving_helpers import demo_store
+from serving_helpers import demo_store, running_leaves
 
 from jaxscale.serving import demo, wire
-from jaxscale.serving.leaf import Leaf, LeafConfig
 from jaxscale.serving.root import FANOUT_HEADER, LeafAddress, Root, RootConfig
 from jaxscale.serving.trim import trim_batch
 
@@ -87,10 +86,8 @@ def store():
 
 @pytest.fixture(scope="module")
 def leaves(store):
-    started = {key: Leaf(LeafConfig(store, *key, batch_buckets=(BATCH,), warmup=True)).start() for key in MODELS}
-    yield started
-    for leaf in started.values():
-        leaf.stop()
+    with running_leaves(store, MODELS, BATCH) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

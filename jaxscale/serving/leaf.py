@@ -133,6 +133,9 @@ class LeafConfig:
         object.__setattr__(self, "batch_buckets", buckets)
 
 
+_FULL_PATH = object()  # a layout learned as one whose inputs are not views of the body: always decoded
+
+
 class Leaf:
     """One model version: checks requests against its signature and runs `jax.export.deserialize(...).call`."""
 
@@ -232,7 +235,7 @@ class Leaf:
         rows, buffer offsets: `wire.LayoutCache`) is not parsed again: each input is a NumPy view of its bytes at
         the offset the full path found, the array the full path would return."""
         known = self._layouts.find(body)
-        if known is not None:
+        if known is not None and known is not _FULL_PATH:
             plan, rows, reads = known
             inputs = {}
             for name, offset, dtype, shape, count in reads:
@@ -244,21 +247,25 @@ class Leaf:
             return inputs, rows
         batch = wire.decode(body)
         inputs = self._inputs(batch)
-        self._learn_layout(body, batch, inputs)
+        if known is None:
+            self._learn_layout(body, batch, inputs)
         return inputs, batch.num_rows
 
     def _learn_layout(self, body: bytes, batch: pa.RecordBatch, inputs: dict[str, np.ndarray]) -> None:
-        """Remember where each input lies in ``body`` when every one the request carries is a view of it."""
+        """Remember where each input lies in ``body`` when every one the request carries is a view of it (else
+        that the layout takes the full path, so it is not examined again)."""
+        plan = self._input_plan(batch.schema)
         reads = []
-        for name, index, dtype, shape in self._input_plan(batch.schema).reads:
+        for name, index, dtype, shape in plan.reads:
             offset = None
             if index is not None:
                 offset = wire.view_offset(inputs[name], body)
                 if offset is None or inputs[name].dtype != np.dtype(dtype):
-                    return  # a copied or converted column: this layout always takes the full path
+                    self._layouts.learn(body, _FULL_PATH)  # a copied or converted column
+                    return
             full = (batch.num_rows, *shape)
             reads.append((name, offset, np.dtype(dtype), full, int(np.prod(full))))
-        self._layouts.learn(body, (self._input_plan(batch.schema), batch.num_rows, tuple(reads)))
+        self._layouts.learn(body, (plan, batch.num_rows, tuple(reads)))
 
     def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score ``{feature: array [batch, ...]}`` (same checks as the HTTP path)."""

@@ -317,13 +317,17 @@ class Root:
             out.append((model, version))
         return out
 
+    def _trimmed(self, plan: LeafPlan, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, bytes]:
+        """(what one leaf is sent, its encoded body): the batch trimmed to the leaf's plan (timed in the metrics)."""
+        t0 = time.perf_counter()
+        payload = trim_batch(batch, plan)
+        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        return payload, wire.encode(payload, self.config.compression)
+
     def _leaf_body(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None) -> bytes:
         """The body one leaf is sent (trimmed, encoded; or ``body`` when already cut), counted in the metrics."""
         if body is None:
-            t0 = time.perf_counter()
-            payload = trim_batch(batch, plan)
-            self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-            body = wire.encode(payload, self.config.compression)
+            _, body = self._trimmed(plan, batch)
         labels = {"model": plan.model, "version": plan.version}
         self.metrics.inc("leaf_requests", **labels)
         self.metrics.inc("leaf_request_bytes", len(body), **labels)
@@ -337,10 +341,7 @@ class Root:
     def _learn_leaf_body(self, known: _KnownLayout, request: bytes, batch: pa.RecordBatch, plan: LeafPlan) -> bytes:
         """The body a leaf is sent (trimmed, encoded), and the recipe that cuts it from the request's bytes learned
         for the request's layout (once per plan: None when it sends everything, compresses or cannot be cut)."""
-        t0 = time.perf_counter()
-        payload = trim_batch(batch, plan)
-        self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-        body = wire.encode(payload, self.config.compression)
+        payload, body = self._trimmed(plan, batch)
         if plan not in known.recipes and len(known.recipes) < _MAX_RECIPES:
             cut = plan.send is not None and self.config.compression is None
             known.recipes[plan] = _LeafBodyRecipe.learn(request, payload, body) if cut else None
