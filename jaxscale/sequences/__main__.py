@@ -4,7 +4,8 @@ The process ends with `os._exit` once the command has returned and the output st
 C++ thread pools can abort an already finished run while the interpreter tears down (std::terminate on a
 worker still joinable, "terminate called without an active exception": apache/arrow#34314, #39862). Every
 file a command writes is fsynced and renamed into place before it returns, so skipping that teardown loses
-nothing.
+nothing. (The one cause found in this package, a Parquet read through a Python file object, is gone: see
+`vocabulary.load_vocabulary`; this stays as the guard for the command-line programs.)
 """
 
 import logging
