@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True)
     p.add_argument("--port", type=int, required=True, help="port (0 = any free port; the bound one is printed)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded")
+    p.add_argument(
+        "--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded (0: never)"
+    )
     p.add_argument("--access-log", action="store_true")
     add_server_arguments(p)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -42,6 +41,7 @@ from jaxscale.http_server import (
     path_resource,
     serve_until_signal,
 )
+from jaxscale.periodic import PeriodicTask
 from jaxscale.sequences.query import AS_OF_MODES, ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
@@ -263,8 +263,7 @@ class SequenceServer:
             unrouted=_unrouted,
         )
         self._background: BackgroundServer | None = None
-        self._stop = threading.Event()
-        self._refresher: threading.Thread | None = None
+        self._refresher = PeriodicTask(self.store.refresh, "store-refresh")
 
     @property
     def url(self) -> str:
@@ -275,15 +274,8 @@ class SequenceServer:
         return self.service.address
 
     def _start_refresh(self) -> None:
-        self._refresher = threading.Thread(target=self._refresh_loop, name="store-refresh", daemon=True)
-        self._refresher.start()
-
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.refresh_seconds):
-            try:
-                self.store.refresh()
-            except Exception as e:  # keep serving the last good index
-                print(f"warning: store refresh failed: {e}", flush=True)
+        if self.refresh_seconds > 0:  # 0: the index stays as loaded at start
+            self._refresher.start(self.refresh_seconds)
 
     def start(self) -> SequenceServer:
         self._background = BackgroundServer(self.service).start()
@@ -292,7 +284,7 @@ class SequenceServer:
 
     def stop(self) -> None:
         """Graceful: in-flight requests finish first."""
-        self._stop.set()
+        self._refresher.close()
         if self._background is not None:
             self._background.stop()
             self._background = None
@@ -308,7 +300,7 @@ class SequenceServer:
         try:
             serve_until_signal(self.service, announce)
         finally:
-            self._stop.set()
+            self._refresher.close()
 
 
 def serve_in_thread(store, host: str = "127.0.0.1", port: int = 0, **kw) -> SequenceServer:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from jaxscale.periodic import PeriodicTask
 from jaxscale.serving import store as store_lib
 from jaxscale.serving.signature import Signature, SignatureError
 
@@ -89,8 +90,7 @@ class RouteTable:
         self._on_publish = on_publish  # called with each new Routes, after it is published
         self.keys = tuple(keys)
         self._reload_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._watcher = PeriodicTask(self.reload_if_changed, f"routes-watch-{self.store}")
         self._fingerprint = None
         self._routes = Routes(0, MappingProxyType({}))
         self.reload()
@@ -128,21 +128,7 @@ class RouteTable:
 
     def watch(self, interval_s: float) -> None:
         """Rescan the store every ``interval_s`` seconds in a daemon thread; reload when a signature changed."""
-        if self._watcher is not None:
-            return
-
-        def loop():
-            while not self._stop.wait(interval_s):
-                try:
-                    self.reload_if_changed()
-                except Exception:  # keep serving the last good map; the next tick retries
-                    log.exception("rescanning %s failed", self.store)
-
-        self._watcher = threading.Thread(target=loop, name=f"routes-watch-{self.store}", daemon=True)
-        self._watcher.start()
+        self._watcher.start(interval_s)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=10)
-            self._watcher = None
+        self._watcher.close()

@@ -71,6 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxscale import atomic
+from jaxscale.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,7 @@ class StateReader:
     def __init__(self, path, *, wait_s: float = 0.0):
         self.path = Path(path)
         self._reload_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._watcher = PeriodicTask(self.reload_if_changed, f"states-watch-{self.path}")
         self._pointer_key = None
         deadline = time.monotonic() + wait_s
         snap = self._read()
@@ -299,24 +299,10 @@ class StateReader:
 
     def watch(self, interval_s: float) -> None:
         """Checks for a new publication every `interval_s` seconds in a daemon thread."""
-        if self._watcher is not None:
-            return
-
-        def loop():
-            while not self._stop.wait(interval_s):
-                try:
-                    self.reload_if_changed()
-                except Exception:  # keep serving the last good version; the next tick retries
-                    log.exception("reloading states from %s failed", self.path)
-
-        self._watcher = threading.Thread(target=loop, name=f"states-watch-{self.path}", daemon=True)
-        self._watcher.start()
+        self._watcher.start(interval_s)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=10)
-            self._watcher = None
+        self._watcher.close()
 
 
 # ------------------------------------------------------------------------------------------ change detection
