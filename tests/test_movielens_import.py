@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from jaxscale.sequences import movielens as ml
 from jaxscale.sequences.cli import main
 
-WHEEL = Path("/tmp/recbole/recbole-1.2.1-py3-none-any.whl")
+WHEEL = Path(os.environ.get("JAXSCALE_CACHE", Path.home() / ".cache" / "jaxscale")) / ml.RECBOLE_WHEEL
+"""Where run.sh and .ci/run keep the wheel (`python -m jaxscale.sequences fetch-movielens --cache DIR`)."""
 DEFS = Path(__file__).resolve().parents[1] / "experiments" / "movielens" / "movielens_defs.py"
 
 # (user, item, rating, ts seconds), in file order; rows 1 and 2 tie on (user 1, ts 200) in this order.
@@ -316,7 +318,9 @@ def test_fetch_uses_the_cache(tmp_path, monkeypatch):
     assert not (tmp_path / "fresh" / ml.RECBOLE_WHEEL).exists()
 
 
-@pytest.mark.skipif(not WHEEL.is_file(), reason=f"{WHEEL} not downloaded")
+@pytest.mark.skipif(
+    not WHEEL.is_file(), reason=f"{WHEEL} not downloaded (python -m jaxscale.sequences fetch-movielens --cache DIR)"
+)
 def test_recbole_wheel_ml100k(tmp_path):
     manifest = ml.import_movielens(WHEEL, tmp_path / "out")
     counts = manifest["counts"]
