@@ -825,6 +825,68 @@ def compute_sweep(
     return {"grid_s": grid, "efficiency": cal.efficiency, "efficiency_tcp": cal.efficiency_tcp, "checks": out}
 
 
+def with_dense_scale(w: Workload, scale: float) -> Workload:
+    """`w` with its dense model scaled by `scale` (half_dim's projection kept): the ids, and so every
+    embedding count, stay as they are."""
+    if scale <= 0:
+        raise ValueError(f"dense scale must be positive, got {scale}")
+    full = max(1, round(w.dense_params_full * scale))
+    return dataclasses.replace(
+        w, dense_params_full=full, dense_params_half=full + w.dense_params_half - w.dense_params_full
+    )
+
+
+def dense_sweep(
+    sc: Scenario, cal: Calibration, scales: Sequence[float], names: Sequence[str] = CHECK_NAMES, rel_tol: float = 0.01
+) -> dict:
+    """Each check with the dense model scaled (compute and efficiencies of `cal` fixed): a diagnosis, not a
+    calibration. The dense all-reduce is the one cost of the final stack the per-GPU batch does not set, so
+    this says how large the published dense model could have been for each check to hold. Where a check
+    flips between two grid points, the scale of the flip is bisected (geometrically, to `rel_tol`)."""
+    grid = sorted(scales, reverse=True)
+    out: dict = {n: {"values": [], "passed": []} for n in names}
+    for scale in grid:
+        scaled = dataclasses.replace(sc, workload=with_dense_scale(sc.workload, scale))
+        values = check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, names)
+        for n in names:
+            out[n]["values"].append(values[n])
+            out[n]["passed"].append(abs(values[n] / PUBLISHED[n] - 1) <= tolerance(n))
+    for n in names:
+        out[n]["flips"] = [
+            _bisect_dense(sc, cal, n, grid[i + 1], grid[i], out[n]["passed"][i + 1], rel_tol)
+            for i in range(len(grid) - 1)
+            if out[n]["passed"][i] != out[n]["passed"][i + 1]
+        ]
+    params = [with_dense_scale(sc.workload, s).dense_params_full for s in grid]
+    return {
+        "scales": grid,
+        "dense_params": params,
+        "compute_s": cal.compute_s,
+        "efficiency": cal.efficiency,
+        "efficiency_tcp": cal.efficiency_tcp,
+        "checks": out,
+        "passing": [sum(out[n]["passed"][i] for n in names) for i in range(len(grid))],
+    }
+
+
+def _bisect_dense(sc: Scenario, cal: Calibration, name: str, lo: float, hi: float, passed_lo: bool, rel_tol: float):
+    """The dense scale in (lo, hi) where `name` flips; `passed_lo` is its state at `lo`."""
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        scaled = dataclasses.replace(sc, workload=with_dense_scale(sc.workload, mid))
+        v = check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, (name,))[name]
+        if (abs(v / PUBLISHED[name] - 1) <= tolerance(name)) == passed_lo:
+            lo = mid
+        else:
+            hi = mid
+    scale = math.sqrt(lo * hi)
+    return {
+        "scale": scale,
+        "dense_params": with_dense_scale(sc.workload, scale).dense_params_full,
+        "to": "fail" if passed_lo else "pass",  # as the dense model grows past the flip
+    }
+
+
 def _intervals(grid, passed, flips) -> list[tuple[float, float]]:
     """[lo, hi] compute ranges (within the grid) where a check passes."""
     edges = [grid[0]] + [f["compute_s"] for f in flips] + [grid[-1]]

@@ -423,6 +423,45 @@ def test_compute_sweep_finds_where_a_check_flips(large_scenario):
         assert (abs(value / 7.5 - 1) <= 0.15) == ok
 
 
+def test_dense_sweep_scales_only_the_dense_model_and_bisects_the_flip(large_scenario):
+    """The diagnosis sweep: half the preset's dense model makes every ratio check hold (recorded), the
+    embedding bytes do not move, and the bisected flip separates pass from fail."""
+    sc, eff = large_scenario
+    cal = M.published_calibration(sc, eff)
+    w = sc.workload
+    half = M.with_dense_scale(w, 0.5)
+    assert half.dense_params_full == round(w.dense_params_full / 2)
+    assert half.dense_params_half - half.dense_params_full == w.dense_params_half - w.dense_params_full
+    with pytest.raises(ValueError, match="dense scale"):
+        M.with_dense_scale(w, 0.0)
+    efa = cal.cluster(M.CALIBRATION_FABRICS["with EFA"])
+
+    def category(workload, prefix):
+        st = stage("+half_dim")
+        comms = M.step_comms(workload, st, sc.counts_fn(st, 4), efa.with_nodes(4), M.EXACT_SYNCS[0])
+        return {k: v for k, v in M.category_bytes(comms).items() if k.startswith(prefix)}
+
+    assert category(half, "emb") == category(w, "emb") and category(w, "emb")
+    assert category(half, "dense") != category(w, "dense")
+
+    names = (*M.RATIO_CHECKS, "final_8_nodes")
+    ds = M.dense_sweep(sc, cal, (1.0, 0.5), names=names)
+    assert ds["scales"] == [1.0, 0.5] and ds["dense_params"] == [w.dense_params_full, half.dense_params_full]
+    for n in M.RATIO_CHECKS:
+        assert ds["checks"][n]["passed"][1], n  # every ratio check holds at half the dense model
+        assert ds["checks"][n]["values"][0] == pytest.approx(RECORDED_CHECKS[n][0], rel=2e-4)
+    assert ds["checks"]["final_over_before_4_nodes"]["values"][1] == pytest.approx(3.13, abs=0.01)
+    v = ds["checks"]["final_8_nodes"]
+    assert v["passed"] == [False, True] and len(v["flips"]) == 1 and v["flips"][0]["to"] == "fail"
+    flip = v["flips"][0]["scale"]
+    assert 0.5 < flip < 1.0
+    for scale, ok in ((flip / 1.02, True), (flip * 1.02, False)):
+        scaled = dataclasses.replace(sc, workload=M.with_dense_scale(w, scale))
+        value = M.check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, ("final_8_nodes",))
+        assert (abs(value["final_8_nodes"] / 7.5 - 1) <= 0.15) == ok
+    assert ds["passing"] == [sum(ds["checks"][n]["passed"][i] for n in names) for i in range(2)]
+
+
 def test_weak_scaling_of_a_stage_is_bounded_by_the_node_count():
     w = tiny()
     fn = lambda st, n: M.padded_counts(w, ClusterSpec(n, 8).topology(st.settings.topology), st.half_dim)  # noqa: E731

@@ -55,6 +55,7 @@ SEED = 0
 EXACT_SYNCS = M.EXACT_SYNCS
 PERIODIC_K = (4, 16, 64)
 SWEEP_S = tuple(x / 1e3 for x in range(2, 21))  # compute sweep of the fragility table: 2-20 ms
+DENSE_SCALES = tuple(2.0**-k for k in range(7))  # dense-model sweep of the fragility table: 1 .. 1/64 of the preset
 LATENCY_RUNS = os.path.join(HERE, "emulation")  # run_emulation.sh calibrate writes latency_<stamp>.jsonl
 RANKING_NODES = (16, 32, 64)
 ONE_D = ("baseline", "+fp8", "+balanced", "+half_dim")
@@ -238,8 +239,9 @@ def fragility(sc: M.Scenario, sc_hashed: M.Scenario, cals: dict, log=print) -> d
             "checks": {r["name"]: {"value": r["predicted"], "passed": r["passed"], "kind": r["kind"]} for r in rows},
         }
     sweep = M.compute_sweep(sc, cals["pinned"], SWEEP_S)
+    dense = M.dense_sweep(sc, cals["pinned"], DENSE_SCALES)
     log(f"fragility table in {time.perf_counter() - t0:.0f} s")
-    return {"alternatives": alternatives, "compute_sweep": sweep}
+    return {"alternatives": alternatives, "compute_sweep": sweep, "dense_sweep": dense}
 
 
 # ----------------------------------------------------------------------------------- 4. predictions
