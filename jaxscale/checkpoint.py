@@ -52,7 +52,11 @@ class Checkpointer:
         """Complete checkpoints (partial ones from a killed save are ignored)."""
         if not self.directory.exists():
             return []
-        return sorted(self.manager(create=False).all_steps())
+        mgr = self.manager(create=False)
+        try:
+            return sorted(mgr.all_steps())
+        finally:
+            mgr.close()  # an unclosed manager's async machinery outlives it (its event loop is closed under it)
 
     # ------------------------------------------------------------------------------------ save
 
@@ -110,11 +114,17 @@ class Checkpointer:
         `template` is a state of the current run (shapes and shardings); `expected_meta` is what this run
         would save (checked for compatibility).
         """
-        import orbax.checkpoint as ocp
-
         if not self.directory.exists():
             raise CheckpointError(f"no checkpoint directory at {self.directory}")
         mgr = self.manager(create=False)
+        try:
+            return self._restore(mgr, template, expected_meta, ec, step)
+        finally:
+            mgr.close()
+
+    def _restore(self, mgr, template, expected_meta: dict, ec, step: int | None):
+        import orbax.checkpoint as ocp
+
         steps = mgr.all_steps()
         if not steps:
             raise CheckpointError(f"no complete checkpoint in {self.directory} (partial ones are ignored)")
