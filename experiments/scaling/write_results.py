@@ -275,9 +275,9 @@ def _dense_diagnosis(ds) -> list[str]:
         f"dense model at x{scales[i]:g} ({params[i] / 1e6:.1f}M parameters instead of {params[0] / 1e6:.1f}M): "
         f"{ds['passing'][i]} of {len(checks)} checks hold, and the ratio checks read {reads}"
         + (f"; still failing: {', '.join(still)}" if still else "")
-        + ". The dense gradients' all-reduce is the one cost of the final stack the per-GPU batch does not set; "
-        "the published report does not give its dense size, so this is a diagnosis (the dense-model sweep "
-        "below), not a result."
+        + ". The embedding traffic grows with the per-GPU batch, as compute does; the dense gradients' "
+        "all-reduce is a fixed cost per step, and the report gives neither its dense size nor its per-GPU batch, "
+        "so this is a diagnosis (the dense-model sweep below), not a result."
     ]
 
 
@@ -351,8 +351,9 @@ def _dense_sweep(ds) -> list[str]:
     L = [
         f"Dense-model sweep at compute {ds['compute_s'] * 1e3:.2f} ms, EFA {ds['efficiency']:.3f} / TCP "
         f"{ds['efficiency_tcp']:.3f}: the same ids and embedding bytes, the dense model (and so its gradient "
-        "all-reduce, the one cost of the final stack the per-GPU batch does not set) scaled. A diagnosis of "
-        "what the published run could have had, not a calibration: the preset's dense size stays everywhere else.",
+        "all-reduce, a fixed cost per step where the embedding traffic grows with the batch) scaled. A diagnosis "
+        "of what the published run could have had, not a calibration: the preset's dense size stays everywhere "
+        "else.",
         "",
         "| check | " + " | ".join(f"x{s:g} ({p / 1e6:.1f}M)" for s, p in zip(scales, params)) + " |",
         "|---|" + "---|" * len(scales),
