@@ -10,6 +10,7 @@ new owners on device (`jaxscale.embedding.reshard`): no device or host holds a w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -48,15 +49,22 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=create, enable_async_checkpointing=True)
         return ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "meta", "data"))
 
+    @contextlib.contextmanager
+    def reading(self):
+        """A manager for reading, closed on exit: an unclosed manager's async machinery outlives it (its event
+        loop is closed under it)."""
+        mgr = self.manager(create=False)
+        try:
+            yield mgr
+        finally:
+            mgr.close()
+
     def steps(self) -> list[int]:
         """Complete checkpoints (partial ones from a killed save are ignored)."""
         if not self.directory.exists():
             return []
-        mgr = self.manager(create=False)
-        try:
+        with self.reading() as mgr:
             return sorted(mgr.all_steps())
-        finally:
-            mgr.close()  # an unclosed manager's async machinery outlives it (its event loop is closed under it)
 
     # ------------------------------------------------------------------------------------ save
 
@@ -116,11 +124,8 @@ class Checkpointer:
         """
         if not self.directory.exists():
             raise CheckpointError(f"no checkpoint directory at {self.directory}")
-        mgr = self.manager(create=False)
-        try:
+        with self.reading() as mgr:
             return self._restore(mgr, template, expected_meta, ec, step)
-        finally:
-            mgr.close()
 
     def _restore(self, mgr, template, expected_meta: dict, ec, step: int | None):
         import orbax.checkpoint as ocp

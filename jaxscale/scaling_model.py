@@ -168,6 +168,11 @@ def tolerance(name: str) -> float:
     return RATIO_TOLERANCE if name in RATIO_CHECKS else POINT_TOLERANCE
 
 
+def passes(name: str, value: float) -> bool:
+    """Whether the model's `value` of check `name` is within the check's tolerance of the published figure."""
+    return abs(value / PUBLISHED[name] - 1) <= tolerance(name)
+
+
 def stage_from_spec(spec: str) -> Stage:
     """A ladder stage, optionally with a periodic sync: '<stage>' or '<stage>@periodic:<strategy>:<k>'
     (e.g. '2d_a2a@periodic:dense:4'), as the emulation names its runs."""
@@ -803,19 +808,19 @@ def compute_sweep(
     values = [check_values(sc, c, cal.efficiency, cal.efficiency_tcp, names) for c in grid]
     out = {}
     for n in names:
-        passed = [abs(v[n] / PUBLISHED[n] - 1) <= tolerance(n) for v in values]
-        flips = []
-        for i in range(len(grid) - 1):
-            if passed[i] != passed[i + 1]:
-                lo, hi = grid[i], grid[i + 1]
-                while hi - lo > tol_s:
-                    mid = (lo + hi) / 2
-                    v = check_values(sc, mid, cal.efficiency, cal.efficiency_tcp, (n,))[n]
-                    if (abs(v / PUBLISHED[n] - 1) <= tolerance(n)) == passed[i]:
-                        lo = mid
-                    else:
-                        hi = mid
-                flips.append({"compute_s": (lo + hi) / 2, "to": "pass" if passed[i + 1] else "fail"})
+        passed = [passes(n, v[n]) for v in values]
+
+        def passes_at(c, n=n):
+            return passes(n, check_values(sc, c, cal.efficiency, cal.efficiency_tcp, (n,))[n])
+
+        flips = [
+            {
+                "compute_s": _flip(grid[i], grid[i + 1], passed[i], passes_at, tol_s),
+                "to": "pass" if passed[i + 1] else "fail",
+            }
+            for i in range(len(grid) - 1)
+            if passed[i] != passed[i + 1]
+        ]
         out[n] = {
             "values": [v[n] for v in values],
             "passed": passed,
@@ -840,51 +845,61 @@ def dense_sweep(
     sc: Scenario, cal: Calibration, scales: Sequence[float], names: Sequence[str] = CHECK_NAMES, rel_tol: float = 0.01
 ) -> dict:
     """Each check with the dense model scaled (compute and efficiencies of `cal` fixed): a diagnosis, not a
-    calibration. The dense all-reduce is the one cost of the final stack the per-GPU batch does not set, so
-    this says how large the published dense model could have been for each check to hold. Where a check
-    flips between two grid points, the scale of the flip is bisected (geometrically, to `rel_tol`)."""
-    grid = sorted(scales, reverse=True)
-    out: dict = {n: {"values": [], "passed": []} for n in names}
-    for scale in grid:
+    calibration. Compute and the embedding traffic grow with the per-GPU batch; the dense all-reduce is a
+    fixed cost per step, so this says how large the published dense model could have been for each check
+    to hold. Where a check flips between two grid points, the scale of the flip is bisected (geometrically,
+    to `rel_tol`)."""
+
+    def values_at(scale, checks):
         scaled = dataclasses.replace(sc, workload=with_dense_scale(sc.workload, scale))
-        values = check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, names)
-        for n in names:
-            out[n]["values"].append(values[n])
-            out[n]["passed"].append(abs(values[n] / PUBLISHED[n] - 1) <= tolerance(n))
+        return check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, checks)
+
+    grid = sorted(scales, reverse=True)
+    values = [values_at(scale, names) for scale in grid]
+    out: dict = {}
     for n in names:
-        out[n]["flips"] = [
-            _bisect_dense(sc, cal, n, grid[i + 1], grid[i], out[n]["passed"][i + 1], rel_tol)
-            for i in range(len(grid) - 1)
-            if out[n]["passed"][i] != out[n]["passed"][i + 1]
-        ]
-    params = [with_dense_scale(sc.workload, s).dense_params_full for s in grid]
+        passed = [passes(n, v[n]) for v in values]
+        flips = []
+        for i in range(len(grid) - 1):
+            if passed[i] != passed[i + 1]:
+                scale = _flip(
+                    grid[i + 1], grid[i], passed[i + 1], lambda x, n=n: passes(n, values_at(x, (n,))[n]), rel_tol, True
+                )
+                flips.append(
+                    {
+                        "scale": scale,
+                        "dense_params": with_dense_scale(sc.workload, scale).dense_params_full,
+                        "to": "fail" if passed[i + 1] else "pass",  # as the dense model grows past the flip
+                    }
+                )
+        out[n] = {"values": [v[n] for v in values], "passed": passed, "flips": flips}
+    ratio = [n for n in RATIO_CHECKS if n in names]
     return {
         "scales": grid,
-        "dense_params": params,
+        "dense_params": [with_dense_scale(sc.workload, s).dense_params_full for s in grid],
         "compute_s": cal.compute_s,
         "efficiency": cal.efficiency,
         "efficiency_tcp": cal.efficiency_tcp,
         "checks": out,
         "passing": [sum(out[n]["passed"][i] for n in names) for i in range(len(grid))],
+        "ratio_checks_hold": [bool(ratio) and all(out[n]["passed"][i] for n in ratio) for i in range(len(grid))],
     }
 
 
-def _bisect_dense(sc: Scenario, cal: Calibration, name: str, lo: float, hi: float, passed_lo: bool, rel_tol: float):
-    """The dense scale in (lo, hi) where `name` flips; `passed_lo` is its state at `lo`."""
-    while hi / lo > 1 + rel_tol:
-        mid = math.sqrt(lo * hi)
-        scaled = dataclasses.replace(sc, workload=with_dense_scale(sc.workload, mid))
-        v = check_values(scaled, cal.compute_s, cal.efficiency, cal.efficiency_tcp, (name,))[name]
-        if (abs(v / PUBLISHED[name] - 1) <= tolerance(name)) == passed_lo:
-            lo = mid
+def _flip(lo: float, hi: float, passed_lo: bool, passes_at: Callable[[float], bool], tol: float, geometric=False):
+    """The point in (lo, hi) where `passes_at` changes from `passed_lo`, bisected until hi - lo <= tol (or,
+    `geometric`, hi / lo <= 1 + tol)."""
+
+    def mid(a, b):
+        return math.sqrt(a * b) if geometric else (a + b) / 2
+
+    while (hi / lo > 1 + tol) if geometric else (hi - lo > tol):
+        m = mid(lo, hi)
+        if passes_at(m) == passed_lo:
+            lo = m
         else:
-            hi = mid
-    scale = math.sqrt(lo * hi)
-    return {
-        "scale": scale,
-        "dense_params": with_dense_scale(sc.workload, scale).dense_params_full,
-        "to": "fail" if passed_lo else "pass",  # as the dense model grows past the flip
-    }
+            hi = m
+    return mid(lo, hi)
 
 
 def _intervals(grid, passed, flips) -> list[tuple[float, float]]:

@@ -448,11 +448,8 @@ class Trainer:
         steps = self.best_checkpointer.steps()
         if not steps:
             return None
-        mgr = self.best_checkpointer.manager(create=False)
-        try:
+        with self.best_checkpointer.reading() as mgr:
             meta = mgr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        finally:
-            mgr.close()
         return meta.get("best") if isinstance(meta, dict) else None
 
     def _start_best(self, start: int) -> _Best | None:

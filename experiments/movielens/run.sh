@@ -14,7 +14,6 @@ set -euo pipefail
 OUT=${1:?usage: bash experiments/movielens/run.sh OUT}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python}
-CACHE=${JAXSCALE_CACHE:-$HOME/.cache/jaxscale}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 START=$(date +%s)
@@ -24,7 +23,7 @@ if [[ -n "${MOVIELENS_PATH:-}" ]]; then
   WHEEL=$MOVIELENS_PATH
 else
   log "fetch"
-  WHEEL=$("$PY" -m jaxscale.sequences fetch-movielens --cache "$CACHE")
+  WHEEL=$("$PY" -m jaxscale.sequences fetch-movielens)  # into $JAXSCALE_CACHE, else ~/.cache/jaxscale
 fi
 log "import $WHEEL"
 "$PY" -m jaxscale.sequences import movielens --path "$WHEEL" --out "$OUT/events" >/dev/null

@@ -261,7 +261,7 @@ def _dense_diagnosis(ds) -> list[str]:
     """One bullet: at the largest swept dense size where every ratio check holds, what the checks read."""
     checks, scales, params = ds["checks"], ds["scales"], ds["dense_params"]
     ratio = [c for c in M.RATIO_CHECKS if c in checks]
-    ok = [i for i in range(len(scales)) if all(checks[c]["passed"][i] for c in ratio)]
+    ok = [i for i, hold in enumerate(ds["ratio_checks_hold"]) if hold]
     if not ok:
         return [f"* **No dense size in the sweep (x{scales[-1]:g} to x{scales[0]:g}) makes the ratio checks hold.**"]
     i = ok[0]
@@ -374,25 +374,21 @@ def _dense_sweep(ds) -> list[str]:
             + ".",
         ]
     best = max(range(len(scales)), key=lambda i: (ds["passing"][i], scales[i]))
-    ratio = [c for c in M.RATIO_CHECKS if c in checks]
-    ratio_ok = [i for i in range(len(scales)) if all(checks[c]["passed"][i] for c in ratio)]
+    hold = ds["ratio_checks_hold"]
+    ratio_ok = [i for i, h in enumerate(hold) if h]
     never = [c for c, v in checks.items() if not any(v["passed"])]
-    L.append("")
-    L.append(
+    if not ratio_ok:
+        ratio_text = "the ratio checks never all hold"
+    elif all(hold[ratio_ok[0] :]):  # from some size down
+        ratio_text = f"every ratio check holds from x{scales[ratio_ok[0]]:g} ({params[ratio_ok[0]] / 1e6:.1f}M) down"
+    else:
+        ratio_text = "every ratio check holds at " + ", ".join(f"x{scales[i]:g}" for i in ratio_ok)
+    L += [
+        "",
         f"Most checks pass ({ds['passing'][best]} of {len(checks)}) with the dense model at x{scales[best]:g} "
-        f"({params[best] / 1e6:.1f}M parameters against the preset's {params[0] / 1e6:.1f}M)"
-        + (
-            f"; all {len(ratio)} ratio checks hold from x{scales[min(ratio_ok)]:g} "
-            f"({params[min(ratio_ok)] / 1e6:.1f}M) down"
-            if ratio_ok and ratio_ok == list(range(min(ratio_ok), len(scales)))
-            else (
-                f"; all {len(ratio)} ratio checks hold at " + ", ".join(f"x{scales[i]:g}" for i in ratio_ok)
-                if ratio_ok
-                else f"; the {len(ratio)} ratio checks never all hold"
-            )
-        )
-        + (f"; no dense size fixes {', '.join(never)}." if never else ".")
-    )
+        f"({params[best] / 1e6:.1f}M parameters against the preset's {params[0] / 1e6:.1f}M); {ratio_text}"
+        + (f"; no dense size fixes {', '.join(never)}." if never else "."),
+    ]
     return L
 
 
