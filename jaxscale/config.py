@@ -120,6 +120,15 @@ class ModelConfig:
         return {"kind": self.kind, **{k: _plain(v) for k, v in self.sections.items()}}
 
 
+def _protocol(name: str):
+    """The named protocol (`jaxscale.sequences.protocols`, pure data: no JAX); a ConfigError naming the known ones."""
+    from jaxscale.sequences.protocols import PROTOCOLS
+
+    if name not in PROTOCOLS:
+        raise _err("data.sequences.protocol", f"must be one of {sorted(PROTOCOLS)}, got {name!r}")
+    return PROTOCOLS[name]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequencesConfig:
     """A sequence store as a data source (`jaxscale_models.foundation_sequences.SequenceBatches`, field for field).
@@ -145,6 +154,21 @@ class SequencesConfig:
     as_of_mode: Literal["event", "ingest"] = "event"
     """Which events a day-split history at ts holds: 'event' (event time < ts) or 'ingest' (also received by
     the platform before ts: what serving answered then; see jaxscale_models.foundation_sequences)."""
+    protocol: str | None = None
+    """The evaluation protocol the store was imported under (`jaxscale.sequences.protocols`: `literature`,
+    `recbole`, `ml100k`): data-side settings every model and baseline of a run shares. It fixes the history
+    length (a model whose `max_seq_len` differs is refused) and whether full ranking masks the user's history
+    (`mask_history`, unless set here)."""
+    mask_history: bool | None = None
+    """Full ranking removes every item of the user's history from its candidates (the trainer's validation
+    ranking and `python -m jaxscale.evaluate` alike). None: the protocol's choice (no protocol: False)."""
+
+    @property
+    def masks_history(self) -> bool:
+        """Whether rankings of this data mask the user's history (the explicit setting, else the protocol's)."""
+        if self.mask_history is not None:
+            return self.mask_history
+        return self.protocol is not None and _protocol(self.protocol).mask_history
 
     def __post_init__(self):
         if self.split not in ("day", "leave_one_out"):
@@ -155,6 +179,8 @@ class SequencesConfig:
             raise _err("eval_days", f"must be >= 0, got {self.eval_days}")
         if self.min_history < 1:
             raise _err("min_history", f"must be >= 1, got {self.min_history}")
+        if self.protocol is not None:
+            _protocol(self.protocol)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -285,10 +311,25 @@ class Config:
                 f"{self.train.batch_size} is not divisible by the "
                 f"{devices} devices of the {self.mesh.nodes}x{self.mesh.local} mesh",
             )
+        self._check_protocol()
         if self.data.source not in ("synthetic", "parquet", *registry.get(self.model.kind).data_sources):
             known = ["synthetic", "parquet", *registry.get(self.model.kind).data_sources]
             raise _err(
                 "data.source", f"must be one of {known} for model kind {self.model.kind!r}, got {self.data.source!r}"
+            )
+
+    def _check_protocol(self) -> None:
+        """A protocol's history length is what every model of the run sees: a model that disagrees is refused."""
+        seq = self.data.sequences
+        if self.data.source != "sequences" or seq.protocol is None:
+            return
+        length = _protocol(seq.protocol).history_length
+        have = getattr(self.model.params, "max_seq_len", None)
+        if have is not None and have != length:
+            raise _err(
+                f"model.{self.model.kind}.max_seq_len",
+                f"is {have} but data.sequences.protocol={seq.protocol!r} gives every model histories of {length} "
+                f"events; set model.{self.model.kind}.max_seq_len={length}",
             )
 
     @property

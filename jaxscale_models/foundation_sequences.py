@@ -232,6 +232,7 @@ class PointInTimeExamples:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_reader"], state["_maps"] = None, {}
+        state.pop("_order_items", None)  # derived from the store: rebuilt on first use
         return state
 
     def _anchors(self, reader: SequenceReader):
@@ -357,6 +358,35 @@ class PointInTimeExamples:
         # a user's rows of one partition are consecutive: one slice per partition the history touches
         cuts = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), at - lo]
         return [(parts[int(part[a])], int(row[a]), int(row[b - 1]) + 1) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+    def seen_mask(self, indices, num_items: int) -> np.ndarray:
+        """bool [len(indices), num_items]: True at the item of every stored event of the example's user before
+        its target (the whole history in (ts, arrival) order, not only the model's `max_seq_len` window): the
+        candidates a history-masking protocol removes. Leave-one-out only (a day-split history is a point in
+        time, not a position). Item ids outside [0, num_items) mark nothing."""
+        if self.split_mode != "leave_one_out":
+            raise ValueError("masking the history needs data.sequences.split: leave_one_out")
+        items = self._ordered_items()
+        indices = np.asarray(indices, np.int64).ravel()
+        lo, hi = self._user_first[indices], self._target_at[indices]
+        lengths = hi - lo
+        rows = np.repeat(np.arange(len(indices)), lengths)
+        at = np.repeat(lo - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+        cols = items[at]
+        ok = (cols >= 0) & (cols < num_items)
+        mask = np.zeros((len(indices), int(num_items)), bool)
+        mask[rows[ok], cols[ok]] = True
+        return mask
+
+    def _ordered_items(self) -> np.ndarray:
+        """int64: the model item id of every stored event in (user, position) order (computed once)."""
+        items = getattr(self, "_order_items", None)
+        if items is None:
+            parts = self.reader.partitions
+            flat = np.concatenate([np.asarray(self._model_columns(p)["item_ids"], np.int64) for p in parts])
+            offsets = np.concatenate([[0], np.cumsum([p.rows for p in parts])[:-1]]).astype(np.int64)
+            items = self._order_items = flat[offsets[self._order_part] + self._order_row]
+        return items
 
     def item_vocabulary(self):
         """The `item_id` vocabulary the model's item ids are indices of (None: raw ids): the store's own. A

@@ -266,3 +266,160 @@ def test_contextual_two_tower_ranks_with_the_label_genre_as_context(movielens, t
     assert result["examples"] == USERS and result["candidates"] == vocab.size
     assert 0.0 <= result["metrics"]["recall@10"] <= 1.0
     jax.clear_caches()
+
+
+# ------------------------------------------------------------------------------ masking and baselines
+
+
+def _history_items(rows, split: str) -> dict[int, set]:
+    """Brute force: per user, every item rated before the split's target in (ts, file order)."""
+    by_user: dict[int, list] = {}
+    for pos, (u, i, _, t) in enumerate(rows):
+        by_user.setdefault(u, []).append((t, pos, i))
+    back = 1 if split == "test" else 2
+    return {u: {i for _, _, i in sorted(evs)[:-back]} for u, evs in by_user.items() if len(evs) > back}
+
+
+def _train_counts(rows) -> np.ndarray:
+    counts = np.zeros(MOVIES + 1)
+    for _, i, _, _ in rows:
+        counts[i] += 1
+    for split in ("valid", "test"):
+        for i in loo_targets(rows, split).values():
+            counts[i] -= 1
+    return counts
+
+
+def _lists(topk: Path) -> dict:
+    table = pq.read_table(topk).to_pydict()
+    lists: dict = {}
+    for u, r, i in zip(table["user_id"], table["rank"], table["item_id"]):
+        lists.setdefault(u, []).append((r, i))
+    return {u: [i for _, i in sorted(v)] for u, v in lists.items()}
+
+
+def _metrics_of(lists: dict, targets: dict, k: int) -> tuple[float, float]:
+    hits, ndcg = [], []
+    for u, target in targets.items():
+        ranked = lists[u][:k]
+        rank = ranked.index(target) + 1 if target in ranked else 0
+        hits.append(rank > 0)
+        ndcg.append(1.0 / np.log2(rank + 1) if rank else 0.0)
+    return float(np.mean(hits)), float(np.mean(ndcg))
+
+
+def test_seen_mask_is_every_item_before_the_target(movielens, trained):
+    tmp, rows, vocab = movielens
+    cfg, _, _ = trained
+    from jaxscale.data import make_data
+
+    for split in ("valid", "test"):
+        ex = ranking_eval.examples_of(make_data(cfg, split=split))
+        mask = ex.seen_mask(np.arange(len(ex)), vocab.num_indices)
+        history = _history_items(rows, split)
+        for j in range(len(ex)):
+            want = {int(r) for r in vocab.encode(np.array(sorted(history[int(ex.users[j])])))}
+            assert set(np.flatnonzero(mask[j]).tolist()) == want
+
+
+def test_masked_cli_lists_hold_no_history_item_and_both_maskings_are_reported(movielens, trained, tmp_path):
+    tmp, rows, vocab = movielens
+    cfg, work, _ = trained
+    overrides = _foundation_overrides(tmp, vocab.num_indices, work)
+    base = ["--config", str(CONFIGS / "movielens_foundation.yaml"), "--checkpoint", str(work / "best")]
+    base += ["--split", "test", "--k", "3,10", *overrides]
+    results = {}
+    for flag in ("--mask-history", "--no-mask-history"):
+        out, topk = tmp_path / f"{flag}.json", tmp_path / f"{flag}.parquet"
+        assert evaluate.main([*base, flag, "--json", str(out), "--topk", str(topk)]) == 0
+        results[flag] = (json.loads(out.read_text()), _lists(topk))
+    masked, masked_lists = results["--mask-history"]
+    plain, plain_lists = results["--no-mask-history"]
+    assert masked["mask_history"] is True and plain["mask_history"] is False
+    history, targets = _history_items(rows, "test"), loo_targets(rows, "test")
+    assert any(set(plain_lists[u]) & history[u] for u in targets)  # unmasked lists do hold history items
+    for u in targets:
+        assert not set(masked_lists[u]) & history[u]
+    for k in KS:
+        for result, lists in ((masked, masked_lists), (plain, plain_lists)):
+            recall, ndcg = _metrics_of(lists, targets, k)
+            assert result["metrics"][f"recall@{k}"] == pytest.approx(recall)
+            assert result["metrics"][f"ndcg@{k}"] == pytest.approx(ndcg)
+    # each run reports the other's metrics beside its own: one pass, both protocols
+    assert masked["metrics_other_masking"] == pytest.approx(plain["metrics"])
+    assert plain["metrics_other_masking"] == pytest.approx(masked["metrics"])
+    # the popularity baseline under masking: train counts, every history item removed (brute force)
+    counts = _train_counts(rows)
+    for k in KS:
+        ndcg = []
+        for u, target in targets.items():
+            order = sorted(
+                (i for i in range(1, MOVIES + 1) if i not in history[u]),
+                key=lambda i: (-counts[i], vocab.encode(np.array([i]))[0]),
+            )[:k]
+            ndcg.append(1.0 / np.log2(order.index(target) + 2) if target in order else 0.0)
+        assert masked["popularity"][f"ndcg@{k}"] == pytest.approx(np.mean(ndcg))
+        assert plain["popularity_other_masking"][f"ndcg@{k}"] == pytest.approx(np.mean(ndcg))
+
+
+def test_protocol_sets_the_masking_and_refuses_another_history_length(movielens, trained, tmp_path):
+    tmp, _, vocab = movielens
+    _, work, _ = trained
+    from jaxscale.config import ConfigError
+
+    overrides = _foundation_overrides(tmp, vocab.num_indices, work)
+    with pytest.raises(ConfigError, match=r"max_seq_len.*literature.*200"):
+        load_config(str(CONFIGS / "movielens_foundation.yaml"), [*overrides, "data.sequences.protocol=literature"])
+    with pytest.raises(ConfigError, match=r"literature.*recbole|ml100k"):
+        load_config(str(CONFIGS / "movielens_foundation.yaml"), [*overrides, "data.sequences.protocol=sasrec"])
+    cfg = load_config(
+        str(CONFIGS / "movielens_foundation.yaml"),
+        [*overrides, "data.sequences.protocol=literature", "model.foundation.max_seq_len=200"],
+    )
+    assert cfg.data.sequences.masks_history and ranking_eval.history_masks(cfg)
+    cfg = load_config(
+        str(CONFIGS / "movielens_foundation.yaml"),
+        [
+            *overrides,
+            "data.sequences.protocol=literature",
+            "model.foundation.max_seq_len=200",
+            "data.sequences.mask_history=false",
+        ],
+    )
+    assert not ranking_eval.history_masks(cfg)
+    assert not ranking_eval.history_masks(load_config(str(CONFIGS / "movielens_foundation.yaml"), overrides))
+
+
+def test_genre_hint_ranks_the_context_genre_by_train_count(movielens, tmp_path):
+    tmp, rows, vocab = movielens
+    m = "model.contextual_two_tower."
+    overrides = [
+        f"data.sequences.store={tmp / 'store'}",
+        f"data.sequences.defs={tmp / 'defs.json'}",
+        f"{m}item_rows={vocab.num_indices}",
+        f"{m}max_seq_len={L}",
+        "train.batch_size=16",
+    ]
+    cfg = load_config(str(CONFIGS / "movielens_two_tower.yaml"), overrides)
+    out = tmp_path / "hint.json"
+    argv = ["--config", str(CONFIGS / "movielens_two_tower.yaml"), "--baseline", "genre_hint", "--split", "test"]
+    assert (
+        evaluate.main([*argv, "--k", "3,10", "--json", str(out), "--topk", str(tmp_path / "h.parquet"), *overrides])
+        == 0
+    )
+    result = json.loads(out.read_text())
+    items = pq.read_table(tmp / "events" / "items.parquet").to_pydict()
+    genre = dict(zip(items["item_id"], items["category"]))
+    counts, targets = _train_counts(rows), loo_targets(rows, "test")
+    index = {i: int(vocab.encode(np.array([i]))[0]) for i in range(1, MOVIES + 1)}
+    lists = _lists(tmp_path / "h.parquet")
+    for u, target in targets.items():
+        hint = genre[target]  # the two-tower's test context: the held-out movie's own genre (-1: none)
+        candidates = [i for i in range(1, MOVIES + 1) if index[i] >= 2]  # rated movies: the vocabulary
+        want = sorted(candidates, key=lambda i: (not (hint >= 0 and genre[i] == hint), -counts[i], index[i]))
+        assert lists[u] == want[:10]
+    for k in KS:
+        recall, ndcg = _metrics_of(lists, targets, k)
+        assert result["metrics"][f"ndcg@{k}"] == pytest.approx(ndcg)
+        assert result["genre_hint"][f"recall@{k}"] == pytest.approx(recall)
+    assert cfg.data.sequences.masks_history is False and result["mask_history"] is False
