@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, subprocess_env
 from movielens_helpers import MOVIES, USERS, loo_targets, write_ml100k
 
-MODELS = ("foundation", "two_tower_context", "two_tower_no_context", "popularity")
+MODELS = ("foundation", "two_tower_context", "two_tower_no_context", "popularity", "genre_hint")
 TEST_KEYS = {"recall@10", "ndcg@10", "recall@20", "ndcg@20", "mrr@10"}
 
 
@@ -33,12 +33,14 @@ def test_run_sh_writes_metrics_and_topk_files(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())
-    assert m["protocol"] == "leave_one_out_full_ranking" and m["dataset"] == "ml-100k"
+    assert m["protocol"] == "ml100k" and m["dataset"] == "ml-100k" and m["mask_history"] is False
     assert m["users"] == USERS and m["items"] == MOVIES and m["evaluated_users"] == USERS
+    assert m["counts"] == {"users": USERS, "items": len({i for _, i, _, _ in rows}), "interactions": len(rows)}
     assert set(MODELS) <= set(m["models"])
     for name in MODELS:
         r = m["models"][name]
         assert TEST_KEYS <= set(r["test"]) and "ndcg@10" in r["valid"], name
+        assert TEST_KEYS <= set(r["test_other_masking"]), name  # the same lists scored with the history masked
         if name != "popularity":
             assert r["steps"] > 0 and r["train_seconds"] > 0 and r["curve"], name
         top = pq.read_table(out / f"topk_{name}.parquet").to_pydict()

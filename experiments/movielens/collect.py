@@ -2,7 +2,10 @@
 
 Every number comes from a file the run wrote: the evaluator's JSON per model and split
 (`OUT/eval/<model>_<split>.json`), the trainer's metrics log (`OUT/runs/<model>/metrics.jsonl`: steps, the
-validation curve), the import manifest (users, items) and the SASRec reference's JSON when it ran.
+validation curve), the import manifest (users, items, the protocol and its counts after its filters) and the
+SASRec reference's JSON when it ran. Each model gives `test` under the run's protocol and, beside it,
+`test_other_masking` (the same model's ranking scored with the history masked the other way), so no
+comparison mixes the two.
 
     python experiments/movielens/collect.py OUT
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 TEST_KEYS = ("recall@10", "ndcg@10", "recall@20", "ndcg@20", "mrr@10")
 TRAINED = ("foundation", "two_tower_context", "two_tower_no_context")
+BASELINES = ("popularity", "genre_hint")
 
 
 def _json(path: Path) -> dict:
@@ -46,13 +50,26 @@ def trained_model(out: Path, name: str) -> dict:
     valid, test = _json(ev / f"{name}_valid.json"), _json(ev / f"{name}_test.json")
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     return {
-        "valid": _pick(valid["metrics"]),
-        "test": _pick(test["metrics"]),
+        **_scored(valid, test),
         "train_seconds": _json(ev / f"{name}_train.json")["train_seconds"],
         "steps": max(steps) if steps else 0,
         "best_step": test["step"],
         "curve": curve(run),
     }
+
+
+def _scored(valid: dict, test: dict, key: str = "metrics") -> dict:
+    """valid / test under the run's protocol, and test scored the other way (absent when it was not computed)."""
+    out = {"valid": _pick(valid[key]), "test": _pick(test[key]), "mask_history": test.get("mask_history", False)}
+    other = test.get("metrics_other_masking")
+    if other is not None:
+        out["test_other_masking"] = _pick(other)
+    return out
+
+
+def baseline(out: Path, name: str) -> dict:
+    """A baseline scored alone (`python -m jaxscale.evaluate --baseline NAME`) on both held-out splits."""
+    return _scored(_json(out / "eval" / f"{name}_valid.json"), _json(out / "eval" / f"{name}_test.json"))
 
 
 def cpu_model() -> str:
@@ -68,10 +85,7 @@ def cpu_model() -> str:
 def collect(out: Path, seconds: float | None = None, commit: str = "unknown") -> dict:
     manifest = _json(out / "events" / "movielens.json")
     models = {name: trained_model(out, name) for name in TRAINED}
-    models["popularity"] = {
-        "valid": _pick(_json(out / "eval" / "popularity_valid.json")["popularity"]),
-        "test": _pick(_json(out / "eval" / "popularity_test.json")["popularity"]),
-    }
+    models.update({name: baseline(out, name) for name in BASELINES if (out / "eval" / f"{name}_test.json").exists()})
     sasrec = out / "eval" / "sasrec_recbole.json"
     if sasrec.exists():
         s = _json(sasrec)
@@ -91,9 +105,18 @@ def collect(out: Path, seconds: float | None = None, commit: str = "unknown") ->
         if missing:
             raise ValueError(f"test metrics lack {missing}")
     test = _json(out / "eval" / "foundation_test.json")
+    counts = manifest.get("protocol_counts") or {
+        "users": manifest["counts"]["users"],
+        "items": manifest["counts"]["rated_items"],
+        "interactions": manifest["counts"]["events"],
+    }
     return {
         "dataset": manifest["dataset"],
-        "protocol": "leave_one_out_full_ranking",
+        "protocol": manifest.get("protocol") or "none",
+        "protocol_detail": manifest.get("protocol_detail")
+        or "leave-one-out by (timestamp, file order), full ranking over every item, history not masked",
+        "mask_history": test.get("mask_history", False),
+        "counts": counts,
         "users": manifest["counts"]["users"],
         "items": manifest["counts"]["items"],
         "events": manifest["counts"]["events"],
