@@ -13,10 +13,18 @@ test (the test metrics are taken when validation improves: the same weights).
 
 Data: the examples come from the same store and the same reader as the foundation model
 (`PointInTimeExamples(split_mode='leave_one_out')`), so split, tie order and targets are identical; the
-metrics are computed by `jaxscale.ranking` (full ranking, history not masked; the padding and
-out-of-vocabulary rows are never candidates, as RecBole never ranks its [PAD] item).
+metrics are computed by `jaxscale.ranking` (full ranking; the padding and out-of-vocabulary rows are never
+candidates, as RecBole never ranks its [PAD] item). Both maskings are scored from the same scores: `valid` /
+`test` under the run's choice (`--mask-history`: every item of the user's history removed, as the
+foundation model's protocol does; default not masked, RecBole's), `test_other_masking` the other way, and
+early stopping reads the chosen one.
 
-    python experiments/baselines/sasrec_recbole.py --store S --defs D --sequence ratings --json OUT
+`--seen-item-offset` gives SASRec the one mechanism the foundation model has and RecBole's SASRec lacks: one
+learned scalar added to the score of every item in the example's history window (the foundation model's
+`seen_item_bias`, in training and scoring alike), so a comparison can give both sides the same mechanism.
+
+    python experiments/baselines/sasrec_recbole.py --store S --defs D --sequence ratings --json OUT \
+        [--mask-history] [--seen-item-offset] [--max-len 50] [--seed N]
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
 
 
 def load_split(store, defs, sequence, split, max_len=MAX_LEN):
-    """(history item rows int64 [N, max_len] right-padded with 0, length [N], target rows [N], users [N])."""
+    """(history item rows int64 [N, max_len] right-padded with 0, length [N], target rows [N], users [N],
+    bool [N, items] every item of the user's whole history before the target: what masking removes)."""
     from jaxscale_models.foundation_sequences import PointInTimeExamples
 
     src = PointInTimeExamples(
@@ -61,11 +70,12 @@ def load_split(store, defs, sequence, split, max_len=MAX_LEN):
         target[i] = int(ex["target_item_ids"])
         users[i] = src.anchor(i)[0]
     length = (hist > 0).sum(1)
-    return hist, length, target, users
+    seen = src.seen_mask(np.arange(n), src.reader.vocabulary("item_id").num_indices)
+    return hist, length, target, users, seen
 
 
-def build_model(n_items: int, torch, nn):
-    """RecBole's SASRec (default hyperparameters)."""
+def build_model(n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offset: bool = False):
+    """RecBole's SASRec (default hyperparameters), optionally with the foundation model's seen-item offset."""
     hidden, inner, heads, layers, p_hidden, p_attn, eps, init = 64, 256, 2, 2, 0.5, 0.5, 1e-12, 0.02
 
     def gelu(x):
@@ -113,7 +123,8 @@ def build_model(n_items: int, torch, nn):
         def __init__(self):
             super().__init__()
             self.item_embedding = nn.Embedding(n_items, hidden, padding_idx=0)
-            self.position_embedding = nn.Embedding(MAX_LEN, hidden)
+            self.position_embedding = nn.Embedding(max_len, hidden)
+            self.seen_offset = nn.Parameter(torch.zeros(())) if seen_item_offset else None
             layer = TransformerLayer()
             self.layer = nn.ModuleList([copy.deepcopy(layer) for _ in range(layers)])
             self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
@@ -140,29 +151,53 @@ def build_model(n_items: int, torch, nn):
             idx = (length - 1).view(-1, 1, 1).expand(-1, -1, x.shape[-1])
             return x.gather(dim=1, index=idx).squeeze(1)
 
+        def scores(self, seq, length):
+            """[B, items]: the query against every item, plus the offset on the items of the history window."""
+            out = self(seq, length) @ self.item_embedding.weight.T
+            if self.seen_offset is not None:
+                window = torch.zeros_like(out).scatter_(1, seq, 1.0)
+                window[:, 0] = 0.0  # the padding row is not an item of the history
+                out = out + self.seen_offset * window
+            return out
+
     return SASRec()
 
 
-def evaluate(model, data, torch, ks=(10, 20), batch=1024):
-    """Full ranking of every item row except PAD/OOV (`jaxscale.ranking`), in eval mode."""
+def evaluate(model, data, torch, ks=(10, 20), batch=1024, mask_history=False):
+    """Full ranking of every item row except PAD/OOV (`jaxscale.ranking`), in eval mode, both ways: (metrics and
+    top-K under `mask_history`, the metrics of the other masking)."""
     from jaxscale import ranking
 
-    hist, length, target, _ = data
+    hist, length, target, _, seen = data
     model.eval()
-    tops = []
+    tops = {False: [], True: []}
     with torch.no_grad():
         for s in range(0, len(hist), batch):
-            out = model(torch.from_numpy(hist[s : s + batch]), torch.from_numpy(length[s : s + batch]))
-            scores = (out @ model.item_embedding.weight.T).numpy().astype(np.float64)
+            scores = model.scores(torch.from_numpy(hist[s : s + batch]), torch.from_numpy(length[s : s + batch]))
+            scores = scores.numpy().astype(np.float64)
             scores[:, :RESERVED] = -np.inf
-            tops.append(ranking.topk_from_scores(scores, max(ks)))
+            tops[False].append(ranking.topk_from_scores(scores, max(ks)))
+            tops[True].append(ranking.topk_from_scores(scores, max(ks), exclude=seen[s : s + batch]))
     model.train()
-    topk = np.concatenate(tops)
-    return ranking.ranking_metrics(topk, target, ks), topk
+    topk, other = np.concatenate(tops[mask_history]), np.concatenate(tops[not mask_history])
+    return ranking.ranking_metrics(topk, target, ks), topk, ranking.ranking_metrics(other, target, ks)
 
 
 def train(
-    store, defs, sequence, *, seed=2020, batch=256, max_epochs=300, patience=10, threads=None, log=print, progress=None
+    store,
+    defs,
+    sequence,
+    *,
+    seed=2020,
+    batch=256,
+    max_epochs=300,
+    patience=10,
+    threads=None,
+    log=print,
+    progress=None,
+    max_len=MAX_LEN,
+    mask_history=False,
+    seen_item_offset=False,
 ):
     """Trains with early stopping on validation NDCG@10; returns (results dict, (test users, test top-K)).
     `progress(results)` is called after every epoch with the results so far (the best epoch's test metrics
@@ -176,12 +211,12 @@ def train(
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    tr, va, te = (load_split(store, defs, sequence, s) for s in ("train", "valid", "test"))
+    tr, va, te = (load_split(store, defs, sequence, s, max_len) for s in ("train", "valid", "test"))
     n_items = SequenceReader(store, sequence).vocabulary("item_id").num_indices  # PAD, OOV and every movie
-    model = build_model(n_items, torch, nn)
+    model = build_model(n_items, torch, nn, max_len, seen_item_offset)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
-    hist, length, target, _ = tr
+    hist, length, target, _, _ = tr
     best, bad, curve, seconds, steps = -1.0, 0, [], 0.0, 0
     results, top = None, None
     for epoch in range(max_epochs):
@@ -190,22 +225,23 @@ def train(
         total = 0.0
         for s in range(0, len(order), batch):
             i = order[s : s + batch]
-            out = model(torch.from_numpy(hist[i]), torch.from_numpy(length[i]))
-            loss = loss_fn(out @ model.item_embedding.weight.T, torch.from_numpy(target[i]))
+            loss = loss_fn(
+                model.scores(torch.from_numpy(hist[i]), torch.from_numpy(length[i])), torch.from_numpy(target[i])
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(i)
             steps += 1
-        metrics, _ = evaluate(model, va, torch)
+        metrics, _, _ = evaluate(model, va, torch, mask_history=mask_history)
         seconds += time.perf_counter() - t0  # training and the per-epoch validation, as RecBole's loop
         curve.append({"epoch": epoch + 1, "steps": steps, "train_loss": total / len(hist), **metrics})
         log(f"epoch {epoch + 1}: loss {total / len(hist):.4f} valid ndcg@10 {metrics['ndcg@10']:.4f}")
         if metrics["ndcg@10"] > best:
             best, bad = metrics["ndcg@10"], 0
-            test, topk = evaluate(model, te, torch)
+            test, topk, test_other = evaluate(model, te, torch, mask_history=mask_history)
             top = (te[3], topk)
-            results = {"valid": metrics, "test": test, "best_epoch": epoch + 1}
+            results = {"valid": metrics, "test": test, "test_other_masking": test_other, "best_epoch": epoch + 1}
         else:
             bad += 1
         done = bad >= patience
@@ -220,6 +256,11 @@ def train(
             users=int(len(te[3])),
             batch=batch,
             patience=patience,
+            seed=seed,
+            max_len=max_len,
+            mask_history=mask_history,
+            seen_item_offset=seen_item_offset,
+            seen_offset_value=None if model.seen_offset is None else float(model.seen_offset.detach()),
         )
         if progress is not None:
             progress(results)
@@ -239,6 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=2020)
     ap.add_argument("--topk", default=None, help="write the test top-20 (raw ids) to this Parquet file")
+    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="history length (the protocol's)")
+    ap.add_argument("--mask-history", action="store_true", help="rank with every history item removed")
+    ap.add_argument("--seen-item-offset", action="store_true", help="a learned score offset for history items")
     args = ap.parse_args(argv)
 
     def save(results):
@@ -253,6 +297,9 @@ def main(argv=None) -> int:
         patience=args.patience,
         threads=args.threads,
         progress=save,
+        max_len=args.max_len,
+        mask_history=args.mask_history,
+        seen_item_offset=args.seen_item_offset,
     )
     if args.topk:
         from jaxscale.evaluate import write_topk
