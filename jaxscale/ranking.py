@@ -16,11 +16,13 @@ import numpy as np
 
 __all__ = [
     "item_counts",
+    "paired_bootstrap",
     "popularity_scores",
     "popularity_topk",
     "ranking_metrics",
     "target_ranks",
     "topk_from_scores",
+    "user_ndcg",
 ]
 
 CHUNK_ELEMENTS = 1 << 22
@@ -176,3 +178,41 @@ def popularity_topk(train_item_counts, k: int, num_users: int, exclude=None) -> 
     if exclude is None or (np.asarray(exclude).ndim == 1):
         return np.repeat(topk_from_scores(scores, k, exclude), num_users, axis=0)
     return topk_from_scores(np.broadcast_to(scores, (num_users, scores.shape[1])), k, exclude)
+
+
+def user_ndcg(topk, targets, k: int) -> np.ndarray:
+    """float64 [U]: each user's NDCG@k (1 / log2(rank + 1) when its target ranks <= k, else 0): the per-user
+    values `ranking_metrics` averages, for paired comparisons of two models on the same users."""
+    ranks = target_ranks(topk, targets)
+    hit = (ranks > 0) & (ranks <= k)
+    return np.where(hit, 1.0 / np.log2(np.maximum(ranks, 1) + 1.0), 0.0)
+
+
+def paired_bootstrap(a, b, *, rounds: int = 10_000, level: float = 0.95, seed: int = 0) -> dict:
+    """The mean of a - b over paired per-user values and its percentile bootstrap interval: users are resampled
+    with replacement `rounds` times (the same draw for both sides, so the pairing is kept).
+
+    {"mean": mean(a - b), "low", "high": the (1 - level) / 2 and (1 + level) / 2 quantiles of the resampled
+    means, "level", "rounds", "users"}. An interval that excludes 0 says the difference is not resampling noise.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 1 or a.shape != b.shape or not len(a):
+        raise ValueError(f"paired values must be two equal-length 1-D arrays, got {a.shape} and {b.shape}")
+    if not 0.0 < level < 1.0 or int(rounds) < 1:
+        raise ValueError(f"level must be in (0, 1) and rounds >= 1, got {level} and {rounds}")
+    diff = a - b
+    rng = np.random.default_rng(seed)
+    means = np.empty(int(rounds))
+    step = max(1, (1 << 22) // len(diff))  # resample in blocks of about 4M draws
+    for lo in range(0, int(rounds), step):
+        n = min(step, int(rounds) - lo)
+        means[lo : lo + n] = diff[rng.integers(0, len(diff), (n, len(diff)))].mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return {
+        "mean": float(diff.mean()),
+        "low": float(low),
+        "high": float(high),
+        "level": level,
+        "rounds": int(rounds),
+        "users": len(diff),
+    }

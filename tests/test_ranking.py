@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from jaxscale import ranking
 from jaxscale.ranking import (
     item_counts,
     popularity_scores,
@@ -130,3 +131,29 @@ def test_popularity_baseline():
     np.testing.assert_array_equal(popularity_topk(counts, 2, 2, exclude=np.array([0, 1])), [[4, 2]] * 2)
     with pytest.raises(ValueError, match="num_items"):
         item_counts(np.array([6]), 6)
+
+
+def test_user_ndcg_averages_to_ranking_metrics():
+    rng = np.random.default_rng(3)
+    topk = np.stack([rng.permutation(30)[:10] for _ in range(50)])
+    targets = rng.integers(0, 30, 50)
+    for k in (1, 5, 10):
+        per_user = ranking.user_ndcg(topk, targets, k)
+        assert per_user.mean() == pytest.approx(ranking.ranking_metrics(topk, targets, (k,))[f"ndcg@{k}"])
+        for u in range(50):  # brute force
+            hit = [j for j in range(k) if topk[u, j] == targets[u]]
+            assert per_user[u] == pytest.approx(1 / np.log2(hit[0] + 2) if hit else 0.0)
+
+
+def test_paired_bootstrap_brackets_the_true_difference_and_keeps_pairs():
+    rng = np.random.default_rng(0)
+    base = rng.random(2000)
+    a, b = base + 0.05 + rng.normal(0, 0.01, 2000), base
+    out = ranking.paired_bootstrap(a, b, rounds=2000, seed=1)
+    assert out["low"] < 0.05 < out["high"] and out["high"] - out["low"] < 0.002  # pairing removes `base`'s spread
+    unpaired = ranking.paired_bootstrap(a, rng.permutation(b), rounds=2000, seed=1)
+    assert unpaired["high"] - unpaired["low"] > 10 * (out["high"] - out["low"])
+    same = ranking.paired_bootstrap(b, b, rounds=100)
+    assert same["mean"] == same["low"] == same["high"] == 0.0
+    with pytest.raises(ValueError, match="equal-length"):
+        ranking.paired_bootstrap(a, b[:-1])
