@@ -120,8 +120,10 @@ def test_source_url_and_partitions():
     parts = user_partitions(users, 4)
     assert set(parts) == {0, 1, 2, 3} and np.bincount(parts).min() > 2_000  # spread over the partitions
     assert np.array_equal(parts, user_partitions(users, 4))  # stable
-    assert arrival_ids(b"1767571200000-3", 3).tolist() == [
-        ((1767571200000 - 1_577_836_800_000) << 22) + (3 << 12) + i for i in range(3)
+    assert [a.tolist() for a in arrival_ids(2**62 + 5, [2, 0, 3])] == [
+        [2**62 + 5, 2**62 + 6],
+        [],
+        [2**62 + 7, 2**62 + 8, 2**62 + 9],
     ]
 
 

@@ -212,13 +212,14 @@ def _mixed_rows() -> pa.Table:
 
 def test_row_event_ids_are_pinned_and_equal_for_dictionary_encoded_strings():
     """Event ids are part of the store's contract (a restarted consumer must recognise stored events): the
-    values are pinned, and reading the string columns dictionary-encoded (as backfills do) changes nothing."""
+    values (whole-row hashes, `jaxscale.sequences.eventid`) are pinned, and reading the string columns
+    dictionary-encoded (as backfills do) changes nothing."""
     from jaxscale.sequences.events import validate_rows
 
     plain = _mixed_rows()
     encoded = plain.set_column(2, "event_type", plain.column("event_type").dictionary_encode())
     encoded = encoded.set_column(4, "surface", encoded.column("surface").dictionary_encode())
-    want = [4551700401981622424, 4551700401981622424, 2873410072392262638]
+    want = [6598395400756379401, 6598395400756379401, 1672927742499054503]
     for table in (plain, encoded):
         df, bad = validate_rows(table, "log.parquet")
         assert df.get_column("event_id").to_list() == want

@@ -150,13 +150,17 @@ def _as_int(v):
     return int(v)
 
 
+_BOOKKEEPING = ("file_rank", "row", "file")
+"""Columns random_log adds to the raw rows (not in the files)."""
+
+
 def reference_store(
     raw: pd.DataFrame, defs: Definitions, items: pd.DataFrame, lo_ms=None, hi_ms=None
 ) -> tuple[dict[str, pd.DataFrame], dict[str, dict[str, int]]]:
     """({sequence: stored rows in store order}, {file: {bad reason: count}}), one row at a time.
 
     An event is stored once per (sequence, day), its first arrival: events are the same when their
-    `event_id`s are (if the row has one), else when all five required values are."""
+    `event_id`s are (if the row has one), else when their whole source rows (every column) are."""
     raw_map = {r: et.name for et in defs.event_types for r in et.raw}
     seen: set = set()
     lookup = {int(r["item_id"]): r for r in items.to_dict("records")}
@@ -187,7 +191,8 @@ def reference_store(
             continue
         etype = raw_map.get(vals["event_type"])
         given = rec.get("event_id")
-        ident = ("id", given) if given is not None and not _is_null(given) else tuple(sorted(vals.items()))
+        row = tuple(sorted((k, None if _is_null(v) else v) for k, v in rec.items() if k not in _BOOKKEEPING))
+        ident = ("id", given) if given is not None and not _is_null(given) else row  # else the whole source row
         for s in defs.sequences:
             if etype not in s.event_types or (s.name, vals["ts"] // MS_PER_DAY, ident) in seen:
                 continue

@@ -2,7 +2,8 @@
 
     python -m jaxscale.sequences produce --events DIR --target redis://HOST:PORT/STREAM [--partitions N]
     python -m jaxscale.sequences stream --defs D --source redis://HOST:PORT/STREAM --group G --out STORE \\
-        [--partition i --partitions N] [--consumer NAME] --micro-batch N [--until-idle S] [--metrics-port P]
+        [--partition i --partitions N] [--consumer NAME] --micro-batch N [--until-idle S] [--metrics-port P] \\
+        [--claim-idle-ms MS] [--max-deliveries N]
 
 Streams. With N partitions the events of user u go to stream `STREAM.{p}`, p = splitmix64(user_id) mod N (one
 stream `STREAM` when N = 1), so one user's events stay in one stream, in publish order. The producer records
@@ -12,25 +13,56 @@ Entry format (version 1), one Redis stream entry per up to `MAX_ENTRY_EVENTS` ev
     format = "jaxscale-events/1"
     n      = number of events (decimal)
     data   = an Arrow IPC stream holding them: the raw schema's columns (user_id, ts, event_type, item_id,
-             surface, in the producer's types) and, when the source has them, `event_id` and `ingest_ts`.
+             surface, in the producer's types), `event_id` and `ingest_ts` when the source has them, and
+             every other column of the source, since an event without an `event_id` is identified by its
+             whole row (`jaxscale.sequences.eventid`): the consumer then gives it the id a backfill gives.
 Several events per entry keep Redis' per-entry cost (parsing, acknowledging) off the per-event path.
 
 Consumer. One consumer per partition, in a consumer group (created at the start of the stream if absent).
-On start it re-reads its own pending entries (delivered to it before, never acknowledged), then claims those
-another consumer of the group left pending for longer than `claim_idle_ms` (XAUTOCLAIM), then reads new
-entries. A micro-batch is whole entries of up to `micro_batch` events (more if one entry holds more); it is
-transformed, committed to the store (`IncrementalWriter`: event-level de-duplication, atomic files) and only
-then acknowledged (XACK). A crash at any point re-delivers exactly the unacknowledged entries; their events
-already stored are recognised by event id and dropped, so the store holds each event once.
+On start it re-reads its own pending entries (delivered to it before, never acknowledged), then reads new
+entries; and every `claim_every_ms` (half of `claim_idle_ms`, within 50 ms .. 5 s) it sweeps the group's
+pending entries with XAUTOCLAIM, taking those idle for at least `claim_idle_ms` (`--claim-idle-ms`), so the
+entries of a consumer that died (or was replaced under another name) are stored while the group runs, not
+only when a consumer starts. A micro-batch is whole entries of up to `micro_batch` events (more if one entry
+holds more); it is transformed, committed to the store (`IncrementalWriter`: event-level de-duplication,
+atomic files) and only then acknowledged (XACK). A crash at any point re-delivers exactly the
+unacknowledged entries; their events already stored are recognised by event id and dropped, so the store
+holds each event once; the duplicates dropped are counted (report `duplicates`, metric
+`jaxscale_stream_events_deduplicated_total`, and a log line per micro-batch that dropped some).
 
-Arrival and ingestion time of a broker event come from its entry id `MS-SEQ` (the broker's receive time):
-`arrival = (MS - 2020-01-01) << 22 | SEQ << 12 | index in entry`, and `ingest_ts = MS` where the event has
-none. Several consumers may share one store: each commit takes the sequences' writer locks (waiting for them).
+Poison entries (Kafka's dead-letter queue). An entry that cannot be decoded (not `jaxscale-events/1`, not
+an Arrow stream, a required column missing or of a type no row could convert, `n` disagreeing with its
+rows) is moved at once to the dead-letter stream `<stream>:dead` and acknowledged, in one MULTI/EXEC, so it
+never blocks the good entries of its batch. An entry that decodes but fails its transform stays pending
+and is retried by the claim sweeps; an entry delivered `max_deliveries` times (`--max-deliveries`, Redis'
+delivery count from XPENDING: a re-read or a claim counts, so does a consumer that died holding it) goes to
+the dead-letter stream when next read, without being processed. A dead-letter entry holds the original
+fields (a field named `dead-*` is kept as `orig-dead-*`) plus `dead-reason`, `dead-entry-id`,
+`dead-stream`, `dead-group`, `dead-consumer`, `dead-deliveries` and `dead-at-ms`; each is counted
+(`jaxscale_stream_entries_dead_lettered_total`, `..._events_dead_lettered_total`) and logged (a warning
+naming the entry and the reason). Replay one with `XADD <stream> * <its original fields>`.
+
+Arrival ids. Each broker event's `arrival` (the store's tie-break after ts) comes from a dense counter of
+the store (`ArrivalCounter`, `<store>/_arrivals.json`): each micro-batch reserves as many ids as it holds
+events, under the counter's own lock, and the reservation is made durable before the batch's files are
+written, so an id is never given twice (a crash leaves a gap, no reuse). Ids follow the order in which
+entries are committed (stream order for one consumer; entries claimed from a dead consumer come after what
+was committed before them), and there is no limit on entries per millisecond or on the entry id's sequence
+part: any valid id `MS-SEQ` (SEQ up to 2**64 - 1) is accepted. (The previous encoding packed
+`(MS - 2020) << 22 | SEQ << 12 | index` into 64 bits and refused SEQ > 1023, i.e. more than 1,024 entries
+in one millisecond of one stream.) Counter ids start at 2**62: a store written before keeps its events'
+arrival ids, all below 2**62 (the old broker encoding until 2054, file logs of under 2**30 files), so
+events added later sort after them, as they arrived: no rewrite is needed; a counter file of another
+format is refused with an error naming it. `ingest_ts` = MS (the broker's receive time) where the event has
+none. Several consumers may share one store: each commit takes the sequences' writer locks (waiting).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
+import logging
 import os
 import re
 import threading
@@ -43,9 +75,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jaxscale import atomic
 from jaxscale.sequences.definitions import RAW_FIELDS, Definitions
 from jaxscale.sequences.engine import Engine, load_enrichment_tables
-from jaxscale.sequences.eventid import splitmix64
+from jaxscale.sequences.eventid import needs_row_identity, row_identity, splitmix64
 from jaxscale.sequences.events import (
     INGEST_TS,
     OPTIONAL_FIELDS,
@@ -59,11 +92,16 @@ from jaxscale.sequences.store import ensure_sequence_meta, sequence_meta, writer
 
 ENTRY_FORMAT = b"jaxscale-events/1"
 MAX_ENTRY_EVENTS = 4096
-"""Events per entry at most (12 bits of the arrival id)."""
-MAX_ENTRY_SEQ = 1023
-"""Entries per millisecond per stream at most (10 bits of the arrival id)."""
-ARRIVAL_EPOCH_MS = 1_577_836_800_000
-"""2020-01-01T00:00:00Z: broker arrival ids count milliseconds from here (41 bits last until 2089)."""
+"""Events per entry a producer writes at most (a consumer reads entries of any size)."""
+ARRIVAL_BASE = 2**62
+"""The first arrival id the store's counter gives (above every id written before it, see the module doc)."""
+ARRIVALS_FILE = "_arrivals.json"
+ARRIVALS_FORMAT = "jaxscale-arrivals/1"
+DEAD_SUFFIX = ":dead"
+MAX_DELIVERIES = 5
+"""Deliveries of an entry before it goes to the dead-letter stream (`--max-deliveries`)."""
+_ENTRY_ID = re.compile(rb"^([0-9]{1,20})-([0-9]{1,20})$")
+log = logging.getLogger("jaxscale.sequences.broker")
 _URL = re.compile(r"^redis://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})/(?P<stream>[^/?#\s]+)$")
 _STREAM_NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
@@ -176,33 +214,97 @@ def encode_entry(table: pa.Table) -> dict[bytes, bytes]:
     return {b"format": ENTRY_FORMAT, b"n": str(table.num_rows).encode(), b"data": sink.getvalue().to_pybytes()}
 
 
+class PoisonEntry(BrokerError):
+    """A stream entry that cannot be decoded into events (it goes to the dead-letter stream at once)."""
+
+
 def decode_entry(entry_id: bytes, fields: dict | None) -> pa.Table | None:
-    """The events of one entry; None for an entry deleted from the stream while pending."""
+    """The events of one entry; None for an entry deleted from the stream while pending; PoisonEntry naming
+    the problem for anything that is not a readable jaxscale events entry (a foreign entry, a corrupt Arrow
+    stream, a required column missing or of a type no row could convert, `n` disagreeing with the rows)."""
     if not fields:
         return None
+    name = entry_id.decode(errors="replace")
     if fields.get(b"format") != ENTRY_FORMAT or b"data" not in fields:
-        raise BrokerError(
-            f"entry {entry_id.decode()} is not a jaxscale events entry (fields {sorted(k.decode() for k in fields)}; "
-            f"expected format={ENTRY_FORMAT.decode()}, n, data)"
+        keys = sorted(k.decode(errors="replace") for k in fields)
+        raise PoisonEntry(
+            f"entry {name} is not a jaxscale events entry (fields {keys}; expected format={ENTRY_FORMAT.decode()}, "
+            "n, data)"
         )
-    return pa.ipc.open_stream(pa.py_buffer(fields[b"data"])).read_all()
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(fields[b"data"])).read_all()
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise PoisonEntry(f"entry {name}: its data is not a readable Arrow IPC stream ({e})") from None
+    missing = [c for c in RAW_FIELDS if c not in table.column_names]
+    if missing:
+        raise PoisonEntry(f"entry {name}: its events lack the raw columns {missing} (have {table.column_names})")
+    for col in (*RAW_FIELDS, *OPTIONAL_FIELDS):
+        if col in table.column_names and not can_hold(table.schema.field(col).type, col):
+            raise PoisonEntry(f"entry {name}: column {col!r} has type {table.schema.field(col).type}")
+    n = fields.get(b"n")
+    if n is not None and n != str(table.num_rows).encode():
+        raise PoisonEntry(f"entry {name}: n={n.decode(errors='replace')!r} but its data holds {table.num_rows} events")
+    return table
 
 
 def entry_time(entry_id: bytes) -> tuple[int, int]:
-    """(milliseconds, sequence number) of a stream entry id `MS-SEQ`."""
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq)
+    """(milliseconds, sequence number) of a stream entry id `MS-SEQ` (each up to 2**64 - 1)."""
+    m = _ENTRY_ID.match(entry_id)
+    if m is None:
+        raise BrokerError(f"{entry_id!r} is not a stream entry id MS-SEQ")
+    return int(m[1]), int(m[2])
 
 
-def arrival_ids(entry_id: bytes, n: int) -> np.ndarray:
-    """Arrival ids of the n events of one entry: increasing with the entry id, then the event's index."""
-    ms, seq = entry_time(entry_id)
-    if seq > MAX_ENTRY_SEQ or n > MAX_ENTRY_EVENTS:
-        raise BrokerError(
-            f"entry {entry_id.decode()} ({n} events): arrival ids hold at most {MAX_ENTRY_SEQ + 1} entries per "
-            f"millisecond per stream and {MAX_ENTRY_EVENTS} events per entry"
-        )
-    return (((ms - ARRIVAL_EPOCH_MS) << 22) | (seq << 12)) + np.arange(n, dtype=np.int64)
+def entry_ms(entry_id: bytes) -> int:
+    """The receive time of an entry in epoch ms, as int64 (an explicit id beyond 2**63 - 1 ms is clamped)."""
+    return min(entry_time(entry_id)[0], 2**63 - 1)
+
+
+def arrival_ids(start: int, counts) -> list[np.ndarray]:
+    """Arrival ids of consecutive entries holding `counts` events, from `start` (a reservation of
+    `ArrivalCounter`): entry after entry, event after event. Any entry id is fine: they do not enter."""
+    out, at = [], int(start)
+    for n in counts:
+        out.append(np.arange(at, at + int(n), dtype=np.int64))
+        at += int(n)
+    return out
+
+
+class ArrivalCounter:
+    """The store's dense arrival counter for broker events (module doc): `reserve(n)` returns the first of
+    n ids no one was given, durable before it returns; consumers of any stream share it."""
+
+    def __init__(self, store):
+        self.path = Path(store) / ARRIVALS_FILE
+        self.lock_path = Path(store) / ".arrivals.lock"
+
+    def reserve(self, n: int) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            start = self.peek()
+            if n:
+                atomic.write_json(self.path, {"format": ARRIVALS_FORMAT, "next": start + int(n)})
+            return start
+        finally:
+            os.close(fd)
+
+    def peek(self) -> int:
+        """The next id the counter will give."""
+        try:
+            state = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return ARRIVAL_BASE
+        except json.JSONDecodeError as e:
+            raise BrokerError(f"{self.path} is corrupt ({e}); it holds the store's next broker arrival id") from None
+        ok = isinstance(state, dict) and state.get("format") == ARRIVALS_FORMAT and isinstance(state.get("next"), int)
+        if not ok:
+            raise BrokerError(
+                f"{self.path} holds {state!r}, not a {ARRIVALS_FORMAT} counter: the store was written by another "
+                "version of jaxscale; consume into a new store"
+            )
+        return state["next"]
 
 
 def with_ingest_time(table: pa.Table, entry_ms: int) -> pa.Table:
@@ -221,12 +323,20 @@ def with_ingest_time(table: pa.Table, entry_ms: int) -> pa.Table:
 
 
 def publish_columns(schema: pa.Schema) -> list[str]:
-    """The columns a producer sends: the raw schema's, then the optional ones the source has."""
+    """The schema's columns the platform reads: the raw schema's, then the optional ones the source has."""
     return [*RAW_FIELDS, *(c for c in OPTIONAL_FIELDS if c in schema.names)]
 
 
+def entry_columns(schema: pa.Schema) -> list[str]:
+    """The columns a producer sends: `publish_columns`, then every other column of the source (an event
+    without an `event_id` is identified by its whole row)."""
+    known = publish_columns(schema)
+    return [*known, *(c for c in schema.names if c not in known)]
+
+
 class Producer:
-    """Publishes raw events to the broker: partitioned by user, `batch` events per entry, pipelined XADDs."""
+    """Publishes raw events to the broker: partitioned by user, `batch` events per entry, pipelined XADDs;
+    every column of the source travels (`entry_columns`)."""
 
     def __init__(self, target, *, partitions: int = 1, batch: int = 1024, pipeline: int = 256, client=None):
         self.source = target if isinstance(target, RedisSource) else RedisSource.parse(target)
@@ -244,8 +354,8 @@ class Producer:
         missing = [c for c in RAW_FIELDS if c not in table.column_names]
         if missing:
             raise BrokerError(f"events to publish lack the raw columns {missing} (have {table.column_names})")
-        table = table.select(publish_columns(table.schema))
-        for col in table.column_names:
+        table = table.select(entry_columns(table.schema))
+        for col in publish_columns(table.schema):
             if not can_hold(table.schema.field(col).type, col):
                 raise BrokerError(f"column {col!r} of the events to publish has type {table.schema.field(col).type}")
         parts = user_partitions(table.column("user_id"), self.partitions) if self.partitions > 1 else None
@@ -270,7 +380,7 @@ class Producer:
         files = find_event_files(events)
         for f in files:
             pf = check_schema(f)
-            for batch in pf.iter_batches(batch_size=read_rows, columns=publish_columns(pf.schema_arrow)):
+            for batch in pf.iter_batches(batch_size=read_rows, columns=entry_columns(pf.schema_arrow)):
                 self.publish(pa.Table.from_batches([batch]))
         seconds = time.perf_counter() - t0
         return {
@@ -314,6 +424,18 @@ class StreamMetrics:
             "jaxscale_stream_events_deduplicated", "Events dropped: their id was stored already or earlier in the batch"
         )
         self.batches = counter("jaxscale_stream_batches_committed", "Micro-batches committed and acknowledged")
+        self.dead_entries = counter(
+            "jaxscale_stream_entries_dead_lettered", "Entries moved to the dead-letter stream <stream>:dead"
+        )
+        self.dead_events = counter(
+            "jaxscale_stream_events_dead_lettered", "Events of the entries moved to the dead-letter stream"
+        )
+        self.failed = counter(
+            "jaxscale_stream_entries_failed", "Entry deliveries whose transform failed (left pending, retried)"
+        )
+        self.claimed = counter(
+            "jaxscale_stream_entries_claimed", "Entries claimed (XAUTOCLAIM) from the group's idle pending ones"
+        )
         self.commit_seconds = Histogram(
             "jaxscale_stream_commit_seconds",
             "Seconds to commit one micro-batch to the store",
@@ -324,7 +446,8 @@ class StreamMetrics:
 
         self._values = dict.fromkeys(
             ("lag_entries", "pending_entries", "latency_seconds", "events_consumed", "events_acked",
-             "events_stored", "events_deduplicated", "batches_committed"), 0
+             "events_stored", "events_deduplicated", "batches_committed", "entries_dead_lettered",
+             "events_dead_lettered", "entries_failed", "entries_claimed"), 0
         )  # fmt: skip
 
     def observe_lag(self, lag: int, pending: int) -> None:
@@ -351,6 +474,21 @@ class StreamMetrics:
         v["batches_committed"] += 1
         v["latency_seconds"] = round(latency, 4)
 
+    def observe_dead(self, events: int) -> None:
+        """One entry (holding `events` decodable events, 0 if none) moved to the dead-letter stream."""
+        self.dead_entries.inc()
+        self.dead_events.inc(events)
+        self._values["entries_dead_lettered"] += 1
+        self._values["events_dead_lettered"] += events
+
+    def observe_failed(self) -> None:
+        self.failed.inc()
+        self._values["entries_failed"] += 1
+
+    def observe_claimed(self, entries: int) -> None:
+        self.claimed.inc(entries)
+        self._values["entries_claimed"] += entries
+
     def snapshot(self) -> dict:
         """The current values (for the run report)."""
         return dict(self._values)
@@ -366,12 +504,22 @@ def serve_metrics(metrics: StreamMetrics, port: int, host: str = "127.0.0.1"):
 # --------------------------------------------------------------------------------------------- consumer
 
 
+DATA_ERRORS = (BrokerError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException, pl.exceptions.PolarsError)
+"""What a transform raises for an entry's data (the entry fails, is retried, then dead-lettered); anything
+else (the store's disk, a lost connection) stops the consumer, whose entries stay pending."""
+
+
 @dataclasses.dataclass
 class Entry:
-    """One stream entry read: its id and events (None for an entry deleted from the stream while pending)."""
+    """One stream entry read: its id, fields and events (None for an entry deleted from the stream while
+    pending), its events' whole-row identities (None when each has an `event_id`) and the group's delivery
+    count of it (this delivery included)."""
 
     id: bytes
     table: pa.Table | None
+    fields: dict | None = None
+    row_ids: np.ndarray | None = None
+    deliveries: int = 1
 
     @property
     def events(self) -> int:
@@ -396,11 +544,21 @@ class StreamConsumer:
         max_files: int = 8,
         block_ms: int = 200,
         claim_idle_ms: int = 60_000,
+        claim_every_ms: int | None = None,
+        max_deliveries: int = MAX_DELIVERIES,
         max_cached_ids: int = DEFAULT_CACHED_IDS,
         client=None,
     ):
         if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
             raise ValueError(f"--micro-batch must be a positive integer, got {micro_batch!r}")
+        if not isinstance(claim_idle_ms, int) or isinstance(claim_idle_ms, bool) or claim_idle_ms < 0:
+            raise ValueError(f"--claim-idle-ms must be a non-negative integer, got {claim_idle_ms!r}")
+        if not isinstance(max_deliveries, int) or isinstance(max_deliveries, bool) or max_deliveries < 1:
+            raise ValueError(f"--max-deliveries must be a positive integer, got {max_deliveries!r}")
+        if claim_every_ms is None:
+            claim_every_ms = min(max(claim_idle_ms // 2, 50), 5_000)
+        if not isinstance(claim_every_ms, int) or isinstance(claim_every_ms, bool) or claim_every_ms < 1:
+            raise ValueError(f"claim_every_ms must be a positive integer, got {claim_every_ms!r}")
         if not group:
             raise BrokerError("--group must name the consumer group")
         self.source = source if isinstance(source, RedisSource) else RedisSource.parse(source)
@@ -408,17 +566,23 @@ class StreamConsumer:
         self.defs, self.group, self.store = defs, group, Path(store)
         self.partition, self.partitions = partition, partitions
         self.key = stream_key(self.source.stream, partition, partitions)
+        self.dead_key = self.key + DEAD_SUFFIX
         self.consumer = consumer or f"consumer-{partition}"
-        self.micro_batch, self.block_ms, self.claim_idle_ms = micro_batch, block_ms, claim_idle_ms
+        self.micro_batch, self.block_ms = micro_batch, block_ms
+        self.claim_idle_ms, self.claim_every_ms, self.max_deliveries = claim_idle_ms, claim_every_ms, max_deliveries
         self.client = client or self.source.client()
         self.engine = Engine(defs, load_enrichment_tables(defs, dict(sources or {})))
         self.writer = IncrementalWriter(
             defs, self.engine, self.store, max_files=max_files, shared=True, max_cached_ids=max_cached_ids
         )
+        self.arrivals = ArrivalCounter(self.store)
         self.metrics = StreamMetrics(self.key, group)
         self.report = RunReport("stream", f"{self.source.url} partition {partition}/{partitions} group {group}")
         self._buffer: deque[Entry] = deque()
         self._phase, self._cursor, self._claim_cursor = "pending", b"0", b"0-0"
+        self._next_claim = 0.0  # monotonic time of the next claim sweep: the first right after the own pending
+        self._held: set[bytes] = set()  # entries read and not yet acknowledged or left pending (never re-claimed)
+        self._errors: dict[bytes, str] = {}  # the last transform error of entries left pending
         self._per_entry = 0
         self.batches = 0
 
@@ -436,40 +600,93 @@ class StreamConsumer:
         for s in self.defs.sequences:
             with writer_lock(self.store / s.name, wait=True):
                 ensure_sequence_meta(self.store / s.name, sequence_meta(s, self.engine.columns[s.name]))
+        self.arrivals.peek()  # a counter of another format fails the start, not the first batch
         self.writer.start()
 
     # -- reading
 
-    def _entries(self, reply) -> list[Entry]:
-        out = []
-        for _stream, items in reply or ():
-            for entry_id, fields in items:
-                out.append(Entry(entry_id, decode_entry(entry_id, fields)))
+    def _deliveries(self, ids: list[bytes]) -> dict[bytes, int]:
+        """The group's delivery count of each pending entry of `ids` (XPENDING); absent when not pending."""
+        pipe = self.client.pipeline(transaction=False)
+        for i in ids:
+            pipe.xpending_range(self.key, self.group, min=i, max=i, count=1)
+        out = {}
+        for rows in pipe.execute():
+            for r in rows:
+                out[r["message_id"]] = int(r["times_delivered"])
         return out
 
-    def _read(self, count: int, block: int | None) -> list[Entry]:
-        """The next entries: own pending ones first, then claimed ones, then new ones."""
+    def _admit(self, items: list, *, redelivered: bool) -> list[Entry]:
+        """The entries of a read to process: a poison entry, or one delivered more than `max_deliveries`
+        times, is dead-lettered instead (module doc). `redelivered`: own pending or claimed entries, whose
+        delivery counts are looked up (a new entry's is 1)."""
+        counts = self._deliveries([i for i, _ in items]) if redelivered and items else {}
+        out = []
+        for entry_id, fields in items:
+            deliveries = counts.get(entry_id, 1)
+            if deliveries > self.max_deliveries and fields:
+                last = self._errors.pop(entry_id, None)
+                reason = (
+                    f"delivered {deliveries} times without being committed (--max-deliveries {self.max_deliveries})"
+                    + (f"; last error: {last}" if last else "")
+                )
+                self._dead_letter(entry_id, fields, reason, deliveries, self._countable_events(entry_id, fields))
+                continue
+            try:
+                table = decode_entry(entry_id, fields)
+            except PoisonEntry as e:
+                self._dead_letter(entry_id, fields, str(e), deliveries, 0)
+                continue
+            ids = row_identity(table) if table is not None and needs_row_identity(table) else None
+            out.append(Entry(entry_id, table, fields, ids, deliveries))
+            self._held.add(entry_id)
+        return out
+
+    @staticmethod
+    def _countable_events(entry_id: bytes, fields) -> int:
+        try:
+            table = decode_entry(entry_id, fields)
+        except PoisonEntry:
+            return 0
+        return 0 if table is None else table.num_rows
+
+    def _read(self, count: int, block: int | None) -> tuple[list[Entry], bool]:
+        """(the next entries, whether anything was read): own pending ones first (at start), then new ones;
+        every `claim_every_ms` a claim sweep of the group's idle pending entries comes first."""
         if self._phase == "pending":
-            got = self._entries(
-                self.client.xreadgroup(self.group, self.consumer, {self.key: self._cursor}, count=count)
-            )
-            if got:
-                self._cursor = got[-1].id
-                return got
-            self._phase = "claim"
-        while self._phase == "claim":
+            items = [it for _stream, got in self.client.xreadgroup(
+                self.group, self.consumer, {self.key: self._cursor}, count=count) or () for it in got]  # fmt: skip
+            if items:
+                self._cursor = items[-1][0]
+                return self._admit(items, redelivered=True), True
+            self._phase = "new"
+        if time.monotonic() >= self._next_claim:
+            claimed = self._claim(count)
+            if claimed:
+                return self._admit(claimed, redelivered=True), True
+        items = [it for _stream, got in self.client.xreadgroup(
+            self.group, self.consumer, {self.key: ">"}, count=count, block=block) or () for it in got]  # fmt: skip
+        return self._admit(items, redelivered=False), bool(items)
+
+    def _claim(self, count: int) -> list:
+        """Entries of the group pending for at least `claim_idle_ms`, claimed by this consumer (XAUTOCLAIM),
+        continuing the current sweep; when a sweep reaches the end of the pending list the next starts
+        `claim_every_ms` later. Entries this consumer holds right now are left alone."""
+        while True:
             cursor, claimed, *_ = self.client.xautoclaim(
                 self.key, self.group, self.consumer, self.claim_idle_ms, start_id=self._claim_cursor, count=count
             )
-            self._claim_cursor = cursor
-            if cursor in (b"0-0", "0-0"):
-                self._phase = "new"
-            got = [Entry(i, decode_entry(i, f)) for i, f in claimed if f is not None]
+            done = cursor in (b"0-0", "0-0")
+            self._claim_cursor = b"0-0" if done else cursor
+            if done:
+                self._next_claim = time.monotonic() + self.claim_every_ms / 1000
+            got = [(i, f) for i, f in claimed if f is not None and i not in self._held]
             if got:
+                self.metrics.observe_claimed(len(got))
+                log.info("%s: claimed %d idle pending entries (from %s)", self.key, len(got), got[0][0].decode())
                 return got
-        return self._entries(
-            self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block)
-        )
+            if done:
+                return []
 
     def _next_batch(self) -> list[Entry]:
         """Whole entries of up to `micro_batch` events (at least one entry); [] when none arrived in block_ms."""
@@ -478,9 +695,11 @@ class StreamConsumer:
             if not self._buffer:
                 want = self.micro_batch - have
                 count = max(1, min(want // self._per_entry, 10_000)) if self._per_entry else 1
-                got = self._read(count, None if batch else self.block_ms)
-                if not got:
+                got, read = self._read(count, None if batch else self.block_ms)
+                if not read:
                     return batch
+                if not got:  # everything read was dead-lettered: read on
+                    continue
                 self._per_entry = max(self._per_entry, max(e.events for e in got))
                 self._buffer.extend(got)
             nxt = self._buffer[0]
@@ -491,47 +710,125 @@ class StreamConsumer:
             if have >= self.micro_batch:
                 return batch
 
+    # -- poison entries
+
+    def _dead_letter(self, entry_id: bytes, fields, reason: str, deliveries: int, events: int) -> None:
+        """Moves one entry to the dead-letter stream and acknowledges it, atomically (MULTI/EXEC)."""
+        original = {(b"orig-" + k if k.startswith(b"dead-") else k): v for k, v in (fields or {}).items()}
+        meta = {
+            b"dead-reason": reason.encode(),
+            b"dead-entry-id": entry_id,
+            b"dead-stream": self.key.encode(),
+            b"dead-group": self.group.encode(),
+            b"dead-consumer": self.consumer.encode(),
+            b"dead-deliveries": str(deliveries).encode(),
+            b"dead-at-ms": str(int(time.time() * 1000)).encode(),
+        }
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_key, {**original, **meta})
+        pipe.xack(self.key, self.group, entry_id)
+        pipe.execute()
+        self._held.discard(entry_id)
+        self._errors.pop(entry_id, None)
+        self.metrics.observe_dead(events)
+        log.warning(
+            "%s: entry %s (%d events, delivery %d) moved to %s: %s",
+            self.key, entry_id.decode(), events, deliveries, self.dead_key, reason,
+        )  # fmt: skip
+
+    def _failed(self, entry: Entry, reason: str) -> None:
+        """An entry whose transform failed: dead-lettered on its last allowed delivery, else left pending
+        (the claim sweeps deliver it again once it has been idle `claim_idle_ms`)."""
+        self.metrics.observe_failed()
+        self._held.discard(entry.id)
+        if entry.deliveries >= self.max_deliveries:
+            self._dead_letter(
+                entry.id,
+                entry.fields,
+                f"{reason} (delivery {entry.deliveries} of at most {self.max_deliveries})",
+                entry.deliveries,
+                entry.events,
+            )
+            return
+        self._errors[entry.id] = reason
+        log.warning(
+            "%s: entry %s failed on delivery %d of at most %d, left pending for a retry: %s",
+            self.key, entry.id.decode(), entry.deliveries, self.max_deliveries, reason,
+        )  # fmt: skip
+
     # -- processing
 
-    def _transform(self, entries: list[Entry]) -> dict:
-        """{(sequence, day): frames} of the entries' events; consecutive entries of one schema in one go."""
+    def _transform(self, entries: list[Entry]) -> tuple[dict, dict[bytes, str]]:
+        """({(sequence, day): frames} of the entries' events, {entry id: error} of the entries whose
+        transform failed). Consecutive entries of one schema go in one transform; when that fails, each of
+        them alone, so one bad entry fails alone. Arrival ids are reserved for all the entries first."""
         frames: dict = defaultdict(list)
+        failed: dict[bytes, str] = {}
+        with_events = [e for e in entries if e.table is not None and e.events]
+        start = self.arrivals.reserve(sum(e.events for e in with_events))
+        arrivals = dict(zip([e.id for e in with_events], arrival_ids(start, [e.events for e in with_events])))
         run: list[Entry] = []
+
+        def transform(group: list[Entry]) -> None:
+            tables = [with_ingest_time(e.table, entry_ms(e.id)) for e in group]
+            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            ids = np.concatenate([e.row_ids if e.row_ids is not None else np.zeros(e.events, np.int64) for e in group])
+            arrival = np.concatenate([arrivals[e.id] for e in group])
+            out, stats = self.engine.transform(table, self.key, arrival, row_ids=ids)
+            self.report.add(self.key, stats)
+            add_frames(frames, out)
 
         def flush():
             if not run:
                 return
-            tables = [with_ingest_time(e.table, entry_time(e.id)[0]) for e in run]
-            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            arrivals = np.concatenate([arrival_ids(e.id, e.events) for e in run])
-            out, stats = self.engine.transform(table, self.key, arrivals)
-            self.report.add(self.key, stats)
-            add_frames(frames, out)
+            try:
+                transform(run)
+            except DATA_ERRORS as whole:
+                for e in run if len(run) > 1 else ():
+                    try:
+                        transform([e])
+                    except DATA_ERRORS as alone:
+                        failed[e.id] = f"{type(alone).__name__}: {alone}"
+                if len(run) == 1:
+                    failed[run[0].id] = f"{type(whole).__name__}: {whole}"
             run.clear()
 
-        for e in entries:
-            if e.table is None or e.events == 0:
-                continue
+        for e in with_events:
             if run and e.table.schema != run[0].table.schema:
                 flush()
             run.append(e)
         flush()
-        return frames
+        return frames, failed
 
     def _ack(self, ids: list[bytes]) -> None:
         """Acknowledges committed entries (a separate step, so tests can stop a consumer right before it)."""
-        self.client.xack(self.key, self.group, *ids)
+        if ids:
+            self.client.xack(self.key, self.group, *ids)
 
     def process(self, entries: list[Entry]) -> None:
-        """One micro-batch: transform, commit, then acknowledge."""
+        """One micro-batch: transform, commit, then acknowledge (an entry whose transform failed: `_failed`)."""
         events = sum(e.events for e in entries)
         self.metrics.observe_consumed(events)
-        frames = self._transform(entries)
+        frames, failed = self._transform(entries)
         self.batches += 1
         stats = self.writer.commit(frames, self.batches)
-        self._ack([e.id for e in entries])
-        latency = max(time.time() * 1000 - min(entry_time(e.id)[0] for e in entries), 0) / 1000
-        self.metrics.observe_batch(events, stats.events, stats.duplicates, stats.seconds, latency)
+        done = [e for e in entries if e.id not in failed]
+        self._ack([e.id for e in done])
+        for e in done:
+            self._held.discard(e.id)
+            self._errors.pop(e.id, None)
+        for e in entries:
+            if e.id in failed:
+                self._failed(e, failed[e.id])
+        if done:
+            latency = max(time.time() * 1000 - min(entry_ms(e.id) for e in done), 0) / 1000
+            acked = sum(e.events for e in done)
+            self.metrics.observe_batch(acked, stats.events, stats.duplicates, stats.seconds, latency)
+        if stats.duplicates:
+            log.info(
+                "%s: micro-batch %d stored %d events, dropped %d duplicates (event ids stored or seen before)",
+                self.key, self.batches, stats.events, stats.duplicates,
+            )  # fmt: skip
         self.update_lag()
 
     def update_lag(self) -> None:
@@ -566,6 +863,10 @@ class StreamConsumer:
                 "consumer": self.consumer,
                 "micro_batch": self.micro_batch,
                 "micro_batches": self.batches,
+                "dead_letter_stream": self.dead_key,
+                "dead_lettered": self.metrics.snapshot()["entries_dead_lettered"],
+                "max_deliveries": self.max_deliveries,
+                "claim_idle_ms": self.claim_idle_ms,
                 "metrics": self.metrics.snapshot(),
                 "pid": os.getpid(),
             }

@@ -15,6 +15,7 @@ between runs on a shared 2-core machine.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -161,6 +162,9 @@ class Engine:
         self.tables = tables
         self._lookups: dict[str, tuple[np.ndarray, pl.DataFrame]] = {}
         self._arrow_lookups: dict[str, pa.Array] = {}
+        self.collapsed: Counter = Counter()
+        """Rows `assemble` dropped as duplicates (an event id seen twice), per sequence, since creation."""
+        self._collapsed_lock = threading.Lock()
         self.raw_to_type = {r: et.name for et in defs.event_types for r in et.raw}
         used = {t for s in defs.sequences for t in s.event_types}
         self.raw_used = {r: t for r, t in self.raw_to_type.items() if t in used}
@@ -188,15 +192,19 @@ class Engine:
         arrival_start: int | np.ndarray,
         lo_ms: int | None = None,
         hi_ms: int | None = None,
+        *,
+        row_ids: np.ndarray | None = None,
     ) -> tuple[dict[str, pl.DataFrame], ChunkStats]:
         """One raw chunk -> {sequence: normalized events with `day`}, and the chunk's row accounting.
 
         `arrival_start` is the arrival id of the chunk's first row (rows follow consecutively), or an array of
         one arrival id per row (a broker's entries); events with ts outside [lo_ms, hi_ms) are counted as
-        outside the range and left out.
+        outside the range and left out. `row_ids` are the rows' whole-row identities when the caller computed
+        them before adding columns of its own (`jaxscale.sequences.eventid.row_identity`; a broker's receive
+        time), else they are computed from `table`.
         """
         stats = ChunkStats(rows=table.num_rows)
-        df, bad = validate_rows(table, file)
+        df, bad = validate_rows(table, file, row_ids)
         stats.bad.update(bad)
         if isinstance(arrival_start, np.ndarray):  # one arrival per row of `table` (a broker's entries)
             arrival = pl.Series("arrival", arrival_start[df.get_column("row").to_numpy()], dtype=pl.Int64)
@@ -273,7 +281,8 @@ class Engine:
         return self._arrow_lookups[en.name]
 
     def assemble(self, name: str, frames: list[pl.DataFrame]) -> pa.Table:
-        """A day's events of sequence `name` in store order (user_id, ts, arrival), as the stored schema."""
+        """A day's events of sequence `name` in store order (user_id, ts, arrival), as the stored schema; an
+        event id seen twice keeps its first arrival, and the rows dropped so are counted (`collapsed`)."""
         df = pl.concat(frames, how="vertical", rechunk=False) if len(frames) > 1 else frames[0]
         # One contiguous chunk first: a gather across the frames' chunks cost ~10x a gather from one. The
         # order is NumPy's lexsort (the keys are a total order: arrival is unique): ~40% less CPU than
@@ -285,6 +294,8 @@ class Engine:
         keep = first_arrivals(df.get_column(EVENT_ID).to_numpy(), df.get_column("arrival").to_numpy())
         if keep is not None:  # an event delivered twice: its first arrival is the one stored
             df = df.filter(pl.Series(keep))
+            with self._collapsed_lock:  # the backfill assembles days on several threads
+                self.collapsed[name] += len(keep) - df.height
         return df.to_arrow().cast(self.file_schemas[name])
 
 

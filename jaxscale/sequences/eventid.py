@@ -5,15 +5,28 @@ can hand the engine the same event more than once. Every event therefore carries
 
 - the raw `event_id` column when the log has one: an integer column as is (uint64 by its bits), a string
   column by the first 8 bytes of the BLAKE2b digest of its UTF-8 bytes, read as a little-endian int64;
-- otherwise (no such column, or a null in it) the hash of the row's required columns after validation:
-  splitmix64 chained over user_id, ts, item_id and the BLAKE2b-64 of event_type and surface. Two rows that
-  agree on all five are the same event.
+- otherwise (no such column, or a null in it) the hash of the **whole source row**, every column as read
+  (`row_identity`), so that only a true re-delivery (the same row again) collapses. Two rows that agree on
+  the sequence's fields but differ in any other column (a second click on the same item in the same
+  millisecond with another request id or position) are two events. (Before, the id hashed only user_id,
+  ts, item_id, event_type and surface, and such rows were silently stored once.)
 
-Both are stable across processes, machines and versions (neither Python's `hash()` nor Polars' hash, which
-are seeded or may change), so a consumer that restarts recognises what an earlier process stored.
+The row hash: columns in order of their names; per column, splitmix64 chained over a tag (the column's
+name and its kind: int, float, bool, string, binary, null, else the Arrow type's name, so 5 and "5" and
+5.0 differ while int32 and int64 of the same value agree, as do a plain and a dictionary-encoded column of
+the same strings), a second tag for a null (so a null differs from every value), then the value: integers
+by their 64 bits, floats as float64 bits (-0.0 as 0.0, every NaN as one NaN), strings and binaries by
+BLAKE2b-64 of their bytes, temporal types by their integer storage, anything else (decimals, lists,
+structs) by BLAKE2b-64 of the Python value's repr.
+
+Both ids are stable across processes, machines and versions (neither Python's `hash()` nor Polars' hash,
+which are seeded or may change), so a consumer that restarts recognises what an earlier process stored. A
+store written before the whole-row ids holds 5-field ids: a source re-delivering rows it stored then (a
+broker's pending entries at the upgrade) would store them again, so drain a consumer before upgrading.
 
 The rule, shared by backfill, the file stream, the broker consumer and the Ray backfill: within one
-(sequence, day) partition an id is stored once, and the first arrival wins (`first_arrivals`).
+(sequence, day) partition an id is stored once, and the first arrival wins (`first_arrivals`); each run
+reports how many rows it collapsed so.
 """
 
 from __future__ import annotations
@@ -50,46 +63,109 @@ def string_hashes(s: pl.Series) -> np.ndarray:
     return s.replace_strict(keys, vals, return_dtype=pl.UInt64).to_numpy()
 
 
-def is_string_dictionary(typ: pa.DataType) -> bool:
-    """Whether an Arrow type is a dictionary of strings (what `dictionary_hashes` takes)."""
-    return pa.types.is_dictionary(typ) and (
-        pa.types.is_string(typ.value_type) or pa.types.is_large_string(typ.value_type)
-    )
-
-
-def dictionary_hashes(col: pa.ChunkedArray) -> np.ndarray:
-    """uint64 BLAKE2b-64 of each value of a dictionary-of-strings column (0 where null), the same as
-    `string_hashes` gives: each dictionary entry is hashed once and the row codes gather the results, where
-    `string_hashes` pays two hash-table probes per row (a third of a backfill's validation)."""
-    parts = []
-    for chunk in col.chunks:
-        values = np.array([0 if v is None else blake2b64(v) for v in chunk.dictionary.to_pylist()], np.uint64)
-        indices = chunk.indices
-        codes = indices.to_numpy() if indices.null_count == 0 else indices.fill_null(0).to_numpy(zero_copy_only=False)
-        parts.append(values.take(codes) if len(values) else np.zeros(len(codes), np.uint64))
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-
-
-def _int_bits(s: pl.Series) -> np.ndarray:
-    return s.cast(pl.Int64).to_numpy().view(np.uint64)
-
-
 HASHED_STRINGS = ("event_type", "surface")
-"""The string columns of the row hash, in the order they are chained."""
+"""String columns of low cardinality that readers decode dictionary-encoded (each distinct value hashed once)."""
+
+_NAN_BITS = np.uint64(0x7FF8000000000000)
 
 
-def row_hashes(df: pl.DataFrame, strings: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """int64 hash of each row's validated required columns (no nulls): the id of a row without `event_id`.
-    `strings` may hold a string column's hashes already computed for these rows (`dictionary_hashes`)."""
-    strings = strings or {}
-    h = splitmix64(_SEED ^ _int_bits(df.get_column("user_id")))
-    h = splitmix64(h ^ _int_bits(df.get_column("ts")))
-    h = splitmix64(h ^ _int_bits(df.get_column("item_id")))
-    for col in HASHED_STRINGS:
-        hashed = strings[col] if col in strings else string_hashes(df.get_column(col))
-        h = splitmix64(h ^ hashed)
+def _kind(typ: pa.DataType) -> str:
+    """A column's kind in the row hash (see the module doc)."""
+    if pa.types.is_dictionary(typ):
+        return _kind(typ.value_type)
+    if pa.types.is_null(typ):
+        return "null"
+    if pa.types.is_boolean(typ):
+        return "bool"
+    if pa.types.is_integer(typ):
+        return "int"
+    if pa.types.is_floating(typ):
+        return "float"
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ):
+        return "string"
+    if pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_fixed_size_binary(typ):
+        return "binary"
+    if pa.types.is_binary_view(typ):
+        return "binary"
+    return str(typ)
+
+
+def _bytes_hashes(values: list) -> np.ndarray:
+    """uint64 BLAKE2b-64 of each str/bytes value (0 for None), each distinct value hashed once."""
+    cache: dict = {}
+    out = np.zeros(len(values), np.uint64)
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        h = cache.get(v)
+        if h is None:
+            b = v.encode("utf-8") if isinstance(v, str) else bytes(v)
+            h = cache[v] = int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "little")
+        out[i] = h
+    return out
+
+
+def _chunk_hashes(arr: pa.Array, kind: str) -> np.ndarray:
+    """uint64 value hash of each row of one chunk (anything where null: the validity tag decides)."""
+    if pa.types.is_dictionary(arr.type):
+        values = _chunk_hashes(arr.dictionary, kind)
+        codes = arr.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return values.take(codes) if len(values) else np.zeros(len(arr), np.uint64)
+    if kind == "null":
+        return np.zeros(len(arr), np.uint64)
+    if kind == "string":
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            s = pl.Series(arr.cast(pa.large_string()))
+            valid = s.is_not_null().to_numpy()
+            out = np.zeros(len(arr), np.uint64)
+            if valid.any():
+                out[valid] = string_hashes(s.filter(pl.Series(valid)))
+            return out
+        return _bytes_hashes(arr.to_pylist())
+    if kind == "binary":
+        return _bytes_hashes(arr.to_pylist())
+    if kind == "bool":
+        return arr.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint64)
+    if kind == "int":
+        signed = pa.types.is_signed_integer(arr.type)
+        v = arr.cast(pa.int64() if signed else pa.uint64()).fill_null(0).to_numpy(zero_copy_only=False)
+        return v.view(np.uint64) if signed else v.astype(np.uint64, copy=False)
+    if kind == "float":
+        v = arr.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False).astype(np.float64)
+        v = np.where(v == 0.0, 0.0, v)  # -0.0 is 0.0
+        bits = v.view(np.uint64)
+        return np.where(np.isnan(v), _NAN_BITS, bits)
+    typ = arr.type
+    if (pa.types.is_temporal(typ)) and typ.bit_width in (32, 64):
+        storage = arr.view(pa.int32() if typ.bit_width == 32 else pa.int64())
+        return storage.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).view(np.uint64)
+    return _bytes_hashes([None if v is None else repr(v) for v in arr.to_pylist()])
+
+
+def column_hashes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(uint64 value hash, validity mask) of each row of one column (see the module doc)."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    kind = _kind(col.type)
+    if not chunks:
+        return np.zeros(0, np.uint64), np.zeros(0, bool)
+    values = np.concatenate([_chunk_hashes(c, kind) for c in chunks])
+    valid = np.concatenate([c.is_valid().to_numpy(zero_copy_only=False) for c in chunks]).astype(bool)
+    return values, valid
+
+
+def row_identity(table: pa.Table) -> np.ndarray:
+    """int64 hash of each whole row of `table`, every column as read (the module doc): the id of a row
+    without an `event_id`. Stable across processes and versions; independent of column order and of
+    dictionary encoding and integer width."""
+    h = np.full(table.num_rows, _SEED, np.uint64)
+    for name, i in sorted((name, i) for i, name in enumerate(table.column_names)):
+        col = table.column(i)
+        kind = _kind(col.type)
+        values, valid = column_hashes(col)
+        tag = np.uint64(blake2b64(f"{name}\x00{kind}"))
+        null_tag = np.uint64(blake2b64(f"{name}\x00{kind}\x00null"))
+        h = splitmix64(h ^ np.where(valid, tag, null_tag))
+        h = splitmix64(h ^ np.where(valid, values, np.uint64(0)))
     return h.view(np.int64)
 
 
@@ -107,14 +183,19 @@ def given_ids(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
     return string_hashes(text).view(np.int64), present
 
 
-def event_ids(df: pl.DataFrame, raw_ids: pl.Series | None, strings: dict[str, np.ndarray] | None = None) -> pl.Series:
-    """The `event_id` column of validated rows `df`; `raw_ids` is the log's own column (same rows) or None;
-    `strings` as for `row_hashes`."""
-    ids = row_hashes(df, strings) if df.height else np.zeros(0, np.int64)
-    if raw_ids is not None and df.height:
+def event_ids(row_ids: np.ndarray, raw_ids: pl.Series | None) -> pl.Series:
+    """The `event_id` column of validated rows: `raw_ids`, the log's own column (same rows), where it has a
+    value, else `row_ids` (`row_identity` of the same rows)."""
+    ids = np.asarray(row_ids, np.int64)
+    if raw_ids is not None and len(ids):
         given, present = given_ids(raw_ids)
         ids = np.where(present, given, ids)
     return pl.Series(EVENT_ID, ids, dtype=pl.Int64)
+
+
+def needs_row_identity(table: pa.Table) -> bool:
+    """Whether some row of `table` lacks a given id (no `event_id` column, or a null in it)."""
+    return EVENT_ID not in table.column_names or table.column(EVENT_ID).null_count > 0
 
 
 def first_arrivals(ids: np.ndarray, arrivals: np.ndarray) -> np.ndarray | None:

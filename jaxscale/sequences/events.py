@@ -6,7 +6,9 @@ when a file has them: `ingest_ts` int64 is the epoch ms at which the platform re
 ingestion time, what `as_of_mode="ingest"` reads). A log that never recorded arrival has no `ingest_ts`:
 every event then counts as received when it happened (ingest_ts = ts), and so does a null in the column.
 `event_id` (an integer or a string) identifies an event that a log or a broker may deliver twice; without
-it an event is identified by the hash of its required columns (`jaxscale.sequences.eventid`).
+it (or where it is null) an event is identified by the hash of its whole row, every column of the file
+(`jaxscale.sequences.eventid`): the readers therefore read every column of a file unless its row groups'
+statistics prove that each row has an `event_id`.
 
 Files are found recursively (any layout, `dt=` partitions included) and read in sorted path order: that
 order, then row order, is arrival order. Each event's `arrival` = file rank * 2**32 + row index, a total
@@ -30,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxscale.sequences.definitions import RAW_FIELDS
-from jaxscale.sequences.eventid import HASHED_STRINGS, dictionary_hashes, event_ids, is_string_dictionary
+from jaxscale.sequences.eventid import HASHED_STRINGS, event_ids, needs_row_identity, row_identity
 
 ARRIVAL_ROW_BITS = 32
 INGEST_TS = "ingest_ts"
@@ -160,8 +162,29 @@ def dictionary_columns(pf: pq.ParquetFile) -> list[str]:
 
 
 def read_columns(pf: pq.ParquetFile) -> list[str]:
-    """The raw columns to read from a file: the required ones, then the optional ones it has."""
-    return [*RAW_FIELDS, *(c for c in OPTIONAL_FIELDS if c in pf.schema_arrow.names)]
+    """The raw columns to read from a file: the required ones, then the optional ones it has; and every
+    other column too unless each row has an `event_id` (`all_rows_have_ids`), since an event without one is
+    identified by its whole row (`jaxscale.sequences.eventid.row_identity`)."""
+    known = [*RAW_FIELDS, *(c for c in OPTIONAL_FIELDS if c in pf.schema_arrow.names)]
+    if all_rows_have_ids(pf):
+        return known
+    return [*known, *(c for c in pf.schema_arrow.names if c not in known)]
+
+
+def all_rows_have_ids(pf: pq.ParquetFile) -> bool:
+    """Whether the file's statistics prove every row has an `event_id` (no null in any row group)."""
+    names = pf.schema_arrow.names
+    if EVENT_ID not in names:
+        return False
+    leaves = [pf.metadata.schema.column(i).path for i in range(pf.metadata.num_columns)]
+    if EVENT_ID not in leaves:
+        return False
+    col = leaves.index(EVENT_ID)
+    for rg in range(pf.num_row_groups):
+        st = pf.metadata.row_group(rg).column(col).statistics
+        if st is None or st.null_count is None or st.null_count > 0:
+            return False
+    return True
 
 
 def read_chunks(
@@ -271,17 +294,22 @@ def _ingest_column(df: pl.DataFrame, optional: list[str], ts: pl.Series, reasons
     return pl.select(pl.coalesce(v, ts).alias(INGEST_TS)).to_series()
 
 
-def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, int]]:
+def validate_rows(table: pa.Table, file: str, row_ids: np.ndarray | None = None) -> tuple[pl.DataFrame, dict[str, int]]:
     """The required columns coerced to their types plus `row` (position in `table`), good rows only,
     and {reason: count} of the bad ones ('null <col>', 'bad <col>' for a value of the wrong type).
 
     A row with several problems is counted once, under its first problem in schema order. `ingest_ts` is
     always in the output: the table's (a null -> ts, an unconvertible value -> 'wrong type ingest_ts'), or
-    ts for a table without it. So is `event_id` (int64): the log's, else the row's hash (see
-    `jaxscale.sequences.eventid`).
+    ts for a table without it. So is `event_id` (int64): the log's, else the hash of the whole row as given
+    in `table` (every column; see `jaxscale.sequences.eventid`), or `row_ids` when the caller computed it
+    before adding columns of its own (the broker's receive time).
     """
     optional = [c for c in OPTIONAL_FIELDS if c in table.column_names]
-    table, hashed = _decode_string_dictionaries(table.select([*RAW_FIELDS, *optional]))
+    if row_ids is None:
+        row_ids = row_identity(table) if needs_row_identity(table) else np.zeros(table.num_rows, np.int64)
+    elif len(row_ids) != table.num_rows:
+        raise ValueError(f"{file}: {len(row_ids)} row ids for {table.num_rows} rows")
+    table = table.select([*RAW_FIELDS, *optional])
     df = pl.from_arrow(table, rechunk=False)
     if not isinstance(df, pl.DataFrame):  # pragma: no cover - one-column edge of from_arrow
         df = df.to_frame()
@@ -313,17 +341,5 @@ def validate_rows(table: pa.Table, file: str) -> tuple[pl.DataFrame, dict[str, i
     if bad.any():
         out = out.filter(pl.Series(~bad))
         raw_ids = raw_ids.filter(pl.Series(~bad)) if raw_ids is not None else None
-        hashed = {col: h[~bad] for col, h in hashed.items()}
-    return out.with_columns(event_ids(out, raw_ids, hashed)), counts
-
-
-def _decode_string_dictionaries(table: pa.Table) -> tuple[pa.Table, dict[str, np.ndarray]]:
-    """`table` with its dictionary-encoded hashed string columns (`read_chunks` reads them so) as plain
-    strings, and {column: per-row BLAKE2b-64} of those columns, taken from the dictionaries (each distinct
-    string hashed once; see `jaxscale.sequences.eventid.dictionary_hashes`)."""
-    hashed = {}
-    for col in HASHED_STRINGS:
-        typ = table.schema.field(col).type
-        if is_string_dictionary(typ):
-            hashed[col] = dictionary_hashes(table.column(col))
-    return table, hashed
+        row_ids = row_ids[~bad]
+    return out.with_columns(event_ids(row_ids, raw_ids)), counts

@@ -9,9 +9,10 @@ bounded by a few days, not the log.
 stream: the log replayed in arrival order in micro-batches of N rows; each micro-batch's events are
 assembled per (sequence, day) and added to their partitions as new sorted files (late events go to their
 own, older, day) by `jaxscale.sequences.incremental.IncrementalWriter`, which drops events already stored
-(by event id), so a re-run adds only what is missing. A partition with more than `max_files` files is
-merged into one; at the end every touched partition is merged, so the final store holds what a backfill of
-the same log holds. The broker consumer (`jaxscale.sequences.broker`) commits through the same writer.
+(by event id), so a re-run adds only what is missing; the report's `duplicates` counts the rows dropped so.
+A partition with more than `max_files` files is merged into one; at the end every touched partition is
+merged, so the final store holds what a backfill of the same log holds. The broker consumer
+(`jaxscale.sequences.broker`) commits through the same writer.
 
 Vocabularies (`Sequence.vocabularies`, see `jaxscale.sequences.vocabulary`) are written before the
 partitions they cover: the backfill counts the whole store as it will be after the run (the days it writes
@@ -100,10 +101,17 @@ class RunReport:
         return path
 
     def warn_bad_rows(self, stream=sys.stderr) -> None:
+        """Prints the bad rows skipped per file, and the rows collapsed as duplicates, to `stream`."""
         for name, st in self.files.items():
             if st.bad:
                 detail = ", ".join(f"{k}: {v}" for k, v in sorted(st.bad.items()))
                 print(f"warning: {name}: {sum(st.bad.values())} bad rows skipped ({detail})", file=stream)
+        if self.extra.get("duplicates"):
+            print(
+                f"note: {self.extra['duplicates']} rows collapsed as duplicates (an event id already stored or seen "
+                "earlier in the run: the same event_id, or without one the same whole row)",
+                file=stream,
+            )
 
 
 def day_range_ms(start: str | None, end: str | None) -> tuple[int | None, int | None]:
@@ -181,6 +189,8 @@ def backfill(
     report.extra["threads"] = threads
     report.extra["spilled_bytes"] = spill.spilled_bytes
     report.extra["range"] = {"start": day_name(days[0]), "end": day_name(days[-1])} if len(days) else None
+    report.extra["duplicates"] = sum(engine.collapsed.values())
+    report.extra["duplicates_by_sequence"] = {s.name: engine.collapsed[s.name] for s in defs.sequences}
     return report
 
 
@@ -295,6 +305,7 @@ def finish_stream_report(report: RunReport, writer: IncrementalWriter, store, t0
         parts = list_partitions(Path(store) / name)
         report.partitions[name] = {d: sum(_rows(f) for f in partition_files(p)) for d, p in parts.items() if d in days}
     report.extra["commits"] = writer.totals.to_json()
+    report.extra["duplicates"] = writer.totals.duplicates
     report.seconds = time.perf_counter() - t0
 
 
