@@ -95,6 +95,9 @@ class FoundationConfig:
     """TableConfig.reshape for the item tables (bandwidth-aware embeddings)."""
     num_actions: int = 4
     num_surfaces: int = 4
+    action_inputs: bool = True
+    """Each event's type (the rating, in MovieLens) is an input of the encoder; False drops that input (an
+    ablation: the encoder then sees items, surfaces, positions and times only)."""
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -391,7 +394,8 @@ class SequenceEncoder(nnx.Module):
         self.item_ln = nnx.LayerNorm(e, rngs=rngs)
         self.item_in = nnx.Linear(e, d, dtype=dt, rngs=rngs)
         emb_init = nnx.initializers.normal(0.02)
-        self.action_emb = nnx.Embed(cfg.num_actions, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
+        if cfg.action_inputs:
+            self.action_emb = nnx.Embed(cfg.num_actions, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
         self.surface_emb = nnx.Embed(cfg.num_surfaces, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
         self.pos_emb = nnx.Embed(cfg.max_seq_len, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
         if cfg.time_encoding == "log_bucket":
@@ -434,12 +438,9 @@ class SequenceEncoder(nnx.Module):
             raise ValueError(f"sequence length {l} exceeds FoundationConfig.max_seq_len={cfg.max_seq_len}")
         actions = jnp.clip(jnp.where(mask, batch["actions"], 0), 0, cfg.num_actions - 1)
         surfaces = jnp.clip(jnp.where(mask, batch["surfaces"], 0), 0, cfg.num_surfaces - 1)
-        x = (
-            self.item_in(self.item_ln(items))
-            + self.action_emb(actions)
-            + self.surface_emb(surfaces)
-            + self.pos_emb(jnp.arange(l))[None]
-        )
+        x = self.item_in(self.item_ln(items)) + self.surface_emb(surfaces) + self.pos_emb(jnp.arange(l))[None]
+        if cfg.action_inputs:
+            x = x + self.action_emb(actions)
         if cfg.time_encoding != "none":
             x = x + self.time_features(batch["timestamps"], mask)
         x = self.dropout(x)

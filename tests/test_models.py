@@ -253,3 +253,15 @@ def test_config_validation_names_fields():
     assert FoundationConfig.large().embedding_params > 1e9
     assert DLRMConfig.large().embedding_params > 1e9
     assert FoundationConfig.smoke() == FoundationConfig()
+
+
+@pytest.mark.parametrize("action_inputs", [True, False])
+def test_action_inputs_ablation_drops_the_event_type_input(action_inputs):
+    cfg = FoundationConfig(**TINY, action_inputs=action_inputs, time_encoding="none")
+    emb, batch = foundation_inputs(cfg)
+    model = FoundationModel(cfg, rngs=nnx.Rngs(1))
+    assert hasattr(model, "action_emb") is action_inputs  # no parameter of an input the model does not read
+    ref = apply(model, emb, batch)
+    moved = apply(model, emb, dict(batch, actions=(batch["actions"] + 1) % cfg.num_actions))
+    changed = float(jnp.max(jnp.abs(moved["hidden"] - ref["hidden"])))
+    assert (changed > 1e-3) if action_inputs else (changed == 0.0)

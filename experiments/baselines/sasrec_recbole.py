@@ -165,7 +165,7 @@ def build_model(n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offse
 
 def evaluate(model, data, torch, ks=(10, 20), batch=1024, mask_history=False):
     """Full ranking of every item row except PAD/OOV (`jaxscale.ranking`), in eval mode, both ways: (metrics and
-    top-K under `mask_history`, the metrics of the other masking)."""
+    top-K under `mask_history`, the metrics and top-K of the other masking)."""
     from jaxscale import ranking
 
     hist, length, target, _, seen = data
@@ -180,7 +180,7 @@ def evaluate(model, data, torch, ks=(10, 20), batch=1024, mask_history=False):
             tops[True].append(ranking.topk_from_scores(scores, max(ks), exclude=seen[s : s + batch]))
     model.train()
     topk, other = np.concatenate(tops[mask_history]), np.concatenate(tops[not mask_history])
-    return ranking.ranking_metrics(topk, target, ks), topk, ranking.ranking_metrics(other, target, ks)
+    return ranking.ranking_metrics(topk, target, ks), topk, ranking.ranking_metrics(other, target, ks), other
 
 
 def train(
@@ -199,7 +199,8 @@ def train(
     mask_history=False,
     seen_item_offset=False,
 ):
-    """Trains with early stopping on validation NDCG@10; returns (results dict, (test users, test top-K)).
+    """Trains with early stopping on validation NDCG@10; returns (results dict, (test users, test top-K, test top-K
+    of the other masking)).
     `progress(results)` is called after every epoch with the results so far (the best epoch's test metrics
     included), so a run cut short still leaves a complete record of what it reached."""
     import torch
@@ -233,14 +234,14 @@ def train(
             opt.step()
             total += float(loss.detach()) * len(i)
             steps += 1
-        metrics, _, _ = evaluate(model, va, torch, mask_history=mask_history)
+        metrics, _, _, _ = evaluate(model, va, torch, mask_history=mask_history)
         seconds += time.perf_counter() - t0  # training and the per-epoch validation, as RecBole's loop
         curve.append({"epoch": epoch + 1, "steps": steps, "train_loss": total / len(hist), **metrics})
         log(f"epoch {epoch + 1}: loss {total / len(hist):.4f} valid ndcg@10 {metrics['ndcg@10']:.4f}")
         if metrics["ndcg@10"] > best:
             best, bad = metrics["ndcg@10"], 0
-            test, topk, test_other = evaluate(model, te, torch, mask_history=mask_history)
-            top = (te[3], topk)
+            test, topk, test_other, topk_other = evaluate(model, te, torch, mask_history=mask_history)
+            top = (te[3], topk, topk_other)
             results = {"valid": metrics, "test": test, "test_other_masking": test_other, "best_epoch": epoch + 1}
         else:
             bad += 1
@@ -280,6 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=2020)
     ap.add_argument("--topk", default=None, help="write the test top-20 (raw ids) to this Parquet file")
+    ap.add_argument("--topk-other", default=None, help="the test top-20 of the other masking, to this file")
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="history length (the protocol's)")
     ap.add_argument("--mask-history", action="store_true", help="rank with every history item removed")
     ap.add_argument("--seen-item-offset", action="store_true", help="a learned score offset for history items")
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
     def save(results):
         atomic.write_json(args.json, results)
 
-    out, (users, topk) = train(
+    out, (users, topk, topk_other) = train(
         args.store,
         args.defs,
         args.sequence,
@@ -301,13 +303,14 @@ def main(argv=None) -> int:
         mask_history=args.mask_history,
         seen_item_offset=args.seen_item_offset,
     )
-    if args.topk:
-        from jaxscale.evaluate import write_topk
-        from jaxscale.ranking_eval import RankingResult
-        from jaxscale.sequences.query import SequenceReader
+    from jaxscale.evaluate import write_topk
+    from jaxscale.ranking_eval import RankingResult
+    from jaxscale.sequences.query import SequenceReader
 
-        decode = SequenceReader(args.store, args.sequence).vocabulary("item_id").decode
-        write_topk(args.topk, RankingResult(users, np.zeros(len(users), np.int64), topk, {}, 0), decode)
+    decode = SequenceReader(args.store, args.sequence).vocabulary("item_id").decode
+    for path, lists in ((args.topk, topk), (args.topk_other, topk_other)):
+        if path:
+            write_topk(path, RankingResult(users, np.zeros(len(users), np.int64), lists, {}, 0), decode)
     save(out)
     print(json.dumps({k: out[k] for k in ("valid", "test", "train_seconds", "epochs", "best_epoch")}))
     return 0

@@ -1,0 +1,164 @@
+"""The fair ML-100K comparison: the foundation model against the SASRec reference on one split, both maskings.
+
+Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, protocol ml100k) and trains into
+OUT/fairness/:
+- `foundation` (the shipped config) for every seed;
+- its ablations, every seed: `foundation_no_seen_offset` (seen_item_bias off: the one mechanism the
+  SASRec reference lacks) and `foundation_no_rating_time` (no event-type input, no time encoding);
+- `sasrec` (RecBole 1.2.1's SASRec, experiments/baselines/sasrec_recbole.py) and `sasrec_seen_offset` (the
+  same with the foundation model's one-scalar seen-item offset), every seed.
+Each variant's test top-20 is written under both maskings (history kept; every history item removed); the
+record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
+each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
+(per-user NDCG averaged over seeds, `jaxscale.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
+not CI.
+
+    python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
+        [--seeds 0 1 2] [--only foundation sasrec ...]
+    python experiments/movielens/fairness.py OUT --json F --summarize   # the record from finished runs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from jaxscale import atomic, ranking
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "jaxscale" / "configs" / "movielens_foundation.yaml"
+MASKINGS = {"unmasked": "--no-mask-history", "masked": "--mask-history"}
+FOUNDATION = {
+    "foundation": [],
+    "foundation_no_seen_offset": ["model.foundation.seen_item_bias=false"],
+    "foundation_no_rating_time": ["model.foundation.action_inputs=false", "model.foundation.time_encoding=none"],
+}
+SASREC = {"sasrec": [], "sasrec_seen_offset": ["--seen-item-offset"]}
+PAIRS = (
+    ("foundation", "sasrec"),
+    ("foundation", "sasrec_seen_offset"),
+    ("foundation_no_seen_offset", "sasrec"),
+    ("foundation", "foundation_no_seen_offset"),
+    ("foundation", "foundation_no_rating_time"),
+)
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}")
+
+
+def train_foundation(out: Path, work: Path, name: str, seed: int, rows: int) -> None:
+    run = work / f"{name}_seed{seed}"
+    data = [f"data.sequences.store={out / 'store'}", f"data.sequences.defs={out / 'defs.json'}"]
+    args = [*data, f"model.foundation.item_rows={rows}", f"train.seed={seed}", f"data.seed={seed}", *FOUNDATION[name]]
+    py = sys.executable
+    _run([py, "-m", "jaxscale.train", "--config", str(CONFIG), "--no-progress", f"train.workdir={run}", *args],
+         work / f"{name}_seed{seed}.log")  # fmt: skip
+    for masking, flag in MASKINGS.items():
+        files = ["--json", str(run / f"test_{masking}.json"), "--topk", str(run / f"topk_{masking}.parquet")]
+        cmd = [py, "-m", "jaxscale.evaluate", "--config", str(CONFIG), "--checkpoint", str(run / "best")]
+        _run(
+            [*cmd, "--split", "test", "--k", "10,20", flag, "--no-popularity", *files, *args],
+            work / f"{run.name}_{masking}.log",
+        )
+
+
+def train_sasrec(out: Path, work: Path, name: str, seed: int) -> None:
+    run = work / f"{name}_seed{seed}"
+    run.mkdir(parents=True, exist_ok=True)
+    script = ROOT / "experiments" / "baselines" / "sasrec_recbole.py"
+    files = ["--topk", str(run / "topk_unmasked.parquet"), "--topk-other", str(run / "topk_masked.parquet")]
+    _run([sys.executable, str(script), "--store", str(out / "store"), "--defs", str(out / "defs.json"), "--seed",
+          str(seed), "--json", str(run / "result.json"), *files, *SASREC[name]], run.with_suffix(".log"))  # fmt: skip
+
+
+def per_user_ndcg(topk_file: Path, targets: dict) -> np.ndarray:
+    """NDCG@10 of every user of `targets` (sorted by user id) from a top-k Parquet file in raw ids."""
+    t = pq.read_table(topk_file).to_pydict()
+    lists: dict = {}
+    for u, r, i in zip(t["user_id"], t["rank"], t["item_id"]):
+        lists.setdefault(u, {})[r] = i
+    users = sorted(targets)
+    top = np.array([[lists[u].get(r, -1) for r in range(1, 11)] for u in users])
+    return ranking.user_ndcg(top, np.array([targets[u] for u in users]), 10)
+
+
+def test_targets(out: Path) -> dict:
+    """user -> raw item id of its test target, read from the store's leave-one-out test split."""
+    from jaxscale_models.foundation_sequences import PointInTimeExamples
+
+    src = PointInTimeExamples(
+        out / "store", "ratings", out / "defs.json", max_seq_len=1, num_actions=16, num_surfaces=16,
+        split="test", split_mode="leave_one_out",
+    )  # fmt: skip
+    decode = src.reader.vocabulary("item_id").decode
+    rows = np.array([int(src[i]["target_item_ids"]) for i in range(len(src))])
+    return dict(zip(src.users.tolist(), decode(rows).tolist()))
+
+
+def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> dict:
+    """The record: per variant and masking, per-seed metrics and their mean +- s.e.; paired bootstraps."""
+    targets = test_targets(out)
+    variants, per_user = {}, {}
+    for name in [*FOUNDATION, *SASREC]:
+        runs = [s for s in seeds if (work / f"{name}_seed{s}" / "topk_masked.parquet").exists()]
+        if not runs:
+            continue
+        entry = {"seeds": runs}
+        for masking in MASKINGS:
+            users = [per_user_ndcg(work / f"{name}_seed{s}" / f"topk_{masking}.parquet", targets) for s in runs]
+            ndcg = np.array([u.mean() for u in users])
+            entry[masking] = {
+                "ndcg@10": [float(x) for x in ndcg],
+                "mean": float(ndcg.mean()),
+                "se": float(ndcg.std(ddof=1) / np.sqrt(len(ndcg))) if len(ndcg) > 1 else None,
+            }
+            per_user[name, masking] = np.mean(users, axis=0)
+        variants[name] = entry
+    pairs = []
+    for a, b in PAIRS:
+        for masking in MASKINGS:
+            if (a, masking) in per_user and (b, masking) in per_user:
+                boot = ranking.paired_bootstrap(per_user[a, masking], per_user[b, masking], rounds=rounds)
+                pairs.append({"a": a, "b": b, "masking": masking, "ndcg@10_difference": boot})
+    return {"users": len(targets), "variants": variants, "paired": pairs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="a finished run.sh OUT (ml-100k, protocol ml100k)")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--only", nargs="+", choices=[*FOUNDATION, *SASREC], default=None)
+    ap.add_argument("--summarize", action="store_true", help="only write the record from the runs already done")
+    args = ap.parse_args(argv)
+    out = Path(args.out).absolute()
+    work = out / "fairness"
+    work.mkdir(exist_ok=True)
+    rows = json.loads((out / "store" / "ratings" / "_vocab" / "item_id.json").read_text())["size"] + 2
+    for name in [] if args.summarize else args.only or [*FOUNDATION, *SASREC]:
+        for seed in args.seeds:
+            if (work / f"{name}_seed{seed}" / "topk_masked.parquet").exists():
+                continue  # done in an earlier invocation
+            print(f"{name} seed {seed}", flush=True)
+            if name in FOUNDATION:
+                train_foundation(out, work, name, seed, rows)
+            else:
+                train_sasrec(out, work, name, seed)
+    record = summarize(out, work, args.seeds)
+    atomic.write_json(args.json, record)
+    print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
