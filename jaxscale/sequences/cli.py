@@ -37,7 +37,9 @@ def _tables_args(p: argparse.ArgumentParser) -> None:
 
 
 def _consume(defs, args):
-    """`stream --source`: one consumer until idle or SIGTERM/SIGINT (the micro-batch in hand finishes first)."""
+    """`stream --source`: one consumer until idle or SIGTERM/SIGINT (the micro-batch in hand finishes first);
+    its log lines (dead letters, claims, duplicates dropped) go to stderr."""
+    import logging
     import signal
     import threading
 
@@ -58,7 +60,13 @@ def _consume(defs, args):
         max_files=args.max_files,
         block_ms=args.block_ms,
         claim_idle_ms=args.claim_idle_ms,
+        max_deliveries=args.max_deliveries,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    broker_log = logging.getLogger("jaxscale.sequences.broker")
+    broker_log.addHandler(handler)
+    broker_log.setLevel(logging.INFO)
     if args.metrics_port is not None:
         server, _ = serve_metrics(consumer.metrics, args.metrics_port, args.metrics_host)
         print(f"metrics on http://{args.metrics_host}:{server.server_port}/metrics", file=sys.stderr, flush=True)
@@ -104,7 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--partitions", type=int, default=1, help="partitions the stream is published in")
     b.add_argument("--until-idle", type=float, metavar="SECONDS", help="stop once no entry arrived for SECONDS")
     b.add_argument("--block-ms", type=int, default=200, help="how long one read waits for new entries")
-    b.add_argument("--claim-idle-ms", type=int, default=60_000, help="claim other consumers' entries pending this long")
+    b.add_argument(
+        "--claim-idle-ms",
+        type=int,
+        default=60_000,
+        help="claim the group's entries pending this long (swept every half of it, 50 ms .. 5 s, while running)",
+    )
+    b.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=5,
+        help="deliveries of an entry that fails before it moves to the dead-letter stream STREAM:dead",
+    )
     b.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port (0 = any free one)")
     b.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics exporter")
 
