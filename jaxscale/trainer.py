@@ -546,6 +546,7 @@ class Trainer:
         early = best is not None and best.exhausted()  # a resumed run whose patience had already run out
         if early and self.is_writer:
             print(f"early stopping: no improvement of {best.metric} since step {best.step}; not training")
+        started = time.perf_counter()
         try:
             while step < total and not early:
                 batch = self.batch(step, recount=recount)
@@ -588,6 +589,7 @@ class Trainer:
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     ev = self.evaluate(state)
                     ev["step"] = step
+                    ev["wall_s"] = time.perf_counter() - started  # training + evaluations so far: the curve's clock
                     if best is not None:
                         early = self._track_best(best, ev, state, best_mgr)
                     history["eval"].append(ev)
