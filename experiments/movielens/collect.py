@@ -34,13 +34,14 @@ def _pick(metrics: dict) -> dict:
 
 
 def curve(run_dir: Path, metric: str = "eval_ndcg@10") -> list[dict]:
-    """The trainer's validation evaluations: [{"step", metric}] in step order."""
+    """The trainer's validation evaluations: [{"step", metric, "wall_s"}] in step order (wall_s: seconds of
+    training and evaluation since the run started, when the trainer recorded it)."""
     rows = []
     log = run_dir / "metrics.jsonl"
     for line in log.read_text().splitlines() if log.exists() else ():
         row = json.loads(line)
         if metric in row:
-            rows.append({"step": int(row["step"]), metric: row[metric]})
+            rows.append({"step": int(row["step"]), metric: row[metric], **{k: row[k] for k in ("wall_s",) if k in row}})
     return rows
 
 
