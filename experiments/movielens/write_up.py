@@ -3,8 +3,12 @@
 Every figure is computed here from recorded files, none typed by hand:
   experiments/results/movielens_metrics.json   a copy of run.sh's OUT/metrics.json (+ "run": its timing)
   experiments/results/movielens_tuning.json    the validation-only tuning runs (tune.py)
-Writes the part of docs/movielens.md between the `results:start` / `results:end` markers and
-experiments/results/movielens_curve.png (validation NDCG@10 against training steps).
+  experiments/results/movielens_ml1m_<protocol>.json   run.sh --dataset ml-1m --protocol <protocol>'s metrics.json
+Writes the part of docs/movielens.md between the `results:start` / `results:end` markers,
+experiments/results/movielens_curve.png (validation NDCG@10 against training steps), and, for each ML-1M
+record present, the part between `ml1m:start` / `ml1m:end` (the run beside the published rows of its
+protocol, `PUBLISHED`) and experiments/results/movielens_ml1m_curve.png (validation NDCG@10 against
+wall-clock time). The published numbers are the papers' own (sources in `PUBLISHED`), not rerun here.
 
     python experiments/movielens/write_up.py [--metrics F] [--tuning F] [--doc docs/movielens.md]
 """
@@ -26,8 +30,24 @@ LABELS = {
     "two_tower_context": "contextual two-tower, with context",
     "two_tower_no_context": "contextual two-tower, without context",
     "popularity": "popularity (train-split counts)",
+    "genre_hint": "genre_hint (the context's genre by train count, no model)",
 }
 COLUMNS = ("recall@10", "ndcg@10", "recall@20", "ndcg@20", "mrr@10")
+ML1M_START = "<!-- ml1m:start (written by experiments/movielens/write_up.py) -->"
+ML1M_END = "<!-- ml1m:end -->"
+ML1M_PROTOCOLS = ("literature", "recbole")
+PUBLISHED = {
+    "literature": [
+        ("SASRec+ (cross-entropy over all items)", 0.1821, 0.3152, "Klenitskiy & Vasilev, RecSys 2023"),
+        ("SASRec+ with 3,000 negatives", 0.1857, 0.3159, "Klenitskiy & Vasilev, RecSys 2023"),
+        ("BERT4Rec", 0.1537, 0.2843, "Klenitskiy & Vasilev, RecSys 2023"),
+        ("gSASRec (released checkpoint, d 128)", 0.1726, 0.3003, "Petrov & Macdonald, RecSys 2023"),
+    ],
+    "recbole": [("SASRec", 0.1286, 0.2468, "RecBole's published ml-1m sequential benchmark")],
+}
+"""Published test NDCG@10 / HR@10 of each protocol (HR@10 = Recall@10 with one target per user)."""
+TARGETS = {"literature": 0.1821, "recbole": 0.1286}
+"""The foundation model's test NDCG@10 target under each protocol: the published SASRec row."""
 
 
 def _f(x, digits=4) -> str:
@@ -147,6 +167,96 @@ def render(metrics: dict, tuning: dict | None) -> str:
     return "\n".join(lines)
 
 
+def ml1m_section(records: dict) -> list[str]:
+    """The ML-1M results: each protocol's run beside its published rows, and what the numbers say."""
+    lines = [ML1M_START, ""]
+    if not records:
+        lines += ["No ML-1M run is recorded yet: `bash experiments/movielens/run.sh OUT --dataset ml-1m`.", ""]
+    for protocol, m in records.items():
+        run, counts = m.get("run", {}), m["counts"]
+        masked = "every item of the user's history masked" if m["mask_history"] else "history not masked"
+        lines.append(f"### ML-1M, protocol `{protocol}`")
+        lines.append("")
+        lines.append(
+            f"{m['protocol_detail']}. Data after the protocol's filters: {counts['users']:,} users, "
+            f"{counts['items']:,} items, {counts['interactions']:,} interactions; {m['evaluated_users']:,} users "
+            f"ranked against {m['candidates']:,} candidates, {masked}. Recorded {run.get('date', '?')} on "
+            f"{run.get('cores', '?')} cores ({run.get('cpu', '?')}), commit {run.get('commit', '?')}, "
+            f"run.sh in {run.get('seconds', 0) / 60:.1f} minutes."
+        )
+        lines += [
+            "",
+            "| model | test NDCG@10 | test HR@10 | other masking: NDCG@10 | source |",
+            "|---|---|---|---|---|",
+        ]
+        for name in ("foundation", "two_tower_context", "two_tower_no_context", "genre_hint", "popularity"):
+            r = m["models"].get(name)
+            if r is None:
+                continue
+            other = r.get("test_other_masking", {}).get("ndcg@10")
+            cells = [LABELS.get(name, name), _f(r["test"]["ndcg@10"]), _f(r["test"]["recall@10"]), _f(other)]
+            lines.append("| " + " | ".join(cells) + " | this run |")
+        for label, ndcg, hr, source in PUBLISHED[protocol]:
+            lines.append(f"| {label} | {ndcg:.4f} | {hr:.4f} | | {source} (published) |")
+        f = m["models"]["foundation"]["test"]["ndcg@10"]
+        target = TARGETS[protocol]
+        verdict = "is met" if f >= target else "is missed"
+        lines += ["", f"- Foundation model test NDCG@10 {f:.4f} vs the published SASRec row {target:.4f} "
+                  f"({f / target:.2f}x): the target {verdict}."]  # fmt: skip
+        if "genre_hint" in m["models"] and "two_tower_context" in m["models"]:
+            c = m["models"]["two_tower_context"]["test"]["recall@10"]
+            g = m["models"]["genre_hint"]["test"]["recall@10"]
+            n = m["models"]["two_tower_no_context"]["test"]["recall@10"]
+            ok = c >= 1.3 * g and c >= 2 * n
+            lines.append(
+                f"- Contextual two-tower Recall@10 {c:.4f}: {c / g:.2f}x genre_hint ({g:.4f}, the hint alone) and "
+                f"{c / n:.2f}x the same model without context ({n:.4f}); the targets (1.3x and 2x) "
+                f"{'are met' if ok else 'are missed'}."
+            )
+        if "seconds" in run:
+            lines.append(
+                f"- run.sh, fetch to metrics: {run['seconds'] / 60:.1f} minutes: "
+                f"{'within' if run['seconds'] <= 3600 else 'over'} the 60-minute budget."
+            )
+        lines.append("")
+    lines += [
+        "![ML-1M validation NDCG@10 against wall-clock time](../experiments/results/movielens_ml1m_curve.png)",
+        "",
+    ]
+    lines.append(ML1M_END)
+    return lines
+
+
+def ml1m_curve_png(records: dict, path: Path) -> None:
+    """Validation NDCG@10 of every trained model of every ML-1M record against the run's wall-clock seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for protocol, m in records.items():
+        for name in ("foundation", "two_tower_context", "two_tower_no_context"):
+            pts = [p for p in m["models"].get(name, {}).get("curve", []) if "wall_s" in p]
+            if pts:
+                ax.plot([p["wall_s"] / 60 for p in pts], [p["eval_ndcg@10"] for p in pts], marker="o", ms=3,
+                        label=f"{LABELS[name]} ({protocol})")  # fmt: skip
+    ax.set_xlabel("minutes of training and validation")
+    ax.set_ylabel("validation NDCG@10 (full ranking)")
+    ax.set_title("MovieLens-1M")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _replace(text: str, start: str, end: str, body: str, where) -> str:
+    if start not in text or end not in text:
+        raise SystemExit(f"{where} lacks the markers {start!r} / {end!r}")
+    a, b = text.index(start), text.index(end) + len(end)
+    return text[:a] + body + text[b:]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--metrics", default=str(RESULTS / "movielens_metrics.json"))
@@ -157,12 +267,17 @@ def main(argv=None) -> int:
     metrics = json.loads(Path(args.metrics).read_text())
     tuning = json.loads(Path(args.tuning).read_text()) if Path(args.tuning).exists() else None
     doc = Path(args.doc)
-    text = doc.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{doc} lacks the results markers")
-    a, b = text.index(START), text.index(END) + len(END)
-    doc.write_text(text[:a] + render(metrics, tuning) + text[b:])
+    text = _replace(doc.read_text(), START, END, render(metrics, tuning), doc)
+    records = {
+        p: json.loads((RESULTS / f"movielens_ml1m_{p}.json").read_text())
+        for p in ML1M_PROTOCOLS
+        if (RESULTS / f"movielens_ml1m_{p}.json").exists()
+    }
+    text = _replace(text, ML1M_START, ML1M_END, "\n".join(ml1m_section(records)), doc)
+    doc.write_text(text)
     curve_png(metrics, Path(args.png))
+    if records:
+        ml1m_curve_png(records, RESULTS / "movielens_ml1m_curve.png")
     print(f"wrote {doc} and {args.png}")
     return 0
 
