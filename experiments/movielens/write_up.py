@@ -219,10 +219,11 @@ def ml1m_section(records: dict) -> list[str]:
                 f"{'within' if run['seconds'] <= 3600 else 'over'} the 60-minute budget."
             )
         lines.append("")
-    lines += [
-        "![ML-1M validation NDCG@10 against wall-clock time](../experiments/results/movielens_ml1m_curve.png)",
-        "",
-    ]
+    if records:
+        lines += [
+            "![ML-1M validation NDCG@10 against wall-clock time](../experiments/results/movielens_ml1m_curve.png)"
+        ]
+        lines.append("")
     lines.append(ML1M_END)
     return lines
 
