@@ -307,9 +307,10 @@ class ArrivalCounter:
         return state["next"]
 
 
-def with_ingest_time(table: pa.Table, entry_ms: int) -> pa.Table:
-    """`ingest_ts` = the entry's receive time where the event has none (a missing column or a null)."""
-    received = pa.array(np.full(table.num_rows, entry_ms, np.int64))
+def with_ingest_time(table: pa.Table, received) -> pa.Table:
+    """`ingest_ts` = the entry's receive time (`received`: epoch ms, one for all rows or one per row) where
+    the event has none (a missing column or a null)."""
+    received = pa.array(np.broadcast_to(np.asarray(received, np.int64), (table.num_rows,)))
     if INGEST_TS not in table.column_names:
         return table.append_column(INGEST_TS, received)
     col = table.column(INGEST_TS)
@@ -512,13 +513,11 @@ else (the store's disk, a lost connection) stops the consumer, whose entries sta
 @dataclasses.dataclass
 class Entry:
     """One stream entry read: its id, fields and events (None for an entry deleted from the stream while
-    pending), its events' whole-row identities (None when each has an `event_id`) and the group's delivery
-    count of it (this delivery included)."""
+    pending) and the group's delivery count of it (this delivery included)."""
 
     id: bytes
     table: pa.Table | None
     fields: dict | None = None
-    row_ids: np.ndarray | None = None
     deliveries: int = 1
 
     @property
@@ -637,8 +636,7 @@ class StreamConsumer:
             except PoisonEntry as e:
                 self._dead_letter(entry_id, fields, str(e), deliveries, 0)
                 continue
-            ids = row_identity(table) if table is not None and needs_row_identity(table) else None
-            out.append(Entry(entry_id, table, fields, ids, deliveries))
+            out.append(Entry(entry_id, table, fields, deliveries))
             self._held.add(entry_id)
         return out
 
@@ -770,9 +768,11 @@ class StreamConsumer:
         run: list[Entry] = []
 
         def transform(group: list[Entry]) -> None:
-            tables = [with_ingest_time(e.table, entry_ms(e.id)) for e in group]
-            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            ids = np.concatenate([e.row_ids if e.row_ids is not None else np.zeros(e.events, np.int64) for e in group])
+            raw = pa.concat_tables([e.table for e in group]) if len(group) > 1 else group[0].table
+            # The whole-row identity of the events as sent, before the receive time is added to them.
+            ids = row_identity(raw) if needs_row_identity(raw) else None
+            received = np.repeat([entry_ms(e.id) for e in group], [e.events for e in group])
+            table = with_ingest_time(raw, received)
             arrival = np.concatenate([arrivals[e.id] for e in group])
             out, stats = self.engine.transform(table, self.key, arrival, row_ids=ids)
             self.report.add(self.key, stats)
