@@ -88,7 +88,9 @@ def test_a_poison_entry_no_longer_kills_every_restart(tmp_path, redis_port):  # 
     client = redis.Redis(port=redis_port)
     bad = client.xadd("ev", {"foo": "bar"})
     Producer(url, batch=30).publish_files(tmp_path / "events")
-    out = run_cli(["stream", *stream_args(url, tmp_path, items, "--until-idle", "0.5")])
+    zero = run_cli(["stream", *stream_args(url, tmp_path, items, "--until-idle", "0.5", "--max-deliveries", "0")])
+    assert zero.returncode == 2 and "--max-deliveries must be a positive integer, got 0" in zero.stderr, zero.stderr
+    out = run_cli(["stream", *stream_args(url, tmp_path, items, "--until-idle", "0.5", "--max-deliveries", "2")])
     assert out.returncode == 0, out.stderr
     assert f"entry {bad.decode()} (0 events, delivery 1) moved to ev:dead" in out.stderr
     assert json.loads(out.stdout)["metrics"]["entries_dead_lettered"] == 1
