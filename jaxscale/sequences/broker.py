@@ -23,12 +23,15 @@ On start it re-reads its own pending entries (delivered to it before, never ackn
 entries; and every `claim_every_ms` (half of `claim_idle_ms`, within 50 ms .. 5 s) it sweeps the group's
 pending entries with XAUTOCLAIM, taking those idle for at least `claim_idle_ms` (`--claim-idle-ms`), so the
 entries of a consumer that died (or was replaced under another name) are stored while the group runs, not
-only when a consumer starts. A micro-batch is whole entries of up to `micro_batch` events (more if one entry
-holds more); it is transformed, committed to the store (`IncrementalWriter`: event-level de-duplication,
-atomic files) and only then acknowledged (XACK). A crash at any point re-delivers exactly the
-unacknowledged entries; their events already stored are recognised by event id and dropped, so the store
-holds each event once; the duplicates dropped are counted (report `duplicates`, metric
-`jaxscale_stream_events_deduplicated_total`, and a log line per micro-batch that dropped some).
+only when a consumer starts. Like Kafka's max.poll.interval.ms, `claim_idle_ms` should exceed the time a
+micro-batch takes: an entry idle that long is taken from whoever holds it (its events are then recognised by
+id if both store them), and each claim counts as a delivery. A micro-batch is whole entries of up to
+`micro_batch` events (more if one entry holds more); it is transformed, committed to the store
+(`IncrementalWriter`: event-level de-duplication, atomic files) and only then acknowledged (XACK). A crash
+at any point re-delivers exactly the unacknowledged entries; their events already stored are recognised by
+event id and dropped, so the store holds each event once; the duplicates dropped are counted (report
+`duplicates`, metric `jaxscale_stream_events_deduplicated_total`, and a log line per micro-batch that
+dropped some).
 
 Poison entries (Kafka's dead-letter queue). An entry that cannot be decoded (not `jaxscale-events/1`, not
 an Arrow stream, a required column missing or of a type no row could convert, `n` disagreeing with its
