@@ -13,11 +13,18 @@ A handler takes a `Request` and returns a `Response`, in one of three ways (the 
     it on the loop while its measured cost is under a budget, else in threads). Counted in the in-flight bound;
   * plain function (the default): runs in the server's bounded thread pool (blocking work of unknown length);
   * plain function with ``inline=True``: runs on the loop (cheap handlers that never block: /healthz, /metrics).
-An exception becomes a JSON error body: `HTTPError` for a 4xx with a payload, anything else a 500 naming it.
+An exception becomes a JSON error body: `HTTPError` for a 4xx with a payload, anything else a 500 that carries
+the request's id and never the exception's text (the server logs the exception with that id).
 Each hand-off between the loop and a thread costs a wake-up of each (tens of microseconds idle, milliseconds on a
 busy machine, plus GIL convoys), which is why the serving root and leaves use async handlers end to end.
 
 Every server also has:
+  * a request id per request: ``X-Request-Id`` as the client sent it (when it is a short token) or a new one,
+    returned in the response's ``X-Request-Id`` and in a 500's JSON body, and in the log line of its exception;
+  * bodies read before admission: a request's body is read (at most ``max_body_bytes``, else 413; within
+    ``body_timeout_s``, else 408) BEFORE it takes an in-flight slot, so clients that trickle their bodies (slow
+    loris) cannot fill the in-flight bound; a JSON body (``Content-Type: application/json``) nested deeper than
+    ``max_json_depth`` is a 400 before any handler parses it;
   * a bound on in-flight requests (`ServerConfig.max_in_flight`): over it the answer is 503 with ``Retry-After``
     at once, so no unbounded queue builds up;
   * ``GET /healthz`` (always open; an app may declare its own body) and Prometheus ``GET /metrics`` from one
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import hashlib
 import http.client
@@ -47,11 +55,13 @@ import ssl
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -73,6 +83,7 @@ class Request:
     body: bytes
     params: dict[str, str] = field(default_factory=dict)  # the route's path parameters, percent-decoded
     query_string: str = ""  # raw, for handlers that parse it strictly
+    request_id: str = ""  # X-Request-Id: the client's, or one made for this request
 
 
 @dataclass
@@ -160,6 +171,11 @@ class ServerConfig:
     workers: int = 8
     retry_after_s: int = 1
     max_body_bytes: int = 256 << 20
+    body_timeout_s: float = 30.0  # a body not received within this is answered 408 (slow uploads hold no slot)
+    max_decoded_bytes: int = 256 << 20  # Arrow bodies: buffer bytes after decompression (413 above)
+    max_rows: int = 1 << 20  # Arrow bodies: rows per request (413 above)
+    max_json_depth: int = 64  # JSON bodies nested deeper are answered 400 before any handler parses them
+    parse_offload_bytes: int = 1 << 20  # handlers parse bodies at least this long off the event loop
     tokens_file: str | Path | None = None
     tls_cert: str | Path | None = None
     tls_key: str | Path | None = None
@@ -178,6 +194,18 @@ class ServerConfig:
         check(_is_int(self.workers) and self.workers >= 1, "workers", "must be an integer >= 1")
         check(_is_int(self.retry_after_s) and self.retry_after_s >= 0, "retry_after_s", "must be an integer >= 0")
         check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 0, "max_body_bytes", "must be an integer >= 0")
+        check(
+            isinstance(self.body_timeout_s, (int, float)) and self.body_timeout_s > 0,
+            "body_timeout_s",
+            "must be a number > 0",
+        )
+        for name in ("max_decoded_bytes", "max_rows", "max_json_depth"):
+            check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        check(
+            _is_int(self.parse_offload_bytes) and self.parse_offload_bytes >= 0,
+            "parse_offload_bytes",
+            "must be an integer >= 0",
+        )
         check(
             isinstance(self.shutdown_timeout_s, (int, float)) and self.shutdown_timeout_s >= 0,
             "shutdown_timeout_s",
@@ -362,21 +390,17 @@ class Service:
         t0 = time.perf_counter()
         path = req.rel_url.raw_path
         route, params, allowed = self._match(req.method, path)
+        headers = {k.lower(): v for k, v in req.headers.items()}
+        request_id = request_id_of(headers.get("x-request-id"))
         request = Request(
-            req.method,
-            path,
-            dict(req.query),
-            {k.lower(): v for k, v in req.headers.items()},
-            b"",
-            params,
-            req.rel_url.raw_query_string,
+            req.method, path, dict(req.query), headers, b"", params, req.rel_url.raw_query_string, request_id
         )
         if route is None:
             response = self.unrouted(request, allowed)
         else:
             response = self._refuse(route, request) or await self._admit(route, request, req)
         self.metrics.observe(route.path if route else "unrouted", req.method, response.status, time.perf_counter() - t0)
-        headers = {**response.headers, "Content-Type": response.content_type}
+        headers = {**response.headers, "Content-Type": response.content_type, REQUEST_ID_HEADER: request_id}
         close = headers.pop("Connection", "").lower() == "close"
         answer = web.Response(status=response.status, body=response.body, headers=headers)
         if close:  # e.g. a refused body still on the wire: do not keep the connection
@@ -384,7 +408,7 @@ class Service:
         return answer
 
     def _refuse(self, route: Route, request: Request) -> Response | None:
-        """401/403 from the bearer token, or 503 over the in-flight bound; None = admitted."""
+        """401/403 from the bearer token (checked before the body is read); None = go on."""
         if self.tokens is not None and not route.public:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
@@ -397,27 +421,51 @@ class Service:
                 denied = [r for r in route.resources(request) if r not in grants]
                 if denied:
                     return Response.json({"error": f"token has no access to {denied[0]!r}"}, 403)
-        if not route.inline and self.in_flight >= self.config.max_in_flight:
+        return None
+
+    async def _read_body(self, request: Request, req: web.Request) -> Request | Response:
+        """The request with its body, read within ``body_timeout_s`` (408 after), at most ``max_body_bytes`` (413),
+        a JSON body nested at most ``max_json_depth`` deep (400); read before the request takes an in-flight slot,
+        so a slow upload holds a connection, never a slot."""
+        cfg = self.config
+        if req.content_length is not None and req.content_length > cfg.max_body_bytes:
+            return _too_large(req.content_length, cfg.max_body_bytes)
+        if not req.body_exists:
+            return request
+        try:
+            async with asyncio.timeout(cfg.body_timeout_s):
+                body = await req.read()  # aiohttp stops at client_max_size (max_body_bytes)
+        except TimeoutError:
+            message = f"request body not received within {cfg.body_timeout_s:g} s (the limit body_timeout_s)"
+            return Response.json({"error": message}, 408, {"Connection": "close"})
+        except web.HTTPRequestEntityTooLarge:
+            return _too_large(None, cfg.max_body_bytes)
+        except Exception as e:  # the client went away or sent a malformed body (chunking, length)
+            message = f"request body unreadable: {type(e).__name__}"
+            return Response.json({"error": message}, 400, {"Connection": "close"})
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() == JSON:
+            depth = await off_loop(len(body), cfg.parse_offload_bytes, json_too_deep, body, cfg.max_json_depth)
+            if depth is not None:
+                message = f"JSON body nested {depth} deep, over the limit of {cfg.max_json_depth} (max_json_depth)"
+                return Response.json({"error": message, "reason": "json_depth", "limit": cfg.max_json_depth}, 400)
+        return replace(request, body=body)
+
+    async def _admit(self, route: Route, request: Request, req: web.Request) -> Response:
+        read = await self._read_body(request, req)
+        if isinstance(read, Response):
+            return read
+        request = read
+        counted = not route.inline  # inline handlers finish before the loop takes the next request: no queue
+        if counted and self.in_flight >= self.config.max_in_flight:
             return Response.json(
                 {"error": f"server busy: {self.in_flight} requests in flight (limit {self.config.max_in_flight})"},
                 503,
                 {"Retry-After": str(self.config.retry_after_s)},
             )
-        return None
-
-    async def _admit(self, route: Route, request: Request, req: web.Request) -> Response:
-        counted = not route.inline  # inline handlers finish before the loop takes the next request: no queue
         if counted:
             self.in_flight += 1
             self.metrics.in_flight.inc()
         try:
-            if req.content_length is not None and req.content_length > self.config.max_body_bytes:
-                return _too_large(req.content_length, self.config.max_body_bytes)
-            try:
-                body = await req.read() if req.body_exists else b""
-            except web.HTTPRequestEntityTooLarge:
-                return _too_large(None, self.config.max_body_bytes)
-            request = replace(request, body=body)
             if route.is_async:
                 return await _call_async(route.handler, request)
             if route.inline:
@@ -464,8 +512,134 @@ async def _call_async(handler: Handler, request: Request) -> Response:
 def _error_response(e: Exception, request: Request) -> Response:
     if isinstance(e, HTTPError):
         return Response.json(e.payload, e.status)
-    log.exception("%s %s failed", request.method, request.path, exc_info=e)  # a bug: answer 500 and log it
-    return Response.json({"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+    # a bug: the exception goes to the log under the request's id, the client gets the id only (exception text
+    # can hold paths, values of other requests, internals)
+    log.exception("%s %s failed (request id %s)", request.method, request.path, request.request_id, exc_info=e)
+    return Response.json({"error": "internal error", "request_id": request.request_id}, 500)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def request_id_of(sent: str | None) -> str:
+    """The client's ``X-Request-Id`` when it is a short token (safe to log and echo), else a new random one."""
+    if sent is not None and _REQUEST_ID.match(sent):
+        return sent
+    return uuid.uuid4().hex
+
+
+# ------------------------------------------------------------------------------------------------ bodies
+
+
+async def off_loop(size: int, threshold: int, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``: inline when the body it parses (``size`` bytes) is under ``threshold``, else in the
+    loop's default executor, so a big parse (Arrow decompression, a large JSON document) does not stall the event loop
+    and every other request on it (/healthz included)."""
+    if size < threshold:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_DEPTH_CHUNK = 1 << 22
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not count; 0 for a
+    scalar). Exact for valid JSON; the parser refuses invalid JSON anyway. Vectorized over the brackets and
+    quotes only (NumPy, in chunks: the GIL is released on big bodies)."""
+    if not (b"[" in body or b"{" in body):
+        return 0
+    depth = deepest = 0
+    inside, run = False, 0  # within a string; backslashes ending the previous chunk
+    data = np.frombuffer(body, np.uint8)
+    for at in range(0, len(data), _DEPTH_CHUNK):
+        chunk = data[at : at + _DEPTH_CHUNK]
+        opens = (chunk == ord("[")) | (chunk == ord("{"))
+        closes = (chunk == ord("]")) | (chunk == ord("}"))
+        quotes = chunk == _QUOTE
+        where = np.flatnonzero(opens | closes | quotes)
+        is_quote = quotes[where]
+        real = is_quote.copy()
+        piece = body[at : at + _DEPTH_CHUNK]
+        if b"\\" in piece:  # a quote preceded by an odd run of backslashes is escaped
+            backslash = chunk == _BACKSLASH
+            position = np.arange(len(chunk), dtype=np.int64)
+            last_other = np.maximum.accumulate(np.where(backslash, -1, position))
+            q = where[is_quote]
+            before = np.where(q > 0, last_other[np.maximum(q - 1, 0)], -1)
+            runs = np.where(q > 0, q - 1 - before, 0) + np.where(before < 0, run, 0)
+            real[is_quote] = runs % 2 == 0
+        elif run % 2 and len(where) and where[0] == 0 and is_quote[0]:
+            real[0] = False  # escaped by the backslashes that ended the previous chunk
+        in_string = (np.cumsum(real, dtype=np.int64) + inside) % 2 == 1
+        step = (opens[where].astype(np.int64) - closes[where]) * ~in_string
+        if len(where):
+            levels = np.cumsum(step) + depth
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+            inside = bool(in_string[-1])
+        tail = len(piece) - len(piece.rstrip(b"\\"))
+        run = tail + (run if tail == len(piece) else 0)
+    return deepest
+
+
+def json_too_deep(body: bytes, max_depth: int) -> int | None:
+    """The nesting depth of a JSON ``body`` when over ``max_depth``, else None (a body with at most ``max_depth``
+    brackets in all is not scanned)."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return None
+    depth = json_depth(body)
+    return depth if depth > max_depth else None
+
+
+def _json_int(text: str) -> int:
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    return float(text)
+
+
+def _json_object(pairs: list) -> dict:
+    return dict(pairs)
+
+
+YIELDING_JSON_BYTES = 1 << 20  # `parse_json` builds numbers and objects in Python from this body size on
+
+
+def parse_json(body: bytes, max_depth: int | None = None, *, yielding: bool | None = None):
+    """``json.loads(body)``, nested at most ``max_depth`` deep (`JSONDepthError`, a ValueError, above; also when
+    the parser's own recursion limit is hit).
+
+    ``yielding`` (default: for bodies of at least `YIELDING_JSON_BYTES`, which handlers parse in a thread):
+    numbers and objects are built by Python functions, so the parsing thread hands the GIL to the event loop every
+    few milliseconds. CPython's C JSON scanner otherwise holds the GIL for the whole parse, and a thread alone
+    would not keep the loop answering (/healthz stalls for the whole parse). It costs about twice the time."""
+    if max_depth is not None:
+        depth = json_too_deep(body, max_depth)
+        if depth is not None:
+            raise JSONDepthError(depth, max_depth)
+    if yielding is None:
+        yielding = len(body) >= YIELDING_JSON_BYTES
+    try:
+        if yielding:
+            return json.loads(body, parse_int=_json_int, parse_float=_json_float, object_pairs_hook=_json_object)
+        return json.loads(body)
+    except RecursionError:
+        raise JSONDepthError(None, max_depth) from None
+
+
+class JSONDepthError(ValueError):
+    """A JSON body nested deeper than the server's ``max_json_depth`` (``depth`` None: than the parser can)."""
+
+    def __init__(self, depth: int | None, limit: int | None):
+        if depth is None:
+            super().__init__("JSON body nested deeper than the parser's recursion limit")
+        else:
+            super().__init__(f"JSON body nested {depth} deep, over the limit of {limit} (max_json_depth)")
+        self.depth, self.limit = depth, limit
 
 
 # ---------------------------------------------------------------------------------------- blocking work off-loop
@@ -747,6 +921,28 @@ def add_server_arguments(parser) -> None:
     parser.add_argument(
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
     )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="request body bytes on the wire (413 above)"
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, default=d.body_timeout_s, help="seconds to receive a request body (408 after)"
+    )
+    parser.add_argument(
+        "--max-decoded-bytes",
+        type=int,
+        default=d.max_decoded_bytes,
+        help="Arrow bodies: bytes after decompression (413 above)",
+    )
+    parser.add_argument("--max-rows", type=int, default=d.max_rows, help="Arrow bodies: rows per request (413 above)")
+    parser.add_argument(
+        "--max-json-depth", type=int, default=d.max_json_depth, help="JSON bodies: nesting depth (400 above)"
+    )
+    parser.add_argument(
+        "--parse-offload-bytes",
+        type=int,
+        default=d.parse_offload_bytes,
+        help="bodies this long or longer are parsed off the event loop",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="run on asyncio's own event loop, not uvloop's")
 
 
@@ -760,4 +956,10 @@ def server_options(args) -> dict:
         "tls_key": args.tls_key,
         "shutdown_timeout_s": args.shutdown_timeout,
         "uvloop": not args.no_uvloop,
+        "max_body_bytes": args.max_body_bytes,
+        "body_timeout_s": args.body_timeout,
+        "max_decoded_bytes": args.max_decoded_bytes,
+        "max_rows": args.max_rows,
+        "max_json_depth": args.max_json_depth,
+        "parse_offload_bytes": args.parse_offload_bytes,
     }

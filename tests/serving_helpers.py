@@ -30,3 +30,42 @@ def running_leaves(store: Path, keys, batch: int):
     finally:
         for leaf in started.values():
             leaf.stop()
+
+
+_POLLER = r"""
+import http.client, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conn = http.client.HTTPConnection(host, port, timeout=60)
+while True:
+    t = time.monotonic()
+    conn.request("GET", "/healthz")
+    resp = conn.getresponse()
+    resp.read()
+    print(t, time.monotonic() - t, resp.status, flush=True)
+    time.sleep(0.01)
+"""
+
+
+def healthz_during(url: str, work) -> tuple[list[float], float, object]:
+    """(latencies of the /healthz requests that overlapped ``work()``, seconds ``work()`` took, what it returned).
+
+    /healthz is asked by another process over one keep-alive connection: a client thread in this process would
+    stall with the server whenever the server holds the GIL, and never see the stall."""
+    import subprocess
+    import sys
+    import time
+
+    host, port = url.split("//")[1].split(":")
+    poller = subprocess.Popen([sys.executable, "-c", _POLLER, host, port], stdout=subprocess.PIPE, text=True)
+    try:
+        first = poller.stdout.readline()  # polling has started
+        assert first.split()[2] == "200", first
+        t0 = time.monotonic()
+        out = work()
+        t1 = time.monotonic()
+        time.sleep(0.05)
+    finally:
+        poller.terminate()
+        rest, _ = poller.communicate(timeout=30)
+    samples = [tuple(map(float, line.split()[:2])) for line in rest.splitlines() if line.strip()]
+    return [lat for t, lat in samples if t <= t1 and t + lat >= t0], t1 - t0, out

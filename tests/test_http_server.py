@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import trustme
 from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import healthz_during
 from test_sequences_helpers import make_defs, random_log
 
 from jaxscale import http_load
@@ -399,6 +400,29 @@ def test_batch_get_caps_user_ids_and_knows_its_sequences(server):
     status, _, body = get(conn, "/v1/users/1/sequences/s1?as_of_mode=arrival")
     assert status == 400 and "as_of_mode must be one of ['event', 'ingest']" in json.loads(body)["error"]
     assert get(conn, "/v1/users/1/sequences/s1?as_of_mode=event")[2] == get(conn, "/v1/users/1/sequences/s1")[2]
+
+
+def test_batch_get_refuses_deeply_nested_json_and_parses_big_bodies_off_the_loop(server):
+    """A body 100k deep is a 400 naming max_json_depth (whatever its Content-Type; it was a 500 with a
+    traceback), and /healthz answers promptly while a 30 MB body is parsed (CPython's JSON parser holds the GIL:
+    the server parses big bodies letting the event loop run)."""
+    deep = b'{"user_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for content_type in ("application/json", "text/plain"):
+        conn = connection(server.url)
+        conn.request("POST", "/v1/sequences/s1:batchGet", body=deep, headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+        assert resp.status == 400 and "over the limit of 64 (max_json_depth)" in error, error
+    big = b'{"user_ids": [' + ",".join(map(str, range(4_000_000))).encode() + b"]}"
+
+    def upload():
+        conn = connection(server.url)
+        conn.timeout = 60
+        return post(conn, "/v1/sequences/s1:batchGet", big)[0]
+
+    during, took, status = healthz_during(server.url, upload)
+    assert status == 413  # parsed, then refused: more than MAX_BATCH_USERS users
+    assert len(during) >= 5 and max(during) < max(0.25, took / 4), (took, len(during), sorted(during)[-5:])
 
 
 def test_as_of_mode_ingest_is_passed_to_the_reader(tmp_path):

@@ -346,3 +346,85 @@ def test_cli_builds_the_index_and_exports_a_trained_checkpoint(tmp_path):
     assert "query step reads ['encoder_state', 'context_category'" in out
     served = RetrievalModel(tmp_path / "models", "tt", "1")
     assert served.model_version == "run/step-4" and served.index.meta["index_sha256"] == index.meta["index_sha256"]
+
+
+# ------------------------------------------------------------------------------------- hostile input (issue 35)
+
+
+def test_retrieve_routes_refuse_compression_bombs_and_deep_json(world):
+    """Both retrieve routes (leaf and root): a compression bomb is 413 naming the limit, refused from the IPC
+    metadata (nothing decompressed); a JSON body 100k deep is 400 naming max_json_depth (it was a 500 with a
+    traceback); a JSON body with more rows than max_rows is 413 (passed on by the root)."""
+    import pyarrow as pa
+
+    from jaxscale.http_server import ServerConfig
+    from jaxscale.serving import Leaf, LeafAddress, LeafConfig, Root, RootConfig
+
+    bomb = wire.encode({"user_id": np.zeros(64_000_000, np.int64)}, "zstd")  # 8 KB -> 512 MB
+    deep = b"[" * 100_000 + b"]" * 100_000
+    nested = b'{"k": 3, "inputs": {"user_id": ' + deep + b"}}"
+    rows = {"k": 3, "inputs": {"user_id": list(range(1001)), **{k: [0] * 1001 for k in world["context"]}}}
+    config = LeafConfig(world["store"], "tt", "hnsw", server=ServerConfig(max_rows=1000))
+    with Leaf(config, states=world["reader"]) as leaf:
+        with Root(RootConfig(world["store"], (LeafAddress("tt", "hnsw", leaf.url),))) as root:
+            for url in (leaf.url, root.url):
+                allocated = pa.total_allocated_bytes()
+                status, _, body = post(f"{url}/v1/models/tt:retrieve", bomb, wire.MEDIA_TYPE)
+                assert status == 413 and json.loads(body)["limit"] == "max_rows", body
+                assert pa.total_allocated_bytes() - allocated < 16 << 20
+                for text in (deep, nested):
+                    status, _, body = post(f"{url}/v1/models/tt:retrieve", text)
+                    assert status == 400 and "over the limit of 64 (max_json_depth)" in json.loads(body)["error"]
+                status, _, body = post(f"{url}/v1/models/tt:retrieve", rows)
+                assert status == 413 and "1001 rows, over the limit of 1000" in json.loads(body)["error"], body
+
+
+def test_retrieve_never_answers_unfilled_ids(world, tmp_path):
+    """An IVF index probing 1 of 10 cells finds fewer than k items: faiss fills the rest with id -1, which is
+    never answered; ``found`` says how many each row has (JSON and Arrow)."""
+    from jaxscale.serving import Leaf, LeafConfig
+    from jaxscale.serving.ann import AnnParams
+
+    params = AnnParams(kind="ivf", nlist=10, nprobe=1, min_recall=0.0, tune=False)
+    index = AnnIndex.build(world["item_ids"], world["vectors"], params=params, provenance={"model_version": "t"})
+    export_retrieval(world["parts"], index, store=tmp_path, model="tt", version="ivf")
+    users = world["users"][:4]
+    context = {k: v[:4] for k, v in world["context"].items()}
+    k = len(world["item_ids"])
+    raw, _ = index.search(world["online"](world["reader"].lookup(users)[0], context), k)
+    assert (raw == -1).any()  # the case: fewer than k found
+    with Leaf(LeafConfig(tmp_path, "tt", "ivf"), states=world["reader"]) as leaf:
+        url = f"{leaf.url}/v1/models/tt:retrieve"
+        request = {"k": k, "inputs": {"user_id": users.tolist(), **{n: v.tolist() for n, v in context.items()}}}
+        status, _, body = post(url, request)
+        assert status == 200, body
+        out = json.loads(body)
+        assert out["found"] == (raw != -1).sum(axis=1).tolist() and max(out["found"]) < k
+        for ids, scores, want, n in zip(out["item_ids"], out["scores"], raw, out["found"]):
+            assert -1 not in ids and len(ids) == len(scores) == n and ids == want[:n].tolist()
+        arrow = {"user_id": users, **{n: v.astype(np.float32 if n == "context_confidence" else np.int32)
+                                      for n, v in context.items()}}  # fmt: skip
+        status, _, body = post(f"{url}?k={k}", wire.encode(arrow), wire.MEDIA_TYPE)
+        assert status == 200, body
+        answer = wire.decode(body).to_pydict()
+        assert answer["found"] == out["found"] and answer["item_ids"] == out["item_ids"]
+
+
+def test_healthz_answers_while_the_root_parses_a_large_json_body(world):
+    """A large JSON retrieve body (tens of MB) is parsed off the event loop, in a thread that lets the loop run:
+    /healthz, asked by another process during the parse, keeps answering promptly (it stalled for the
+    whole parse when the root parsed on the loop)."""
+
+    from serving_helpers import healthz_during
+
+    from jaxscale.serving import LeafAddress, Root, RootConfig
+
+    n = 2_500_000
+    body = b'{"k": 3, "inputs": {"user_id": [' + ",".join(map(str, range(n))).encode() + b"]}}"
+    with Root(RootConfig(world["store"], (LeafAddress("tt", "hnsw", "http://127.0.0.1:9"),))) as root:
+        during, took, (status, _, answer) = healthz_during(
+            root.url, lambda: post(f"{root.url}/v1/models/tt:retrieve", body)
+        )
+    # the body is parsed (then refused: it lacks the context features): the parse happened
+    assert status == 400 and json.loads(answer)["feature"] != "user_id"
+    assert len(during) >= 5 and max(during) < max(0.25, took / 4), (took, len(during), sorted(during)[-5:])

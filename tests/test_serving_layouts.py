@@ -44,7 +44,7 @@ def test_layout_cache_matches_only_the_same_layout():
     body = wire.encode(request(0))
     cache = wire.LayoutCache()
     assert cache.find(body) is None
-    assert cache.learn(body, "seen")
+    assert cache.learn(body, "seen", wire.decode(body))
     assert cache.find(wire.encode(request(1))) == "seen"  # other values, same layout
     assert cache.find(wire.encode(request(1, rows=5))) is None  # other row count
     other = request(1)

@@ -15,7 +15,9 @@
                                                "as_of_mode": "event|ingest"?}
       200 {"sequence": name, "results": [{"user_id": u, "events": [...]}, ...]}  in request order, each result's
           events equal to the GET answer for that user; at most MAX_BATCH_USERS user ids (413 above)
-      400 {"error": "<field>: ..."}  a malformed body or field, an unknown field
+      400 {"error": "<field>: ..."}  a malformed body or field, an unknown field, a body nested deeper than
+                                     max_json_depth
+      408 / 413  a body not received within body_timeout_s / longer than max_body_bytes (the HTTP layer)
     GET /v1/sequences   the store's sequences with their fields, max_length, days and event counts
     GET /healthz        {"status": "ok"}     GET /metrics   Prometheus text
 
@@ -33,11 +35,13 @@ from urllib.parse import parse_qs
 
 from jaxscale.http_server import (
     BackgroundServer,
+    JSONDepthError,
     Request,
     Response,
     Route,
     ServerConfig,
     Service,
+    parse_json,
     path_resource,
     serve_until_signal,
 )
@@ -109,10 +113,14 @@ def _json_choice(name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
-def parse_batch(body: bytes) -> tuple[list[int], int | None, int | None, str, str]:
-    """(user_ids, as_of, limit, ids, as_of_mode) from a batchGet body, strictly; BadRequest names the field."""
+def parse_batch(body: bytes, max_depth: int = 64) -> tuple[list[int], int | None, int | None, str, str]:
+    """(user_ids, as_of, limit, ids, as_of_mode) from a batchGet body, strictly; BadRequest names the field.
+    The body is nested at most ``max_depth`` deep; a big one is parsed letting the event loop run meanwhile
+    (`jaxscale.http_server.parse_json`: the handler runs in a thread)."""
     try:
-        doc = json.loads(body)
+        doc = parse_json(body, max_depth)
+    except JSONDepthError as e:
+        raise BadRequest(f"body: {e}") from None
     except ValueError as e:
         raise BadRequest(f"body: must be a JSON object: {e}") from None
     if not isinstance(doc, dict):
@@ -184,8 +192,8 @@ def _unrouted(request: Request, allowed: list[str]) -> Response:
 class SequenceAPI:
     """The route handlers over one `SequenceStore`."""
 
-    def __init__(self, store: SequenceStore):
-        self.store = store
+    def __init__(self, store: SequenceStore, max_json_depth: int = 64):
+        self.store, self.max_json_depth = store, max_json_depth
 
     def routes(self) -> list[Route]:
         seq = path_resource("name")
@@ -237,7 +245,7 @@ class SequenceAPI:
         reader = self._reader(name)
         if isinstance(reader, Response):
             return reader
-        user_ids, as_of, limit, ids, mode = parse_batch(request.body)
+        user_ids, as_of, limit, ids, mode = parse_batch(request.body, self.max_json_depth)
         results = ",".join(
             f'{{"user_id":{u},"events":{self._events(reader, u, as_of, limit, ids, mode)}}}' for u in user_ids
         )
@@ -256,7 +264,7 @@ class SequenceServer:
         self.store = SequenceStore(store)
         self.refresh_seconds = refresh_seconds
         self.service = Service(
-            SequenceAPI(self.store).routes(),
+            SequenceAPI(self.store, self.config.max_json_depth).routes(),
             self.config,
             name="jaxscale-sequences",
             metrics_prefix="jaxscale_sequences",

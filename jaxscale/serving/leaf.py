@@ -27,6 +27,11 @@ Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way:
   3. list it in `routes` with ``resources=self._model_resource`` (bearer tokens) and count it in
      ``self.metrics`` (declare new names in `LEAF_METRICS`).
 
+Bodies are bounded by the server's `ServerConfig` limits: bytes on the wire and the time to send them (the HTTP
+layer: 413, 408), and what an Arrow body decodes to (``max_decoded_bytes``, ``max_rows``: `wire.DecodeLimits`,
+413 naming the limit, checked from the IPC metadata before anything is decompressed, on the learned-layout path
+too); bodies of at least ``parse_offload_bytes`` are decoded in a thread, off the event loop.
+
 A request must carry every feature the model uses, with the declared dtype and shape (else 400 naming the
 feature). Declared features the compiled function never reads may be absent: the leaf passes zeros for them,
 which cannot change the outputs (the compiled module does not read them). Undeclared features are ignored and
@@ -57,6 +62,7 @@ from jaxscale.http_server import (
     ServerConfig,
     Service,
     add_server_arguments,
+    off_loop,
     serve_until_signal,
     server_options,
 )
@@ -150,6 +156,7 @@ class Leaf:
         self._plans: list[tuple[pa.Schema, _InputPlan]] = []
         self._plans_lock = threading.Lock()
         self._layouts = wire.LayoutCache()  # request layouts seen: their inputs are read without decoding
+        self._limits = wire.DecodeLimits(config.server.max_decoded_bytes, config.server.max_rows)
         # the model call: on the loop while it is short, else in threads (`jaxscale.http_server.Offload`)
         self._offload = Offload(config.server.workers, config.inline_budget_s, name="leaf-model")
         self.retrieval, self.states, self._own_states = None, states, False
@@ -234,7 +241,7 @@ class Leaf:
         """(the model's inputs, rows) from a request body. A body laid out like one already read (same schema,
         rows, buffer offsets: `wire.LayoutCache`) is not parsed again: each input is a NumPy view of its bytes at
         the offset the full path found, the array the full path would return."""
-        known = self._layouts.find(body)
+        known = self._layouts.find(body, self._limits)  # bounded like decoding: DecodeLimitError
         if known is not None and known is not _FULL_PATH:
             plan, rows, reads = known
             inputs = {}
@@ -245,7 +252,7 @@ class Leaf:
                     inputs[name] = np.frombuffer(body, dtype, count, offset).reshape(shape)
             self._count(plan, rows)
             return inputs, rows
-        batch = wire.decode(body)
+        batch = wire.decode(body, self._limits)
         inputs = self._inputs(batch)
         if known is None:
             self._learn_layout(body, batch, inputs)
@@ -261,11 +268,11 @@ class Leaf:
             if index is not None:
                 offset = wire.view_offset(inputs[name], body)
                 if offset is None or inputs[name].dtype != np.dtype(dtype):
-                    self._layouts.learn(body, _FULL_PATH)  # a copied or converted column
+                    self._layouts.learn(body, _FULL_PATH, batch)  # a copied or converted column
                     return
             full = (batch.num_rows, *shape)
             reads.append((name, offset, np.dtype(dtype), full, int(np.prod(full))))
-        self._layouts.learn(body, (plan, batch.num_rows, tuple(reads)))
+        self._layouts.learn(body, (plan, batch.num_rows, tuple(reads)), batch)
 
     def predict(self, features: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score ``{feature: array [batch, ...]}`` (same checks as the HTTP path)."""
@@ -288,8 +295,12 @@ class Leaf:
                 status = 415
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             try:
-                inputs, rows = self._body_inputs(request.body)
+                body, threshold = request.body, self.config.server.parse_offload_bytes
+                inputs, rows = await off_loop(len(body), threshold, self._body_inputs, body)
                 outputs = await self._offload.run(("predict", self._bucket(rows)), self._run, inputs)
+            except wire.DecodeLimitError as e:
+                status = 413
+                raise self._too_large(e) from None
             except wire.PayloadError as e:
                 status = 400
                 raise self._bad("payload", {"error": str(e), "reason": "payload"}) from None
@@ -299,6 +310,10 @@ class Leaf:
             return Response(200, wire.encode(outputs), wire.MEDIA_TYPE)
         finally:
             self.metrics.inc("requests", status=status)
+
+    def _too_large(self, e: wire.DecodeLimitError) -> HTTPError:
+        self.metrics.inc("bad_requests", reason="decode_limit")
+        return HTTPError(413, {**e.to_json(), "model": self.signature.model, "version": self.signature.version})
 
     def _model_resource(self, request: Request) -> tuple[str]:
         """What a bearer token must grant to call this leaf: its model's name."""
@@ -317,7 +332,16 @@ class Leaf:
     async def _retrieve(self, request: Request) -> Response:
         """``POST /v1/models/{name}:retrieve``: decoded and checked inline; the state lookup, the query step and
         the index search go through ``self._offload`` (one cost key per batch bucket)."""
-        parsed = self._retrieve_endpoint.parse(request)
+        ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
+        try:
+            if ctype == wire.MEDIA_TYPE:  # refused from the metadata, before anything is decompressed
+                wire.check_limits(request.body, self._limits)
+            size, threshold = len(request.body), self.config.server.parse_offload_bytes
+            parsed = await off_loop(size, threshold, self._retrieve_endpoint.parse, request)
+            decoded = sum(np.asarray(c).nbytes for c in parsed.columns.values())
+            self._limits.check(parsed.rows, decoded, "decoded to")  # a JSON body's rows, too
+        except wire.DecodeLimitError as e:
+            raise self._too_large(e) from None
         key = ("retrieve", retrieval_lib.bucket(parsed.rows))
         result = await self._offload.run(key, self._retrieve_endpoint.run, parsed)
         return self._retrieve_endpoint.respond(parsed, result)
@@ -360,7 +384,8 @@ class Leaf:
         self.stop()
 
 
-def main(argv=None) -> None:
+def parse_config(argv=None) -> LeafConfig:
+    """The `LeafConfig` of ``python -m jaxscale.serving leaf`` arguments."""
     p = argparse.ArgumentParser(prog="python -m jaxscale.serving leaf", description="Serve one model version.")
     p.add_argument("--store", required=True, help="model store directory (<store>/<model>/<version>/)")
     p.add_argument("--model", required=True)
@@ -374,7 +399,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
     server = ServerConfig(host=args.host, port=args.port, **server_options(args))
-    leaf = Leaf(LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server, states=args.states))
+    return LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server, states=args.states)
+
+
+def main(argv=None) -> None:
+    leaf = Leaf(parse_config(argv))
     serve_until_signal(
         leaf.service(), lambda url: print(f"leaf {leaf.signature.label} serving on {url}", flush=True)
     )  # until SIGTERM/SIGINT; in-flight requests finish first

@@ -155,10 +155,17 @@ def export_retrieval(
 # ---------------------------------------------------------------------------------------------------- serving
 
 
+NOT_FOUND = -1  # the id faiss gives a result slot it could not fill (fewer than k items reached)
+
+
 @dataclasses.dataclass
 class RetrieveResult:
     """One batch of requests answered: top-k item ids and scores, whether each user had a state, the state
-    store's version, and each stage's time in milliseconds."""
+    store's version, and each stage's time in milliseconds.
+
+    An index can find fewer than k items for a query (an IVF probe or an HNSW walk that reaches fewer); faiss
+    fills the rest with id -1. Those slots are never answered as ids: ``found`` counts each row's real results,
+    and `to_json` / `arrow_columns` hold only those (best first)."""
 
     item_ids: np.ndarray  # int64 [B, k]
     scores: np.ndarray  # float32 [B, k]
@@ -166,14 +173,43 @@ class RetrieveResult:
     state_version: object
     timings_ms: dict
 
+    @property
+    def found(self) -> np.ndarray:
+        """int32 [B]: the items found for each row (k unless the index reached fewer)."""
+        return (self.item_ids != NOT_FOUND).sum(axis=1).astype(np.int32)
+
+    def _rows(self):
+        keep = self.item_ids != NOT_FOUND
+        return [(ids[m], sc[m]) for ids, sc, m in zip(self.item_ids, self.scores, keep)]
+
     def to_json(self) -> dict:
+        complete = bool((self.item_ids != NOT_FOUND).all())
+        rows = None if complete else self._rows()
         return {
-            "item_ids": self.item_ids.tolist(),
-            "scores": self.scores.tolist(),
+            "item_ids": self.item_ids.tolist() if complete else [ids.tolist() for ids, _ in rows],
+            "scores": self.scores.tolist() if complete else [sc.tolist() for _, sc in rows],
+            "found": self.found.tolist(),
             "state_found": self.state_found.tolist(),
             "state_version": self.state_version,
             "timings_ms": self.timings_ms,
         }
+
+    def arrow_batch(self):
+        """The Arrow answer: ``item_ids`` and ``scores`` fixed-size [k] lists when every row found k items, else
+        variable-size lists holding each row's found items only; ``state_found``; ``found`` (int32)."""
+        import pyarrow as pa
+
+        found = self.found
+        if bool((found == self.item_ids.shape[1]).all()):
+            columns = {"item_ids": self.item_ids, "scores": self.scores, "state_found": self.state_found}
+            batch = wire.to_record_batch(columns)
+            return batch.append_column("found", pa.array(found, pa.int32()))
+        rows = self._rows()
+        offsets = pa.array(np.concatenate([[0], np.cumsum(found)]).astype(np.int32))
+        ids = pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([i for i, _ in rows]), pa.int64()))
+        scores = pa.ListArray.from_arrays(offsets, pa.array(np.concatenate([s for _, s in rows]), pa.float32()))
+        arrays = [ids, scores, pa.array(self.state_found, pa.bool_()), pa.array(found, pa.int32())]
+        return pa.RecordBatch.from_arrays(arrays, names=["item_ids", "scores", "state_found", "found"])
 
 
 def read_manifest(vdir: Path) -> dict:
@@ -301,11 +337,18 @@ def parse_k(value, default: int = DEFAULT_K) -> int:
     return k
 
 
+def _parse_json(body: bytes):
+    """`jaxscale.http_server.parse_json`: a big body, parsed in a thread, lets the event loop run meanwhile."""
+    from jaxscale.http_server import parse_json
+
+    return parse_json(body)
+
+
 def decode_json_request(body: bytes, signature: Signature) -> tuple[dict[str, np.ndarray], int | None]:
     """``{"k": 10, "inputs": {feature: [value per request]}}`` -> typed columns (the request signature's dtypes;
     undeclared features dropped) and k. Raises `FeatureError` / `wire.PayloadError` naming the problem."""
     try:
-        obj = json.loads(body)
+        obj = _parse_json(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise wire.PayloadError(f"body is not JSON: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("inputs"), dict):
@@ -417,8 +460,7 @@ class RetrieveEndpoint:
         headers = {TIMINGS_HEADER: json.dumps(result.timings_ms, separators=(",", ":"))}
         if parsed.json:
             return Response.json({**self._where, "k": parsed.k, **result.to_json()}, headers=headers)
-        body = wire.encode({"item_ids": result.item_ids, "scores": result.scores, "state_found": result.state_found})
-        return Response(200, body, wire.MEDIA_TYPE, headers)
+        return Response(200, wire.encode(result.arrow_batch()), wire.MEDIA_TYPE, headers)
 
     def __call__(self, request):
         """The three steps on the calling thread (a synchronous handler)."""
@@ -447,7 +489,7 @@ def trim_retrieve_request(
     rsig = request_signature(signature) if signature is not None else None
     if content_type == "application/json":
         try:
-            obj = json.loads(body)
+            obj = _parse_json(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise wire.PayloadError(f"body is not JSON: {e}") from None
         inputs = obj.get("inputs") if isinstance(obj, dict) else None

@@ -21,6 +21,13 @@ A body laid out like one already decoded (same length, framing, schema and batch
 is not decoded at all: it is planned from the known schema, and each uncompressed leaf body is cut from its bytes
 by a recipe learned (and checked byte for byte against `wire.encode`) on the layout's first request.
 
+Bodies are bounded by the server's `ServerConfig` limits: bytes on the wire and the time to send them (the HTTP
+layer: 413, 408), and what an Arrow body decodes to (``max_decoded_bytes``, ``max_rows``: `wire.DecodeLimits`,
+413 naming the limit), checked from the IPC metadata before anything is decompressed, and on the learned-layout
+path (which does not decode) from what the layout decoded to when learned, so a body re-encoded per leaf is
+bounded too. A body of at least ``parse_offload_bytes`` is decoded, planned and cut into leaf bodies in a thread,
+off the event loop.
+
 Adding a route (e.g. ``POST /v1/models/{name}:retrieve``) the same way: an ``async def`` handler that decodes
 inline, gets its plans from ``self._plan(batch, models)`` (or its own planner), sends each leaf's body with
 ``await self._async_clients[(model, version)].request("POST", path, body, headers)`` (through a helper like
@@ -58,6 +65,7 @@ from jaxscale.http_server import (
     ServerConfig,
     Service,
     add_server_arguments,
+    off_loop,
     serve_until_signal,
     server_options,
 )
@@ -138,6 +146,8 @@ class RootConfig:
             raise ValueError(f"a model version is served by one leaf; duplicates in {keys}")
         if self.compression not in wire.COMPRESSIONS:
             raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {self.compression!r}")
+        if not isinstance(self.leaf_timeout_s, (int, float)) or not self.leaf_timeout_s > 0:
+            raise ValueError(f"leaf_timeout_s must be a number > 0, got {self.leaf_timeout_s!r}")
 
 
 @dataclass
@@ -191,6 +201,7 @@ class _Run:
         return self._value
 
 
+_PASSED_ON = (400, 413)  # a leaf's answers about the request itself, passed on as they are (anything else: 502)
 _MAX_RECIPES = 16  # leaf plans per request layout whose body recipe the root keeps
 
 
@@ -253,8 +264,8 @@ class UnknownModelError(ValueError):
 
 
 class LeafCallError(Exception):
-    """A leaf call failed: ``status`` 400 when the leaf refused the request (its JSON ``payload`` names the feature
-    and the leaf), 502 when it was unreachable or answered something unusable."""
+    """A leaf call failed: ``status`` 400 (413) when the leaf refused the request (its JSON ``payload`` names the
+    feature or the limit, and the leaf), 502 when it was unreachable or answered something unusable."""
 
     def __init__(self, status: int, payload: dict):
         super().__init__(payload.get("error", ""))
@@ -282,6 +293,7 @@ class Root:
         }
         self._planner = FanoutPlanner()
         self._layouts = wire.LayoutCache()  # request layouts seen (uncompressed leaf bodies are cut from the bytes)
+        self._limits = wire.DecodeLimits(config.server.max_decoded_bytes, config.server.max_rows)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.targets)), thread_name_prefix="root-fanout")
         self.routes = RouteTable(config.store, self.targets, on_publish=self._published)
         if config.rescan_interval_s > 0:
@@ -361,7 +373,7 @@ class Root:
             except ValueError:
                 payload = {"error": data[:200].decode(errors="replace")}
             payload = {**payload, "leaf": plan.label}
-            raise LeafCallError(400 if status == 400 else 502, payload)
+            raise LeafCallError(status if status in _PASSED_ON else 502, payload)
         try:
             outputs = wire.decode(data)
         except wire.PayloadError as e:
@@ -455,11 +467,18 @@ class Root:
         return self._collect(routes.generation, plans, outcomes)
 
     async def _fan_out_body(self, body: bytes, models: Sequence[str]) -> FanoutResult:
-        """`fan_out_async` of a request body. A body laid out like one decoded before (`wire.LayoutCache`) is not
-        decoded: it is planned from the known schema and each leaf's body is cut from its bytes by the recipe
-        learned then (the same bytes `wire.encode` would write). Any other body is decoded, and its layout
-        learned."""
-        known = self._layouts.find(body)
+        """`fan_out_async` of a request body: `_prepare_body` (in a thread for a body of at least
+        ``parse_offload_bytes``: decoding and encoding a big one would stall the event loop), then the sends."""
+        threshold = self.config.server.parse_offload_bytes
+        routes, plans, batch, bodies = await off_loop(len(body), threshold, self._prepare_body, body, models)
+        return await self._send_async(routes, plans, batch, bodies)
+
+    def _prepare_body(self, body: bytes, models: Sequence[str]):
+        """-> (routes, plans, batch or known layout, leaf bodies). A body laid out like one decoded before
+        (`wire.LayoutCache`) is not decoded: it is planned from the known schema, bounded by what that layout
+        decoded to, and each leaf's body is cut from its bytes by the recipe learned then (the same bytes
+        `wire.encode` would write). Any other body is decoded within the decode limits, and its layout learned."""
+        known = self._layouts.find(body, self._limits)
         if known is not None:
             routes, plans = self._plan(known, models)
             recipes = [known.recipes.get(plan) for plan in plans]
@@ -467,14 +486,14 @@ class Root:
                 t0 = time.perf_counter()
                 bodies = [r.apply(body) for r in recipes]
                 self.metrics.inc("trim_seconds", time.perf_counter() - t0)
-                return await self._send_async(routes, plans, known, bodies)
-        batch = wire.decode(body)
+                return routes, plans, known, bodies
+        batch = wire.decode(body, self._limits)
         routes, plans = self._plan(batch, models)
         if known is None:
             known = _KnownLayout(batch.schema, batch.num_rows, batch.num_columns)
-            self._layouts.learn(body, known)
+            self._layouts.learn(body, known, batch)
         bodies = [self._learn_leaf_body(known, body, batch, plan) for plan in plans]
-        return await self._send_async(routes, plans, batch, bodies)
+        return routes, plans, batch, bodies
 
     # ------------------------------------------------------------------------------------------------- HTTP
 
@@ -488,6 +507,10 @@ class Root:
             models = [m for m in request.query.get("models", "").split(",") if m]
             try:
                 result = await self._fan_out_body(request.body, models)
+            except wire.DecodeLimitError as e:
+                status = 413
+                self.metrics.inc("bad_requests", reason="decode_limit")
+                raise HTTPError(413, e.to_json()) from None
             except wire.PayloadError as e:
                 status = 400
                 self.metrics.inc("bad_requests", reason="payload")
@@ -537,11 +560,17 @@ class Root:
         ok = entry.status == OK
         try:
             t0 = time.perf_counter()
-            trimmed = trim_retrieve_request(
-                request.body, ctype, entry.signature if ok else None, trim=self.config.trim,
-                fail_open=None if ok else entry.status, compression=self.config.compression,
+            if ctype == wire.MEDIA_TYPE:  # refused from the metadata, before anything is decompressed
+                wire.check_limits(request.body, self._limits)
+            size, threshold = len(request.body), self.config.server.parse_offload_bytes
+            trimmed = await off_loop(
+                size, threshold, trim_retrieve_request, request.body, ctype, entry.signature if ok else None,
+                trim=self.config.trim, fail_open=None if ok else entry.status, compression=self.config.compression,
             )  # fmt: skip
             self.metrics.inc("trim_seconds", time.perf_counter() - t0)
+        except wire.DecodeLimitError as e:
+            self.metrics.inc("bad_requests", reason="decode_limit")
+            raise HTTPError(413, {**e.to_json(), **labels}) from None
         except (wire.PayloadError, SignatureError) as e:
             self.metrics.inc("bad_requests", reason="payload")
             raise HTTPError(400, {"error": str(e), "reason": "payload", **labels}) from None
@@ -569,7 +598,7 @@ class Root:
                 payload = json.loads(data)
             except ValueError:
                 payload = {"error": data[:200].decode(errors="replace")}
-            raise HTTPError(400 if status == 400 else 502, {**payload, "leaf": f"{model}/{version}"})
+            raise HTTPError(status if status in _PASSED_ON else 502, {**payload, "leaf": f"{model}/{version}"})
         fanout = {"features": trimmed.features_sent, "bytes": len(trimmed.body), "fail_open": trimmed.fail_open}
         headers = {
             GENERATION_HEADER: str(routes.generation),
@@ -633,7 +662,8 @@ class Root:
         self.stop()
 
 
-def main(argv=None) -> None:
+def parse_config(argv=None) -> RootConfig:
+    """The `RootConfig` of ``python -m jaxscale.serving root`` arguments."""
     p = argparse.ArgumentParser(prog="python -m jaxscale.serving root", description="Fan requests out to leaves.")
     p.add_argument("--store", required=True, help="directory of exported signatures (<store>/<model>/<version>/)")
     p.add_argument("--leaf", action="append", required=True, help="model/version=http://host:port (repeat)")
@@ -644,6 +674,7 @@ def main(argv=None) -> None:
     p.add_argument("--rescan-interval", type=float, default=10.0, help="seconds between store rescans (0 = off)")
     p.add_argument("--leaf-ca-file", help="CA certificate (PEM) that signed https leaves' certificates")
     p.add_argument("--leaf-token-file", help="file holding the bearer token sent to the leaves")
+    p.add_argument("--leaf-timeout", type=float, default=RootConfig.leaf_timeout_s, help="seconds a leaf has to answer")
     add_server_arguments(p)
     args = p.parse_args(argv)
     cfg = RootConfig(
@@ -652,11 +683,16 @@ def main(argv=None) -> None:
         trim=not args.no_trim,
         compression=None if args.compression == "none" else args.compression,
         rescan_interval_s=args.rescan_interval,
+        leaf_timeout_s=args.leaf_timeout,
         server=ServerConfig(host=args.host, port=args.port, **server_options(args)),
         leaf_ca_file=args.leaf_ca_file,
         leaf_token=Path(args.leaf_token_file).read_text().strip() if args.leaf_token_file else None,
     )
-    root = Root(cfg)
+    return cfg
+
+
+def main(argv=None) -> None:
+    root = Root(parse_config(argv))
     try:
         serve_until_signal(root.service(), lambda url: print(f"root serving on {url}", flush=True))
     finally:

@@ -7,12 +7,20 @@ touching the data. Media type ``application/vnd.apache.arrow.stream``. Buffers m
 IPC buffer compression (``zstd`` or ``lz4``, LZ4 frame): readers decompress transparently.
 
 Selecting columns of a record batch (trimming) is zero-copy.
+
+Decoding is bounded (`DecodeLimits`): a compressed body of a few kilobytes can declare gigabytes of values (a
+compression bomb), so the rows and the decoded bytes a body declares are read from its IPC metadata (the record
+batch's length, each buffer's length and, for a compressed buffer, the uncompressed length in its 8-byte prefix)
+and checked BEFORE anything is decompressed; the decoded batch is checked again after (`DecodeLimitError`, which
+servers answer with 413 naming the limit).
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +33,46 @@ COMPRESSIONS = (None, "zstd", "lz4")
 
 class PayloadError(ValueError):
     """The body is not a readable feature payload (not Arrow IPC, several batches, nulls, bad column types)."""
+
+
+class DecodeLimitError(PayloadError):
+    """The body declares more rows or decoded bytes than the server's `DecodeLimits` (answered 413)."""
+
+    def __init__(self, message: str, limit: str, value: int, maximum: int):
+        super().__init__(message)
+        self.limit, self.value, self.maximum = limit, value, maximum
+
+    def to_json(self) -> dict:
+        return {"error": str(self), "reason": "decode_limit", "limit": self.limit, "maximum": self.maximum}
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one request body may decode to: ``max_rows`` rows and ``max_decoded_bytes`` bytes of Arrow buffers
+    (after decompression). The body limit counts bytes on the wire only; these bound what they expand to."""
+
+    max_decoded_bytes: int = 256 << 20
+    max_rows: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("max_decoded_bytes", "max_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def check(self, rows: int, decoded_bytes: int, when: str = "declares") -> None:
+        """Raise `DecodeLimitError` when ``rows`` or ``decoded_bytes`` is over its limit."""
+        if rows > self.max_rows:
+            raise DecodeLimitError(
+                f"body {when} {rows} rows, over the limit of {self.max_rows} rows (max_rows)",
+                "max_rows", rows, self.max_rows,
+            )  # fmt: skip
+        if decoded_bytes > self.max_decoded_bytes:
+            raise DecodeLimitError(
+                f"body {when} {decoded_bytes} decoded bytes, over the limit of {self.max_decoded_bytes} bytes "
+                "(max_decoded_bytes)",
+                "max_decoded_bytes", decoded_bytes, self.max_decoded_bytes,
+            )  # fmt: skip
 
 
 def _column(name: str, values) -> pa.Array:
@@ -71,17 +119,126 @@ def encode(batch: pa.RecordBatch | Mapping[str, np.ndarray], compression: str | 
     return sink.getvalue().to_pybytes()
 
 
-def decode(body: bytes) -> pa.RecordBatch:
+def decode(body: bytes, limits: DecodeLimits | None = None) -> pa.RecordBatch:
     """Parse an Arrow IPC stream with exactly one record batch and unique, non-empty column names.
 
+    With ``limits``, the rows and decoded bytes the body declares are checked before any buffer is decompressed
+    (`declared_size`) and the decoded batch again after; over a limit raises `DecodeLimitError`.
     A body whose schema message is byte-identical to one already decoded reuses that parsed schema (a server sees
     the same schema on every request): parsing 200 nested field types costs more than reading the batch."""
+    if limits is not None:
+        limits.check(*declared_size(body))
     key, batch = _decode_known_schema(body)
     if batch is None:
         batch = _decode_stream(body)
         if key is not None:
             _SCHEMAS.put(key, batch.schema)
+    if limits is not None:
+        limits.check(batch.num_rows, batch.get_total_buffer_size(), "decoded to")
     return batch
+
+
+def check_limits(body: bytes, limits: DecodeLimits) -> None:
+    """`DecodeLimitError` when an Arrow IPC ``body`` declares more than ``limits`` allow (nothing is decompressed;
+    a body that is not Arrow IPC passes: its decoder words that error)."""
+    try:
+        rows, decoded = declared_size(body)
+    except DecodeLimitError:
+        raise
+    except PayloadError:
+        return
+    limits.check(rows, decoded)
+
+
+# ------------------------------------------------------------------------------ sizes from the IPC metadata
+
+_HEADER_RECORD_BATCH, _HEADER_DICTIONARY_BATCH = 3, 2
+
+
+class _Table:
+    """A FlatBuffers table in ``buf`` at ``pos``: just enough of the format to read the IPC message metadata
+    (Message.fbs) without decoding the message. Every read is bounds-checked (`struct.error`, `IndexError`)."""
+
+    def __init__(self, buf: bytes, pos: int):
+        if not 0 <= pos <= len(buf) - 4:
+            raise IndexError(f"table at {pos} outside the metadata")
+        self.buf, self.pos = buf, pos
+        self.vtable = pos - struct.unpack_from("<i", buf, pos)[0]
+        if not 0 <= self.vtable <= len(buf) - 4:
+            raise IndexError(f"vtable at {self.vtable} outside the metadata")
+        self.vtable_size = struct.unpack_from("<H", buf, self.vtable)[0]
+
+    def _field(self, index: int) -> int:
+        at = 4 + 2 * index
+        if at + 2 > self.vtable_size:
+            return 0
+        offset = struct.unpack_from("<H", self.buf, self.vtable + at)[0]
+        return self.pos + offset if offset else 0
+
+    def scalar(self, index: int, fmt: str, default=0):
+        at = self._field(index)
+        return struct.unpack_from(fmt, self.buf, at)[0] if at else default
+
+    def table(self, index: int) -> _Table | None:
+        at = self._field(index)
+        return _Table(self.buf, at + struct.unpack_from("<I", self.buf, at)[0]) if at else None
+
+    def vector(self, index: int) -> tuple[int, int]:
+        """(position of the first element, element count); (0, 0) when absent."""
+        at = self._field(index)
+        if not at:
+            return 0, 0
+        start = at + struct.unpack_from("<I", self.buf, at)[0]
+        return start + 4, struct.unpack_from("<I", self.buf, start)[0]
+
+
+def declared_size(body: bytes) -> tuple[int, int]:
+    """(rows, decoded bytes) an Arrow IPC stream declares, from its messages' metadata alone: the record batches'
+    lengths, and the byte length of every buffer of its record and dictionary batches as it will be in memory (a
+    compressed buffer's uncompressed length is the int64 that prefixes it in the message body). Nothing is
+    decompressed or allocated. Raises `PayloadError` for a body that is not a readable IPC stream."""
+    rows = decoded = 0
+    try:
+        messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
+        while True:
+            try:
+                message = messages.read_next_message()
+            except StopIteration:
+                break
+            if message.type not in ("record batch", "dictionary batch"):
+                continue
+            meta = message.metadata.to_pybytes()
+            root = _Table(meta, struct.unpack_from("<I", meta, 0)[0])
+            header = root.table(2)
+            if header is None:
+                raise PayloadError("an IPC batch message without a header")
+            if root.scalar(1, "<B") == _HEADER_DICTIONARY_BATCH:
+                header = header.table(1)
+                if header is None:
+                    raise PayloadError("an IPC dictionary batch without data")
+            else:
+                rows += header.scalar(0, "<q")
+            compressed = header.table(3) is not None
+            data = message.body if compressed and message.body is not None else b""
+            start, count = header.vector(2)
+            for i in range(count):
+                offset, length = struct.unpack_from("<qq", meta, start + 16 * i)
+                if length < 0 or offset < 0:
+                    raise PayloadError(f"an IPC buffer with offset {offset} and length {length}")
+                if compressed and length >= 8:
+                    size = struct.unpack_from("<q", data, offset)[0]
+                    decoded += length - 8 if size == -1 else size  # -1: stored uncompressed after the prefix
+                    if size < -1:
+                        raise PayloadError(f"an IPC buffer declares {size} uncompressed bytes")
+                elif not compressed:
+                    decoded += length
+    except PayloadError:
+        raise
+    except (struct.error, IndexError) as e:
+        raise PayloadError(f"body is not an Arrow IPC stream: malformed message metadata ({e})") from None
+    except _READ_ERRORS as e:
+        raise PayloadError(f"body is not an Arrow IPC stream: {e}") from None
+    return rows, decoded
 
 
 def _decode_stream(body: bytes) -> pa.RecordBatch:
@@ -227,28 +384,35 @@ class LayoutCache:
     same layout: the same length and byte-identical framing, schema and record batch metadata. The metadata fixes
     the row count, every buffer's offset and length and every null count, so such a body decodes to the same
     arrays at the same offsets and only the values differ; nothing else about it has to be parsed or checked.
-    Only bodies that `decode` read without error are learned (the caller learns after the full path)."""
+    Only bodies that `decode` read without error are learned (the caller learns after the full path), with the
+    rows and decoded bytes they decoded to: `find` checks those against the caller's `DecodeLimits`, so a body
+    that skips decoding is bounded like one that does not."""
 
     def __init__(self, max_entries: int = 8):
         self.max_entries = max_entries
-        self._entries: list[tuple[bytes, int, object]] = []  # (everything before the batch body, length, value)
+        self._entries: list[tuple[bytes, int, object, int, int]] = []  # (prefix, length, value, rows, decoded)
         self._lock = threading.Lock()
 
-    def find(self, body: bytes):
-        """The value learned for ``body``'s layout, or None."""
+    def find(self, body: bytes, limits: DecodeLimits | None = None):
+        """The value learned for ``body``'s layout, or None; `DecodeLimitError` when that layout decodes to more
+        than ``limits`` allow."""
         n = len(body)
-        for prefix, length, value in self._entries:
+        for prefix, length, value, rows, decoded in self._entries:
             if n == length and body.startswith(prefix) and body.endswith(_END_OF_STREAM):
+                if limits is not None:
+                    limits.check(rows, decoded)
                 return value
         return None
 
-    def learn(self, body: bytes, value) -> bool:
-        """Remember ``value`` for ``body``'s layout (False when its framing is not the plain one)."""
+    def learn(self, body: bytes, value, batch: pa.RecordBatch) -> bool:
+        """Remember ``value`` for ``body``'s layout, which decoded to ``batch`` (False when its framing is not the
+        plain one)."""
         start = batch_body_start(body)
         if start is None:
             return False
+        entry = (body[:start], len(body), value, batch.num_rows, batch.get_total_buffer_size())
         with self._lock:
-            self._entries = [(body[:start], len(body), value), *self._entries[: self.max_entries - 1]]
+            self._entries = [entry, *self._entries[: self.max_entries - 1]]
         return True
 
 
