@@ -27,6 +27,7 @@ Heads, both causal (position t sees events <= t only):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Literal
@@ -578,31 +579,159 @@ def candidate_scores(cfg: FoundationConfig, query, corpus, seen=None, seen_bias=
     return jnp.where(keep, scores, -jnp.inf)
 
 
+def first_positions(cfg: FoundationConfig, batch: Mapping) -> jax.Array:
+    """int32 [B, item_rows]: the first position of each item row in the history, L where it does not occur.
+    The causal seen set at position t is `t >= first`: [B, L] -> [B, N] by one scatter, never a [B, L, N]
+    one-hot and its cumulative sum."""
+    rows = table_rows(cfg, batch["item_ids"])
+    b, l = rows.shape
+    at = jnp.where(rows >= 0, rows, cfg.item_rows)  # padding lands out of range and is dropped
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    first = jnp.full((b, cfg.item_rows), l, jnp.int32)
+    return first.at[jnp.arange(b)[:, None], at].min(pos, mode="drop")
+
+
 def seen_items(cfg: FoundationConfig, batch: Mapping, *, causal: bool):
     """float [B, L, N] (causal: the items of events <= t at position t) or [B, N] (the whole history): 1 where
     the item row occurs in the history."""
-    rows = table_rows(cfg, batch["item_ids"])
-    hot = jax.nn.one_hot(rows, cfg.item_rows, dtype=jnp.float32)  # -1 (padding) is all zeros
+    first = first_positions(cfg, batch)
+    l = jnp.shape(batch["item_ids"])[1]
     if causal:
-        return jnp.minimum(jnp.cumsum(hot, axis=1), 1.0)
-    return jnp.minimum(jnp.sum(hot, axis=1), 1.0)
+        return (jnp.arange(l)[None, :, None] >= first[:, None, :]).astype(jnp.float32)
+    return (first < l).astype(jnp.float32)
+
+
+def loss_positions(cfg: FoundationConfig, batch: Mapping):
+    """(positions [B, P], next item rows [B, P], valid [B, P]): the positions whose next item the full softmax
+    predicts. P = loss_last_positions when it is set and shorter than the history (the k positions ending at
+    each row's last valid one: every valid position of `next_items` lies in that window), else every position."""
+    nxt, valid = next_items(cfg, batch)
+    b, l = valid.shape
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    k = cfg.loss_last_positions
+    if not k or k >= l:
+        return pos, nxt, valid
+    last = jnp.max(jnp.where(valid, pos, -1), axis=1)
+    sel = last[:, None] - k + 1 + jnp.arange(k, dtype=jnp.int32)[None]
+    inside = sel >= 0
+    sel = jnp.maximum(sel, 0)
+    return sel, jnp.take_along_axis(nxt, sel, axis=1), jnp.take_along_axis(valid, sel, axis=1) & inside
 
 
 def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
     """Cross-entropy of every position's next item against every table row (SASRec's objective).
-    Returns (mean loss, recall@recall_k, number of predicted positions)."""
-    nxt, valid = next_items(cfg, batch)
-    seen = seen_items(cfg, batch, causal=True) if cfg.seen_item_bias else None
-    bias = out["seen_bias"][0] if cfg.seen_item_bias else None
-    logits = candidate_scores(cfg, out["query"], corpus_matrix(cfg, out), seen, bias)  # [B, L, N]
-    target = jnp.clip(nxt, 0, cfg.item_rows - 1)
-    pos = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - pos
+    Returns (mean loss, recall@recall_k, number of predicted positions).
+
+    Computed by `softmax_cross_entropy` (chunks of examples, gradients in the same pass) at the positions that
+    enter the loss only (`loss_positions`): the same function as scoring [B, L, N] logits and masking."""
+    pos, nxt, valid = loss_positions(cfg, batch)
+    query = jnp.take_along_axis(out["query"], pos[..., None], axis=1)
+    if cfg.seen_item_bias:
+        first, bias = first_positions(cfg, batch), out["seen_bias"][0]
+    else:
+        first, bias = jnp.zeros((pos.shape[0], 0), jnp.int32), jnp.zeros((), jnp.float32)
+    xent = CrossEntropy(cfg.temperature, cfg.reserved_rows, cfg.recall_k, cfg.seen_item_bias)
+    nll, hits = softmax_cross_entropy(xent, query, corpus_matrix(cfg, out), bias, nxt, valid, pos, first)
     count = jnp.maximum(jnp.sum(valid), 1)
-    loss = jnp.sum(jnp.where(valid, nll, 0.0)) / count
-    rank = jnp.sum(logits > pos[..., None], axis=-1)
-    recall = jnp.sum(valid & (rank < cfg.recall_k)) / count
-    return loss, recall, jnp.sum(valid)
+    return nll / count, hits / count, jnp.sum(valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """The static part of `softmax_cross_entropy`: score = query . row / temperature (+ bias on seen rows),
+    rows < reserved never candidates; a hit is a target ranked < recall_k."""
+
+    temperature: float
+    reserved: int
+    recall_k: int
+    seen: bool
+    chunk_elements: int = 1 << 21
+    """Examples are scored in chunks of about this many logits (8 MiB of float32: cache-sized)."""
+
+
+def _xent_chunks(x: CrossEntropy, arrays, per_example: int):
+    """Splits [B, ...] arrays into [chunks, c, ...] (B padded with invalid rows to a multiple of c)."""
+    b = arrays[0].shape[0]
+    c = max(1, min(b, x.chunk_elements // max(per_example, 1)))
+    n = -(-b // c)
+    pad = n * c - b
+
+    def split(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
+        return a.reshape((n, c) + a.shape[1:])
+
+    return [split(a) for a in arrays], b
+
+
+def _xent_logits(x: CrossEntropy, q, corpus, bias, pos, first):
+    logits = jnp.einsum("bpe,ne->bpn", q, corpus, preferred_element_type=jnp.float32) / x.temperature
+    seen = (pos[..., None] >= first[:, None, :]).astype(jnp.float32) if x.seen else None
+    if seen is not None:
+        logits = logits + bias * seen
+    keep = jnp.arange(corpus.shape[0]) >= x.reserved
+    return jnp.where(keep, logits, -jnp.inf), seen
+
+
+def _xent_chunk(x: CrossEntropy, q, corpus, bias, nxt, valid, pos, first, grads: bool):
+    logits, seen = _xent_logits(x, q, corpus, bias, pos, first)
+    target = jnp.clip(nxt, 0, corpus.shape[0] - 1)
+    positive = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    nll = jnp.sum(jnp.where(valid, lse - positive, 0.0))
+    hits = jnp.sum(valid & (jnp.sum(logits > positive[..., None], axis=-1) < x.recall_k))
+    if not grads:
+        return nll, hits
+    # d nll / d logits = softmax - one-hot(target) on valid positions, 0 elsewhere
+    g = jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(target, corpus.shape[0], dtype=jnp.float32)
+    g = jnp.where(valid[..., None], g, 0.0) / x.temperature
+    dq = jnp.einsum("bpn,ne->bpe", g, corpus)
+    dc = jnp.einsum("bpn,bpe->ne", g, q)
+    db = jnp.sum(g * seen) * x.temperature if seen is not None else jnp.zeros((), jnp.float32)
+    return nll, hits, dq, dc, db
+
+
+def _xent_scan(x: CrossEntropy, query, corpus, bias, nxt, valid, pos, first, grads: bool):
+    (q, n, v, p, f), b = _xent_chunks(x, [query, nxt, valid, pos, first], query.shape[1] * corpus.shape[0])
+
+    def body(carry, chunk):
+        out = _xent_chunk(x, *chunk[:1], corpus, bias, *chunk[1:], grads=grads)
+        if not grads:
+            return (carry[0] + out[0], carry[1] + out[1]), None
+        nll, hits, dq, dc, db = out
+        return (carry[0] + nll, carry[1] + hits, carry[2] + dc, carry[3] + db), dq
+
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    if grads:
+        zero = zero + (jnp.zeros(corpus.shape, jnp.float32), jnp.zeros((), jnp.float32))
+    carry, dq = jax.lax.scan(body, zero, (q, n, v, p, f))
+    if not grads:
+        return carry
+    return carry, dq.reshape((-1,) + query.shape[1:])[:b]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def softmax_cross_entropy(x: CrossEntropy, query, corpus, bias, nxt, valid, pos, first):
+    """(summed negative log-likelihood, hits) of the next items `nxt` [B, P] at the `valid` positions, scored
+    against every row of `corpus` [N, E] by `query` [B, P, E] (plus `bias` where `pos` >= `first` [B, N]: the
+    row was seen by then). The logits are never materialised whole: examples go in cache-sized chunks, and
+    under differentiation each chunk's gradients (softmax - one-hot) are formed in the same pass, so the
+    [B, P, N] scores are computed once, not kept for the backward pass."""
+    return _xent_scan(x, query, corpus, bias, nxt, valid, pos, first, grads=False)
+
+
+def _softmax_cross_entropy_fwd(x, query, corpus, bias, nxt, valid, pos, first):
+    (nll, hits, dc, db), dq = _xent_scan(x, query, corpus, bias, nxt, valid, pos, first, grads=True)
+    return (nll, hits), (dq, dc, db, nxt, valid, pos, first)
+
+
+def _softmax_cross_entropy_bwd(x, res, cotangents):
+    dq, dc, db, nxt, valid, pos, first = res
+    g = cotangents[0]
+    zeros = [np.zeros(a.shape, jax.dtypes.float0) for a in (nxt, valid, pos, first)]
+    return (g * dq, g * dc, g * db, *zeros)
+
+
+softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
 
 
 def foundation_score(model: FoundationModel, embeddings: Mapping, batch: Mapping):
