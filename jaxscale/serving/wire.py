@@ -196,48 +196,64 @@ def declared_size(body: bytes) -> tuple[int, int]:
     """(rows, decoded bytes) an Arrow IPC stream declares, from its messages' metadata alone: the record batches'
     lengths, and the byte length of every buffer of its record and dictionary batches as it will be in memory (a
     compressed buffer's uncompressed length is the int64 that prefixes it in the message body). Nothing is
-    decompressed or allocated. Raises `PayloadError` for a body that is not a readable IPC stream."""
+    decompressed or allocated: the stream's framing (length-prefixed FlatBuffers metadata, then the message body)
+    is walked here. Raises `PayloadError` for a body that is not a readable IPC stream."""
     rows = decoded = 0
+    at, n = 0, len(body)
     try:
-        messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
-        while True:
-            try:
-                message = messages.read_next_message()
-            except StopIteration:
-                break
-            if message.type not in ("record batch", "dictionary batch"):
-                continue
-            meta = message.metadata.to_pybytes()
+        while at + 4 <= n:
+            size = struct.unpack_from("<i", body, at)[0]
+            if size == -1:  # the continuation marker, then the metadata length
+                size = struct.unpack_from("<i", body, at + 4)[0]
+                at += 8
+            else:  # the format before 0.15: the length alone
+                at += 4
+            if size == 0:
+                return rows, decoded  # end of stream
+            if size < 0 or at + size > n:
+                raise PayloadError(f"body is not an Arrow IPC stream: a message of {size} metadata bytes at {at}")
+            meta = body[at : at + size]
             root = _Table(meta, struct.unpack_from("<I", meta, 0)[0])
+            body_length = root.scalar(3, "<q")
+            start = at + size
+            if body_length < 0 or start + body_length > n:
+                raise PayloadError(f"body is not an Arrow IPC stream: a message body of {body_length} bytes at {start}")
+            at = start + body_length
+            kind = root.scalar(1, "<B")
+            if kind not in (_HEADER_RECORD_BATCH, _HEADER_DICTIONARY_BATCH):
+                continue
             header = root.table(2)
             if header is None:
-                raise PayloadError("an IPC batch message without a header")
-            if root.scalar(1, "<B") == _HEADER_DICTIONARY_BATCH:
+                raise PayloadError("body is not an Arrow IPC stream: a batch message without a header")
+            if kind == _HEADER_DICTIONARY_BATCH:
                 header = header.table(1)
                 if header is None:
-                    raise PayloadError("an IPC dictionary batch without data")
+                    raise PayloadError("body is not an Arrow IPC stream: a dictionary batch without data")
             else:
                 rows += header.scalar(0, "<q")
-            compressed = header.table(3) is not None
-            data = message.body if compressed and message.body is not None else b""
-            start, count = header.vector(2)
-            for i in range(count):
-                offset, length = struct.unpack_from("<qq", meta, start + 16 * i)
-                if length < 0 or offset < 0:
-                    raise PayloadError(f"an IPC buffer with offset {offset} and length {length}")
-                if compressed and length >= 8:
-                    size = struct.unpack_from("<q", data, offset)[0]
-                    decoded += length - 8 if size == -1 else size  # -1: stored uncompressed after the prefix
-                    if size < -1:
-                        raise PayloadError(f"an IPC buffer declares {size} uncompressed bytes")
-                elif not compressed:
-                    decoded += length
-    except PayloadError:
-        raise
-    except (struct.error, IndexError) as e:
+            first, count = header.vector(2)
+            if first + 16 * count > len(meta):
+                raise IndexError(f"{count} buffers run past the metadata")
+            spans = np.frombuffer(meta, "<i8", 2 * count, first).reshape(count, 2)  # (offset, length) per buffer
+            offsets, lengths = spans[:, 0], spans[:, 1]
+            if (spans < 0).any() or (count and int((offsets + lengths).max()) > body_length):
+                raise PayloadError("body is not an Arrow IPC stream: a buffer outside its message body")
+            if header.table(3) is None:  # uncompressed: the buffers are as long in memory as in the body
+                decoded += int(lengths.sum())
+                continue
+            prefixed = offsets[lengths >= 8] + start  # a compressed buffer starts with its uncompressed length
+            data = np.frombuffer(body, np.uint8)
+            sizes = data[prefixed[:, None] + np.arange(8)].view("<i8").reshape(-1)
+            if (sizes < -1).any():
+                raise PayloadError(f"an IPC buffer declares {int(sizes.min())} uncompressed bytes")
+            stored = lengths[lengths >= 8] - 8  # -1: the buffer is stored uncompressed after the prefix
+            decoded += int(np.where(sizes == -1, stored, sizes).sum())
+    except (struct.error, IndexError, ValueError) as e:
+        if isinstance(e, PayloadError):
+            raise
         raise PayloadError(f"body is not an Arrow IPC stream: malformed message metadata ({e})") from None
-    except _READ_ERRORS as e:
-        raise PayloadError(f"body is not an Arrow IPC stream: {e}") from None
+    if at != n:
+        raise PayloadError(f"body is not an Arrow IPC stream: {n - at} bytes after the last message")
     return rows, decoded
 
 
