@@ -154,6 +154,9 @@ class SequencesConfig:
     as_of_mode: Literal["event", "ingest"] = "event"
     """Which events a day-split history at ts holds: 'event' (event time < ts) or 'ingest' (also received by
     the platform before ts: what serving answered then; see jaxscale_models.foundation_sequences)."""
+    train_targets: Literal["every", "last"] = "every"
+    """Leave-one-out train examples: every train target of each user, or only its last (one example per user:
+    with the loss at every position, the user's whole train sequence once per epoch, as SASRec trains)."""
     protocol: str | None = None
     """The evaluation protocol the store was imported under (`jaxscale.sequences.protocols`: `literature`,
     `recbole`, `ml100k`): data-side settings every model and baseline of a run shares. It fixes the history
@@ -181,6 +184,10 @@ class SequencesConfig:
             raise _err("min_history", f"must be >= 1, got {self.min_history}")
         if self.protocol is not None:
             _protocol(self.protocol)
+        if self.train_targets not in ("every", "last"):
+            raise _err("train_targets", f"must be one of ['every', 'last'], got {self.train_targets!r}")
+        if self.train_targets != "every" and self.split != "leave_one_out":
+            raise _err("train_targets", f"{self.train_targets!r} needs split: leave_one_out")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

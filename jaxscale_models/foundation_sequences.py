@@ -19,7 +19,9 @@ Two ways to split the store into examples (`split_mode`, the config's `data.sequ
   min_history, valid iff n-2 >= min_history, and train positions min_history..n-3 (with min_history=1: a
   user with 1 event contributes nothing, with 2 events a test example, with 3 a test and a valid example).
   Examples are ordered by (user_id, position): valid and test hold one example per user, in increasing
-  user id (`users_of_split()`).
+  user id (`users_of_split()`). `train_targets='last'` keeps only each user's last train target (position
+  n-3): one example per user whose history is the user's train sequence, SASRec's training when the loss is
+  at every position.
 
 `as_of_mode` (the config's `data.sequences.as_of_mode`, day split only) says which events a history at ts
 may hold: 'event' (default) every stored event with event time < ts; 'ingest' only those that had also
@@ -73,6 +75,9 @@ SPLITS = ("train", "eval")
 """Splits of the day split mode."""
 LOO_SPLITS = ("train", "valid", "test")
 """Splits of the leave-one-out split mode ('eval' is accepted as an alias of 'valid')."""
+TRAIN_TARGETS = ("every", "last")
+"""Leave-one-out train examples: every train target of a user, or only its last one (with the loss at every
+position of the history, one example per user is SASRec's training: the user's sequence once per epoch)."""
 REQUIRED_FIELDS = ("item_id", "ts", "event_type", "surface")
 HISTORY_KEYS = ("item_ids", "timestamps", "actions", "surfaces", "engaged", "mask")
 TARGET_KEYS = ("target_item_ids", "target_timestamps", "target_actions", "target_surfaces", "target_engaged")
@@ -164,8 +169,14 @@ class PointInTimeExamples:
         min_history: int = 1,
         split_mode: str = "day",
         as_of_mode: str = "event",
+        train_targets: str = "every",
     ):
         self.store, self.sequence_name = str(store), sequence
+        if train_targets not in TRAIN_TARGETS:
+            raise ValueError(f"train_targets must be one of {TRAIN_TARGETS}, got {train_targets!r}")
+        if train_targets != "every" and split_mode != "leave_one_out":
+            raise ValueError(f"train_targets={train_targets!r} needs split_mode='leave_one_out'")
+        self.train_targets = train_targets
         self.defs = defs if isinstance(defs, Definitions) else load_definitions(defs)
         self.seq = self.defs.sequence(sequence)
         self.max_seq_len = _check_positive("max_seq_len", max_seq_len)
@@ -288,7 +299,10 @@ class PointInTimeExamples:
         position = np.arange(len(users)) - starts[run]
         count = np.diff(np.append(starts, len(users)))[run]
         last = {"test": 1, "valid": 2}.get(self.split)
-        keep = position == count - last if last else position <= count - 3
+        if last:
+            keep = position == count - last
+        else:  # train: every target before the validation one, or (train_targets='last') only the last of them
+            keep = position == count - 3 if self.train_targets == "last" else position <= count - 3
         keep &= position >= self.min_history
         # every event's (partition, row) in (user, position) order, and where each example's target and its
         # user's first event are in it: a history is the slice just before the target (`_slices_before`)
@@ -499,6 +513,14 @@ class SequenceBatches:
                     f"day split (it takes no split_mode)"
                 )
             model_options = {"split_mode": split_mode, **model_options}
+        train_targets = getattr(s, "train_targets", "every")
+        if train_targets != "every":
+            if "train_targets" not in params and not takes_any:
+                raise ValueError(
+                    f"data.sequences.train_targets={train_targets!r}: the data source {cls.__qualname__} supports "
+                    "only 'every' (it takes no train_targets)"
+                )
+            model_options = {"train_targets": train_targets, **model_options}
         return cls(
             s.store,
             s.sequence,
@@ -534,6 +556,7 @@ class SequenceBatches:
         min_history: int = 1,
         split_mode: str = "day",
         as_of_mode: str = "event",
+        train_targets: str = "every",
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
@@ -553,6 +576,8 @@ class SequenceBatches:
         extra = {} if split_mode == "day" else {"split_mode": split_mode}
         if as_of_mode != "event":
             extra["as_of_mode"] = as_of_mode
+        if train_targets != "every":
+            extra["train_targets"] = train_targets
         self.source = self._make_source(
             store,
             sequence,

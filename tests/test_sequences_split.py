@@ -269,3 +269,43 @@ def test_split_arguments_batches_and_config(built, tmp_path):
     assert load_config(None).data.sequences.split == "day"
     with pytest.raises(ConfigError, match="data.sequences.split"):
         load_config(None, ["data.sequences.split=random"])
+
+
+@pytest.mark.parametrize("L,min_history", [(50, 1), (3, 2)])
+def test_last_train_target_is_one_example_per_user(built, L, min_history):
+    """train_targets='last': each user's last train target (position n-3) only, with its history (brute force)."""
+    store, defs_path, grouped = built
+    seq = make_defs().sequence("s1")
+    src = PointInTimeExamples(
+        store, "s1", defs_path, max_seq_len=L, split="train", split_mode="leave_one_out", min_history=min_history,
+        train_targets="last", **KW,
+    )  # fmt: skip
+    want = []
+    for u in sorted(grouped):
+        ev = _ordered(grouped[u])
+        i = len(ev) - 3
+        if i >= min_history:
+            want.append((u, ev[i], ev[max(0, i - L) : i]))
+    assert len(src) == len(want) and len(set(src.users.tolist())) == len(src)
+    enc = _encoded_events(src)
+    for i, (u, target, history) in enumerate(want):
+        assert src.anchor(i) == (u, target["ts"])
+        _check_example(src[i], target, history, enc, L, seq)
+    with pytest.raises(ValueError, match="train_targets"):
+        PointInTimeExamples(store, "s1", defs_path, max_seq_len=L, train_targets="last", **KW)  # day split
+    with pytest.raises(ValueError, match="train_targets"):
+        PointInTimeExamples(store, "s1", defs_path, max_seq_len=L, split_mode="leave_one_out", train_targets="x", **KW)
+    from jaxscale.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train_targets.*leave_one_out"):
+        load_config(None, ["data.sequences.train_targets=last"])
+    cfg = load_config(None, ["data.sequences.split=leave_one_out", "data.sequences.train_targets=last"])
+    assert cfg.data.sequences.train_targets == "last"
+    # from_config passes it to the source
+    s = SimpleNamespace(store=str(store), sequence="s1", defs=str(defs_path), eval_days=1, min_history=min_history,
+                        split="leave_one_out", train_targets="last")  # fmt: skip
+    config = SimpleNamespace(data=SimpleNamespace(sequences=s, seed=0), train=SimpleNamespace(batch_size=2))
+    data = SequenceBatches.from_config(
+        SimpleNamespace(max_seq_len=L, num_actions=4, num_surfaces=4), config, "train", 0, 1
+    )
+    np.testing.assert_array_equal(data.source.users, src.users)
