@@ -349,7 +349,10 @@ class AnnIndex:
     # ------------------------------------------------------------------------------------------- searching
 
     def search(self, queries, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(item ids int64 [B, k], inner-product scores float32 [B, k]), best first."""
+        """(item ids int64 [B, k], inner-product scores float32 [B, k]), best first. A query for which the index
+        reaches fewer than k items (an IVF probe of sparse cells, a short HNSW walk) has id -1 in the slots it could
+        not fill (faiss's convention, at the end of the row): servers answer only the found ones
+        (`jaxscale.serving.retrieval.RetrieveResult.found`)."""
         q = _check_queries(queries, self.dim)
         if not isinstance(k, (int, np.integer)) or not 1 <= k <= len(self):
             raise ValueError(f"k must be in [1, {len(self)}] (the indexed items), got {k!r}")
