@@ -1,0 +1,80 @@
+"""experiments/movielens/fairness.py --summarize (run as the script it is) on top-k files written here: per
+variant and masking, each seed's NDCG@10 and their mean +- s.e. equal a brute force over the raw ratings, and
+each paired bootstrap is centred on the difference of the two variants' per-user NDCG@10."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from movielens_helpers import MOVIES, loo_targets, write_ml100k
+
+from jaxscale.sequences import compile_definitions
+from jaxscale.sequences.movielens import import_movielens
+from jaxscale.sequences.runtime import backfill
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_topk(path: Path, lists: dict) -> None:
+    users = [u for u, items in lists.items() for _ in items]
+    ranks = [r for items in lists.values() for r in range(1, len(items) + 1)]
+    items = [i for items in lists.values() for i in items]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"user_id": users, "rank": pa.array(ranks, pa.int32()), "item_id": items}), path)
+
+
+def test_summarize_equals_brute_force(tmp_path):
+    rows = write_ml100k(tmp_path / "raw")
+    import_movielens(tmp_path / "raw", tmp_path / "events")
+    defs = compile_definitions(ROOT / "experiments/movielens/movielens_defs.py", tmp_path / "defs.json")
+    backfill(
+        defs,
+        tmp_path / "events" / "events",
+        tmp_path / "store",
+        sources={"items": str(tmp_path / "events" / "items.parquet")},
+    )
+    targets = loo_targets(rows, "test")
+    rng = np.random.default_rng(0)
+    want: dict = {}
+    for name in ("foundation", "sasrec"):
+        for seed in (0, 1):
+            for masking in ("masked", "unmasked"):
+                lists = {}
+                for u, t in targets.items():  # random lists, the target placed at a random rank or left out
+                    items = [int(i) for i in rng.permutation(np.arange(1, MOVIES + 1)) if i != t][:20]
+                    at = int(rng.integers(0, 30))
+                    if at < 20:
+                        items[at] = t
+                    lists[u] = items
+                _write_topk(tmp_path / "fairness" / f"{name}_seed{seed}" / f"topk_{masking}.parquet", lists)
+                per_user = [
+                    1 / np.log2(lists[u][:10].index(t) + 2) if t in lists[u][:10] else 0.0
+                    for u, t in sorted(targets.items())
+                ]
+                want[name, seed, masking] = np.array(per_user)
+    out = tmp_path / "fair.json"
+    cmd = [sys.executable, str(ROOT / "experiments/movielens/fairness.py"), str(tmp_path), "--json", str(out)]
+    proc = subprocess.run([*cmd, "--seeds", "0", "1", "--summarize"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["users"] == len(targets) and set(record["variants"]) == {"foundation", "sasrec"}
+    for name in ("foundation", "sasrec"):
+        for masking in ("masked", "unmasked"):
+            got = record["variants"][name][masking]
+            seeds = [want[name, s, masking].mean() for s in (0, 1)]
+            assert got["ndcg@10"] == pytest.approx(seeds)
+            assert got["mean"] == pytest.approx(np.mean(seeds))
+            assert got["se"] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
+    pairs = {(p["a"], p["b"], p["masking"]): p["ndcg@10_difference"] for p in record["paired"]}
+    assert set(pairs) == {("foundation", "sasrec", m) for m in ("masked", "unmasked")}
+    for m in ("masked", "unmasked"):
+        diff = np.mean([want["foundation", s, m] for s in (0, 1)], axis=0) - np.mean(
+            [want["sasrec", s, m] for s in (0, 1)], axis=0
+        )
+        p = pairs["foundation", "sasrec", m]
+        assert p["mean"] == pytest.approx(diff.mean()) and p["low"] <= p["mean"] <= p["high"]
