@@ -151,9 +151,10 @@ class SequencesConfig:
     split: Literal["day", "leave_one_out"] = "day"
     """How examples split into train / held-out: 'day' (the last `eval_days` days are held out) or
     'leave_one_out' (per user: last event = test, the one before = validation, the rest = train)."""
-    as_of_mode: Literal["event", "ingest"] = "event"
-    """Which events a day-split history at ts holds: 'event' (event time < ts) or 'ingest' (also received by
-    the platform before ts: what serving answered then; see jaxscale_models.foundation_sequences)."""
+    as_of_mode: Literal["event", "ingest", "visible"] = "event"
+    """Which events a day-split history at ts holds: 'event' (event time < ts), 'ingest' (also received by
+    the platform before ts) or 'visible' (also committed to the store before ts: what a server could have
+    answered then; see jaxscale_models.foundation_sequences)."""
     train_targets: Literal["every", "last"] = "every"
     """Leave-one-out train examples: every train target of each user, or only its last (one example per user:
     with the loss at every position, the user's whole train sequence once per epoch, as SASRec trains)."""
@@ -176,8 +177,8 @@ class SequencesConfig:
     def __post_init__(self):
         if self.split not in ("day", "leave_one_out"):
             raise _err("split", f"must be one of ['day', 'leave_one_out'], got {self.split!r}")
-        if self.as_of_mode not in ("event", "ingest"):
-            raise _err("as_of_mode", f"must be one of ['event', 'ingest'], got {self.as_of_mode!r}")
+        if self.as_of_mode not in ("event", "ingest", "visible"):
+            raise _err("as_of_mode", f"must be one of ['event', 'ingest', 'visible'], got {self.as_of_mode!r}")
         if self.eval_days < 0:
             raise _err("eval_days", f"must be >= 0, got {self.eval_days}")
         if self.min_history < 1:

@@ -24,10 +24,11 @@ Two ways to split the store into examples (`split_mode`, the config's `data.sequ
   at every position.
 
 `as_of_mode` (the config's `data.sequences.as_of_mode`, day split only) says which events a history at ts
-may hold: 'event' (default) every stored event with event time < ts; 'ingest' only those that had also
-reached the platform before ts (ingest_ts < ts), i.e. exactly what serving answered at that moment, so a
-late event never appears in a history it could not have been served in. Anchors and `min_history` are
-the same in both modes (they count stored events by event time).
+may hold: 'event' (default) every stored event with event time < ts; 'ingest' only those the platform had
+also received before ts (ingest_ts < ts); 'visible' only those also committed to the store before ts
+(visible_ts < ts), i.e. what a server reading the store could have answered at that moment, so no event
+appears in a history it could not have been served in (`jaxscale.sequences.query` says exactly what each
+bounds). Anchors and `min_history` are the same in every mode (they count stored events by event time).
 
 Batches have the foundation model's format (see `jaxscale.data`), right-padded to `max_seq_len`:
 

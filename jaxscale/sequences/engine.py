@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from jaxscale.sequences.definitions import RAW_FIELDS, Definitions, Enrichment, Sequence
 from jaxscale.sequences.eventid import EVENT_ID, first_arrivals
 from jaxscale.sequences.events import validate_rows
-from jaxscale.sequences.store import MS_PER_DAY, STORE_SORT_KEYS
+from jaxscale.sequences.store import MS_PER_DAY, STORE_SORT_KEYS, VISIBLE_TS
 
 ARROW_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
 POLARS_TYPES = {"int64": pl.Int64, "float64": pl.Float64, "string": pl.String}
@@ -288,7 +288,10 @@ class Engine:
         # order is NumPy's lexsort (the keys are a total order: arrival is unique): ~40% less CPU than
         # Polars' multi-key arg sort for a day (90k rows), which matters more than the arg sort's threads
         # now that the backfill assembles days while its other workers transform row groups.
-        df = df.select(self.file_columns[name]).rechunk()
+        # A merge of stored files keeps each event's commit time (`visible_ts`); new events get theirs when
+        # the writer commits them.
+        visible = all(VISIBLE_TS in f.columns for f in frames)
+        df = df.select([*self.file_columns[name], *([VISIBLE_TS] if visible else [])]).rechunk()
         order = np.lexsort([df.get_column(k).to_numpy() for k in reversed(STORE_SORT_KEYS)])
         df = df[pl.Series(order, dtype=pl.Int64)]
         keep = first_arrivals(df.get_column(EVENT_ID).to_numpy(), df.get_column("arrival").to_numpy())
@@ -296,7 +299,8 @@ class Engine:
             df = df.filter(pl.Series(keep))
             with self._collapsed_lock:  # the backfill assembles days on several threads
                 self.collapsed[name] += len(keep) - df.height
-        return df.to_arrow().cast(self.file_schemas[name])
+        schema = self.file_schemas[name]
+        return df.to_arrow().cast(schema.append(pa.field(VISIBLE_TS, pa.int64())) if visible else schema)
 
 
 def sorted_positions(keys: np.ndarray, values: np.ndarray) -> np.ndarray:

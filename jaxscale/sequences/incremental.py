@@ -9,6 +9,12 @@ hand it a micro-batch's transformed frames ({(sequence, day): [frames]}). `commi
 3. extends the vocabularies by what is left, then adds one sorted file per (sequence, day) by an atomic
    rename, merging a partition's small files once it has more than `max_files`.
 
+Each file's events carry the commit's time, `visible_ts` (epoch ms, one per commit): taken after the
+vocabularies are saved, right before the commit's first file is written, so every event of the commit
+became visible to readers of the store at most one commit's write time (its files' write + fsync +
+rename, milliseconds) after its `visible_ts`, and none of it was visible before. A merge keeps each
+event's `visible_ts` (`as_of_mode='visible'` in `jaxscale.sequences.query`).
+
 With `shared=True` (several consumers writing one store, one per broker partition) every commit takes the
 sequences' writer locks, waiting for them, and reloads the vocabularies under them; a run that owns the
 store (the file replay) takes the locks once for the whole run instead (`runtime.open_sequences`).
@@ -33,11 +39,13 @@ from jaxscale.sequences.definitions import Definitions
 from jaxscale.sequences.engine import Engine
 from jaxscale.sequences.eventid import EVENT_ID
 from jaxscale.sequences.store import (
+    VISIBLE_TS,
     add_partition_file,
     day_name,
     merge_partition_files,
     partition_dir,
     partition_files,
+    with_visible_ts,
     writer_lock,
 )
 from jaxscale.sequences.vocabulary import IdCounter, VocabularyWriter
@@ -175,7 +183,9 @@ class IncrementalWriter:
         with self.locked():
             tables = self._new_events(frames, stats)
             self._update_vocabularies(tables)
+            visible = time.time_ns() // 1_000_000  # the commit's time (module doc)
             for (name, day), table in sorted(tables.items()):
+                table = table.append_column(VISIBLE_TS, pa.array(np.full(table.num_rows, visible, np.int64)))
                 self._add_file(name, day, table, f"part-{batch:010d}-{self.token}.parquet", stats)
         stats.seconds = time.perf_counter() - t0
         self.totals.add(stats)
@@ -249,5 +259,5 @@ def compact_partition(engine: Engine, store: Path, name: str, day: str, *, keep_
         files = sorted(files, key=lambda f: f.stat().st_size)[:-1]
     if len(files) < 2:
         return
-    merged = engine.assemble(name, [pl.read_parquet(f) for f in files])
+    merged = engine.assemble(name, [pl.from_arrow(with_visible_ts(pq.read_table(f), f)) for f in files])
     merge_partition_files(seq_dir, day, files, merged, f"part-m{uuid.uuid4().hex[:12]}.parquet")

@@ -10,10 +10,21 @@ touching no other event; in a day of several files the user's rows of each file 
 order (only the last n of each file are candidates). `as_of_mode` says what "before as_of" means:
 
 * 'event' (the default): events with ts < as_of (event time).
-* 'ingest': events with ts < as_of that had also reached the platform before as_of (ingest_ts < as_of):
-  exactly what a reader of the store saw at wall-clock time as_of, so training can reproduce what serving
-  saw. A late event (ts < as_of <= ingest_ts) is left out. Days none of whose events had arrived by as_of
-  are skipped; a file whose events all arrived before as_of needs no per-row test.
+* 'ingest': events with ts < as_of whose `ingest_ts` < as_of: the platform had RECEIVED them before as_of
+  (the broker's receive time, or the log's own `ingest_ts` column). Received is not yet visible: an event
+  reaches readers only when a commit writes it to the store, up to a micro-batch (plus any consumer lag or
+  outage) later, so 'ingest' can hold events no reader could see at as_of. A late event (ts < as_of <=
+  ingest_ts) is left out.
+* 'visible': events with ts < as_of whose `visible_ts` < as_of: the commit that wrote them to the store had
+  happened before as_of (`jaxscale.sequences.incremental`: the commit's time, taken right before its files
+  are written, which makes them visible milliseconds later). This is what a reader of the store could have
+  answered at wall-clock time as_of (a server refreshing every R seconds saw it up to R later), so training
+  in this mode matches serving. Files without the column (a backfill's, or written before it existed) count
+  as visible from their modification time (a backfill installs its days once all are written, so its events
+  became visible up to the backfill's duration after that). A merge keeps each event's `visible_ts`.
+
+In both bounded modes, days none of whose events passed the bound by as_of are skipped, and a file whose
+events all passed it needs no per-row test.
 
 `refresh()` is incremental: a day whose directory is unchanged is kept as is; otherwise only its new
 files are loaded (a file is known by name, inode, size and mtime, so a compaction's hard-linked files are
@@ -33,24 +44,36 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jaxscale.sequences.definitions import Sequence
-from jaxscale.sequences.store import MS_PER_DAY, StoreError, day_number, list_partitions, read_sequence_meta
+from jaxscale.sequences.store import (
+    MS_PER_DAY,
+    VISIBLE_TS,
+    StoreError,
+    day_number,
+    file_visible_ms,
+    list_partitions,
+    read_sequence_meta,
+)
 from jaxscale.sequences.vocabulary import Vocabulary, load_vocabulary, read_vocabulary_meta
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ID_MODES = ("raw", "dense")
 """How `events` answers a vocabulary field: its raw ids, or their dense indices."""
-AS_OF_MODES = ("event", "ingest")
-"""What `as_of` bounds: event time only, or event time and ingestion time (see the module doc)."""
+AS_OF_MODES = ("event", "ingest", "visible")
+"""What `as_of` bounds: event time only, event time and ingestion (receive) time, or event time and the
+store's commit time (see the module doc)."""
 INGEST_TS = "ingest_ts"
+BOUNDED_MODES = {"ingest": INGEST_TS, "visible": VISIBLE_TS}
+"""The modes that bound a second time besides ts, with the column they bound."""
 
 
 class Segment:
     """One stored file in memory. `codes[f]` index `dictionary[f]` for string fields; `values[f]` otherwise
-    (`ts`, `arrival` and `ingest_ts` included)."""
+    (`ts`, `arrival`, `ingest_ts` and `visible_ts` included)."""
 
     def __init__(self, day: str, signature: tuple, users, starts, values, codes, dictionary):
         self.day, self.start_ms, self.signature = day, day_number(day) * MS_PER_DAY, signature
@@ -60,8 +83,9 @@ class Segment:
         self.ts = values["ts"]
         self.ingest = values.get(INGEST_TS, self.ts)
         """ingest_ts (ts for a store written before the column existed)."""
-        self.max_ingest = int(self.ingest.max()) if len(self.ingest) else INT64_MIN
-        self.min_ingest = int(self.ingest.min()) if len(self.ingest) else INT64_MAX
+        self.bounds = {"ingest": self.ingest, "visible": values[VISIBLE_TS]}
+        self.max_bound = {m: int(a.max()) if len(a) else INT64_MIN for m, a in self.bounds.items()}
+        self.min_bound = {m: int(a.min()) if len(a) else INT64_MAX for m, a in self.bounds.items()}
 
     @property
     def rows(self) -> int:
@@ -78,22 +102,28 @@ class Segment:
             return 0, 0
         return int(self.starts[i]), int(self.starts[i + 1])
 
-    def candidates(self, user_id: int, as_of: int | None, need: int, ingest: bool):
-        """Rows (a slice, or an index array in ingest mode) of the user's last `need` events before as_of."""
+    def candidates(self, user_id: int, as_of: int | None, need: int, bound: str | None):
+        """Rows (a slice, or an index array) of the user's last `need` events before as_of; `bound`: None
+        (event time only) or a mode of BOUNDED_MODES (as_of given)."""
         lo, hi = self.user_rows(user_id)
         if hi == lo:
             return slice(0, 0)
         if as_of is not None and as_of < self.start_ms + MS_PER_DAY:
             hi = lo + int(np.searchsorted(self.ts[lo:hi], as_of, side="left"))
-        if ingest and self.max_ingest >= as_of:
-            rows = lo + np.flatnonzero(self.ingest[lo:hi] < as_of)
+        if bound is not None and self.max_bound[bound] >= as_of:
+            rows = lo + np.flatnonzero(self.bounds[bound][lo:hi] < as_of)
             return rows[max(len(rows) - need, 0) :]
         return slice(max(hi - need, lo), hi)
 
 
 def load_segment(path: Path, day: str, signature: tuple, columns: dict[str, str]) -> Segment:
-    """One sorted file's columns (only `columns`) as a Segment."""
-    table = pq.read_table(path, columns=list(columns))
+    """One sorted file's columns (only `columns`, and its `visible_ts`) as a Segment."""
+    pf = pq.ParquetFile(path)
+    has_visible = VISIBLE_TS in pf.schema_arrow.names
+    table = pf.read(columns=[*columns, *([VISIBLE_TS] if has_visible else [])])
+    if not has_visible:
+        table = table.append_column(VISIBLE_TS, pa.array(np.full(table.num_rows, file_visible_ms(path), np.int64)))
+    columns = {**columns, VISIBLE_TS: "int64"}
     user = table.column("user_id").to_numpy()
     bounds = np.flatnonzero(np.diff(user)) + 1 if len(user) else np.zeros(0, np.int64)
     starts = np.concatenate([[0], bounds, [len(user)]]).astype(np.int64)
@@ -147,7 +177,7 @@ class Partition:
         self.day, self.start_ms, self.directory, self.segments = day, day_number(day) * MS_PER_DAY, directory, segments
         self.signature = segments[0].signature if len(segments) == 1 else tuple(s.signature for s in segments)
         self.rows = sum(s.rows for s in segments)
-        self.min_ingest = min((s.min_ingest for s in segments), default=INT64_MAX)
+        self.min_bound = {m: min((s.min_bound[m] for s in segments), default=INT64_MAX) for m in BOUNDED_MODES}
 
     @functools.cached_property
     def merged(self) -> Segment:
@@ -158,13 +188,13 @@ class Partition:
             return getattr(self.merged, name)
         raise AttributeError(name)
 
-    def pieces(self, user_id: int, as_of: int | None, need: int, ingest: bool) -> list:
+    def pieces(self, user_id: int, as_of: int | None, need: int, bound: str | None) -> list:
         """[(segment, rows)] in (ts, arrival) order: the user's last `need` events of the day before as_of."""
         if len(self.segments) == 1:
             seg = self.segments[0]
-            rows = seg.candidates(user_id, as_of, need, ingest)
+            rows = seg.candidates(user_id, as_of, need, bound)
             return [(seg, rows)] if _count(rows) else []
-        found = [(s, s.candidates(user_id, as_of, need, ingest)) for s in self.segments]
+        found = [(s, s.candidates(user_id, as_of, need, bound)) for s in self.segments]
         found = [(s, _as_index(r)) for s, r in found if _count(r)]
         if len(found) <= 1:
             return found
@@ -309,15 +339,15 @@ class SequenceReader:
         min(limit, max_length) events before as_of in `as_of_mode` (see the module doc)."""
         if as_of_mode not in AS_OF_MODES:
             raise ValueError(f"as_of_mode must be one of {list(AS_OF_MODES)}, got {as_of_mode!r}")
-        ingest = as_of_mode == "ingest" and as_of is not None
+        bound = as_of_mode if as_of_mode in BOUNDED_MODES and as_of is not None else None
         need = self.max_length if limit is None else min(int(limit), self.max_length)
         out = []
         for part in reversed(self.partitions):
             if need <= 0:
                 break
-            if as_of is not None and (part.start_ms >= as_of or (ingest and part.min_ingest >= as_of)):
+            if as_of is not None and (part.start_ms >= as_of or (bound and part.min_bound[bound] >= as_of)):
                 continue
-            for piece in reversed(part.pieces(user_id, as_of, need, ingest)):
+            for piece in reversed(part.pieces(user_id, as_of, need, bound)):
                 out.append(piece)
                 need -= _count(piece[1])
         out.reverse()
@@ -326,17 +356,17 @@ class SequenceReader:
     def query(
         self, user_id: int, as_of: int | None = None, limit: int | None = None, *, as_of_mode: str = "event"
     ) -> dict[str, np.ndarray]:
-        """The sequence's fields (plus arrival and ingest_ts) as arrays, oldest first; strings decoded."""
+        """The sequence's fields (plus arrival, ingest_ts and visible_ts) as arrays, oldest first; strings decoded."""
         pieces = self.slices(user_id, as_of, limit, as_of_mode=as_of_mode)
-        extra = [c for c in ("arrival", INGEST_TS) if c in self.read_columns]
+        extra = [c for c in ("arrival", INGEST_TS) if c in self.read_columns] + [VISIBLE_TS]
         out = {}
         for f in ("ts", *extra, *[f for f in self.fields if f != "ts"]):
-            if self.columns[f] == "string":
+            if self.columns.get(f, "int64") == "string":
                 parts = [p.dictionary[f][p.codes[f][rows]] for p, rows in pieces]
                 out[f] = np.concatenate(parts) if parts else np.zeros(0, object)
             else:
                 parts = [p.values[f][rows] for p, rows in pieces]
-                empty = np.zeros(0, np.float64 if self.columns[f] == "float64" else np.int64)
+                empty = np.zeros(0, np.float64 if self.columns.get(f, "int64") == "float64" else np.int64)
                 out[f] = np.concatenate(parts) if parts else empty
         return out
 

@@ -1,18 +1,20 @@
 """The serving API over the store's in-memory index, on the shared HTTP layer (`jaxscale.http_server`).
 
-    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense&as_of_mode=event|ingest
+    GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense&as_of_mode=event|ingest|visible
       200 {"user_id": 42, "sequence": "engagement", "events": [{"item_id": ..., "ts": ..., ...}, ...]}
           the user's last min(N, max_length) events with ts < T (epoch ms; every indexed event when as_of
           is absent), oldest first, ties in ts in arrival order; a user without events gets an empty list.
           ids=dense (default raw): the sequence's vocabulary fields hold dense indices (OOV = 1)
-          as_of_mode=ingest (default event): only events that had arrived by T (the store's ingestion time)
+          as_of_mode=ingest (default event): only events the platform had received before T (ingest_ts < T);
+          as_of_mode=visible: only events committed to the store before T (visible_ts < T: what a reader
+          of the store could have answered at T; see jaxscale.sequences.query)
       400 {"error": ...}  user_id, as_of or limit malformed (not an integer, out of range, negative limit),
                           ids neither raw nor dense, ids=dense on a sequence without a stored vocabulary,
-                          as_of_mode neither event nor ingest, a parameter repeated or unknown
+                          as_of_mode not event, ingest or visible, a parameter repeated or unknown
       404 {"error": ...}  unknown sequence (or path)
       405 {"error": ...}  a method other than GET (except batchGet below)
     POST /v1/sequences/{name}:batchGet   body {"user_ids": [...], "as_of": T?, "limit": N?, "ids": "raw|dense"?,
-                                               "as_of_mode": "event|ingest"?}
+                                               "as_of_mode": "event|ingest|visible"?}
       200 {"sequence": name, "results": [{"user_id": u, "events": [...]}, ...]}  in request order, each result's
           events equal to the GET answer for that user; at most MAX_BATCH_USERS user ids (413 above)
       400 {"error": "<field>: ..."}  a malformed body or field, an unknown field, a body nested deeper than
@@ -224,7 +226,7 @@ class SequenceAPI:
 
     @staticmethod
     def _events(reader, user_id: int, as_of, limit, ids: str, mode: str) -> str:
-        kw = {"as_of_mode": mode} if mode == "ingest" else {}
+        kw = {"as_of_mode": mode} if mode != "event" else {}
         try:
             return reader.events_json(user_id, as_of, limit, ids=ids, **kw)
         except ValueError as e:  # ids=dense without a vocabulary

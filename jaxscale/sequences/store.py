@@ -47,6 +47,10 @@ PARQUET_ROW_GROUP = 65_536
 DELTA_COMPRESSION = "lz4"
 """Stream micro-batch files are written fast (lz4); merged and backfilled partitions use zstd."""
 STORE_SORT_KEYS = ("user_id", "ts", "arrival")
+VISIBLE_TS = "visible_ts"
+"""A file-only column (like the event id, outside the sequence's meta): the epoch ms of the commit that made
+the event visible in the store (`as_of_mode='visible'`, see `jaxscale.sequences.query`)."""
+FILE_ONLY_COLUMNS = (EVENT_ID, VISIBLE_TS)
 
 
 class StoreError(RuntimeError):
@@ -327,6 +331,20 @@ def partition_files(part: Path) -> list[Path]:
     return sorted(f for f in Path(part).iterdir() if f.name.endswith(".parquet") and not f.name.startswith("."))
 
 
+def file_visible_ms(path: Path) -> int:
+    """When a file without a `visible_ts` column (a backfill's, or one written before the column existed)
+    counts as visible: its modification time, rounded up to the millisecond (it was written then and
+    installed after)."""
+    return -(-os.stat(path).st_mtime_ns // 1_000_000)
+
+
+def with_visible_ts(table: pa.Table, path: Path) -> pa.Table:
+    """`table` (read from `path`) with its `visible_ts` column: the file's own, else `file_visible_ms`."""
+    if VISIBLE_TS in table.column_names:
+        return table
+    return table.append_column(VISIBLE_TS, pa.array([file_visible_ms(path)] * table.num_rows, pa.int64()))
+
+
 def partition_signature(part: Path) -> tuple:
     """Changes whenever the partition is replaced or gains a file (inode of the directory + its files)."""
     st = os.stat(part)
@@ -335,10 +353,11 @@ def partition_signature(part: Path) -> tuple:
 
 def read_partition(part: Path, columns: list[str] | None = None) -> pa.Table:
     """A partition's events sorted by (user_id, ts, arrival) (merging a stream's files); by default every
-    column but the files' `event_id` (what de-duplication reads, see `jaxscale.sequences.eventid`)."""
+    column but the files' own `event_id` (what de-duplication reads, see `jaxscale.sequences.eventid`) and
+    `visible_ts` (what `as_of_mode='visible'` reads)."""
     files = partition_files(part)
     if columns is None and files:
-        columns = [c for c in pq.read_schema(files[0]).names if c != EVENT_ID]
+        columns = [c for c in pq.read_schema(files[0]).names if c not in FILE_ONLY_COLUMNS]
     tables = [pq.read_table(f, columns=columns) for f in files]
     if not tables:
         raise StoreError(f"partition {part} has no Parquet file")
