@@ -260,6 +260,26 @@ def test_a_500_carries_a_request_id_never_the_exception_text(caplog):
         server.stop()
 
 
+def test_the_root_sends_its_request_id_to_the_leaves(store):
+    """A leaf's bug answers the root's request id: the root passes X-Request-Id on (and the leaf's 500 as a 502)."""
+    seen = []
+
+    async def broken_predict(request):
+        seen.append(request.request_id)
+        raise RuntimeError("leaf internals")
+
+    stub = Service([Route("POST", "/predict", broken_predict)], ServerConfig(), name="stub", metrics_prefix="stub")
+    leaf = BackgroundServer(stub).start()
+    try:
+        with Root(RootConfig(store, (LeafAddress(*KEY, leaf.url),))) as root:
+            status, headers, answer = post(root.url, "/predict", request_body(BATCH), {"X-Request-Id": "trace-7"})
+    finally:
+        leaf.stop()
+    assert status == 502 and headers["x-request-id"] == "trace-7" and seen == ["trace-7"]
+    error = json.loads(answer)
+    assert error["request_id"] == "trace-7" and error["leaf"] == "ctr/1" and b"internals" not in answer
+
+
 # ---------------------------------------------------------------------------------------------------- the CLI
 
 

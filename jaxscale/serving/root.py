@@ -34,6 +34,9 @@ inline, gets its plans from ``self._plan(batch, models)`` (or its own planner), 
 `_call_leaf_async`, which counts the metrics and turns a leaf's failure into `LeafCallError`) and maps the
 errors to statuses as `_predict` does; then list it in `routes_http` with its ``resources``.
 
+A request's ``X-Request-Id`` (the client's or the one the HTTP layer made) is sent on to the leaves it calls, so a
+leaf's log line and its 500's ``request_id`` carry the root's id.
+
 Response headers: ``X-Jaxscale-Routes-Generation`` (the map the request used) and ``X-Jaxscale-Fanout``
 (JSON: per leaf, the features and bytes sent and whether it failed open).
 """
@@ -55,6 +58,7 @@ import pyarrow as pa
 
 from jaxscale.http_server import (
     JSON,
+    REQUEST_ID_HEADER,
     AsyncClient,
     BackgroundServer,
     Client,
@@ -398,11 +402,14 @@ class Root:
             raise self._leaf_failed(plan, client.url, e) from None
         return self._leaf_result(plan, batch, body, status, data)
 
-    async def _call_leaf_async(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None) -> LeafResult:
+    async def _call_leaf_async(
+        self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None, request_id: str = ""
+    ) -> LeafResult:
         body = self._leaf_body(plan, batch, body)
         client = self._async_clients[(plan.model, plan.version)]
+        headers = {"Content-Type": wire.MEDIA_TYPE, **({REQUEST_ID_HEADER: request_id} if request_id else {})}
         try:
-            status, _, data = await client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
+            status, _, data = await client.request("POST", "/predict", body, headers)
         except OSError as e:
             raise self._leaf_failed(plan, client.url, e) from None
         return self._leaf_result(plan, batch, body, status, data)
@@ -455,23 +462,23 @@ class Root:
         routes, plans = self._plan(batch, models)
         return await self._send_async(routes, plans, batch, [None] * len(plans))
 
-    async def _send_async(self, routes, plans: list[LeafPlan], batch, bodies: list) -> FanoutResult:
+    async def _send_async(self, routes, plans: list[LeafPlan], batch, bodies: list, request_id="") -> FanoutResult:
         if len(plans) == 1:
             try:
-                outcomes = [await self._call_leaf_async(plans[0], batch, bodies[0])]
+                outcomes = [await self._call_leaf_async(plans[0], batch, bodies[0], request_id)]
             except LeafCallError as e:
                 outcomes = [e]
         else:
-            calls = (self._call_leaf_async(plan, batch, body) for plan, body in zip(plans, bodies))
+            calls = (self._call_leaf_async(plan, batch, body, request_id) for plan, body in zip(plans, bodies))
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
         return self._collect(routes.generation, plans, outcomes)
 
-    async def _fan_out_body(self, body: bytes, models: Sequence[str]) -> FanoutResult:
+    async def _fan_out_body(self, body: bytes, models: Sequence[str], request_id: str = "") -> FanoutResult:
         """`fan_out_async` of a request body: `_prepare_body` (in a thread for a body of at least
         ``parse_offload_bytes``: decoding and encoding a big one would stall the event loop), then the sends."""
         threshold = self.config.server.parse_offload_bytes
         routes, plans, batch, bodies = await off_loop(len(body), threshold, self._prepare_body, body, models)
-        return await self._send_async(routes, plans, batch, bodies)
+        return await self._send_async(routes, plans, batch, bodies, request_id)
 
     def _prepare_body(self, body: bytes, models: Sequence[str]):
         """-> (routes, plans, batch or known layout, leaf bodies). A body laid out like one decoded before
@@ -506,7 +513,7 @@ class Root:
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             models = [m for m in request.query.get("models", "").split(",") if m]
             try:
-                result = await self._fan_out_body(request.body, models)
+                result = await self._fan_out_body(request.body, models, request.request_id)
             except wire.DecodeLimitError as e:
                 status = 413
                 self.metrics.inc("bad_requests", reason="decode_limit")
@@ -588,7 +595,8 @@ class Root:
         client = self._async_clients[(model, version)]
         path = f"/v1/models/{model}:retrieve" + (f"?{request.query_string}" if request.query_string else "")
         try:
-            status, leaf_headers, data = await client.request("POST", path, trimmed.body, {"Content-Type": ctype})
+            headers = {"Content-Type": ctype, REQUEST_ID_HEADER: request.request_id}
+            status, leaf_headers, data = await client.request("POST", path, trimmed.body, headers)
         except OSError as e:
             self.metrics.inc("leaf_errors", **labels)
             raise HTTPError(502, {"error": f"leaf {model}/{version} at {client.url} unreachable: {e}"}) from None
