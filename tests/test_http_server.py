@@ -398,7 +398,7 @@ def test_batch_get_caps_user_ids_and_knows_its_sequences(server):
     status, answer = post(conn, "/v1/sequences/nope:batchGet", {"user_ids": [1]})
     assert status == 404 and "nope" in answer["error"]
     status, _, body = get(conn, "/v1/users/1/sequences/s1?as_of_mode=arrival")
-    assert status == 400 and "as_of_mode must be one of ['event', 'ingest']" in json.loads(body)["error"]
+    assert status == 400 and "as_of_mode must be one of ['event', 'ingest', 'visible']" in json.loads(body)["error"]
     assert get(conn, "/v1/users/1/sequences/s1?as_of_mode=event")[2] == get(conn, "/v1/users/1/sequences/s1")[2]
 
 
