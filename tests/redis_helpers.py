@@ -16,8 +16,10 @@ from conftest import free_port
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path):
-    """Yields the port of a fresh redis-server (no persistence) running in `folder`."""
+def redis_server(folder: Path, *extra: str, client_kw: dict | None = None, tls: bool = False):
+    """Yields the port of a fresh redis-server (no persistence) running in `folder`; `extra`: more
+    redis-server arguments (e.g. --requirepass), `client_kw`: how the start-up ping logs in; `tls`: the
+    port is a TLS port (`extra` names the certificates) and the plain port is off."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not on PATH: the broker tests need a real one (apt-get install redis-server)")
@@ -27,13 +29,14 @@ def redis_server(folder: Path):
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     log = open(folder / "redis.log", "w")
+    ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        [binary, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder), *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     try:
-        client = redis.Redis(port=port)
+        client = redis.Redis(port=port, **(client_kw or {}))
         deadline = time.monotonic() + 10
         while True:
             try:

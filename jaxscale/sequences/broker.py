@@ -105,8 +105,12 @@ MAX_DELIVERIES = 5
 """Deliveries of an entry before it goes to the dead-letter stream (`--max-deliveries`)."""
 _ENTRY_ID = re.compile(rb"^([0-9]{1,20})-([0-9]{1,20})$")
 log = logging.getLogger("jaxscale.sequences.broker")
-_URL = re.compile(r"^redis://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})/(?P<stream>[^/?#\s]+)$")
+_URL = re.compile(
+    r"^(?P<scheme>rediss?)://(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(?P<port>[0-9]{1,5})/(?P<stream>[^/?#\s@]+)$"
+)
 _STREAM_NAME = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+PASSWORD_ENV = "JAXSCALE_REDIS_PASSWORD"
+"""The environment variable a broker password is read from when no password file is given."""
 
 
 class BrokerError(ValueError):
@@ -117,28 +121,74 @@ class BrokerError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class RedisAuth:
+    """How to authenticate to the broker: an ACL user (None: Redis' `default` user) and its password, read
+    from a file or the environment, never from the URL (URLs are logged and recorded in run reports); a CA
+    file for `rediss://` (None: the system's CAs). The password is never in the repr."""
+
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    ca_file: str | None = None
+
+    @classmethod
+    def load(
+        cls, *, username: str | None = None, password_file: str | None = None, ca_file: str | None = None, env=None
+    ) -> RedisAuth:
+        """The password from `password_file` (its first line, trailing newline stripped), else from the
+        environment variable JAXSCALE_REDIS_PASSWORD, else none; BrokerError naming a file that is missing or
+        empty. `ca_file` must exist."""
+        env = os.environ if env is None else env
+        password = None
+        if password_file is not None:
+            try:
+                text = Path(password_file).read_text()
+            except OSError as e:
+                raise BrokerError(f"--redis-password-file {password_file}: cannot read it ({e.strerror})") from None
+            password = text.splitlines()[0] if text.strip() else ""
+            if not password:
+                raise BrokerError(f"--redis-password-file {password_file} is empty")
+        elif env.get(PASSWORD_ENV):
+            password = env[PASSWORD_ENV]
+        if ca_file is not None and not Path(ca_file).is_file():
+            raise BrokerError(f"--redis-ca-file {ca_file} does not exist")
+        return cls(username or None, password, ca_file)
+
+
+@dataclasses.dataclass(frozen=True)
 class RedisSource:
-    """Where the events are: `redis://HOST:PORT/STREAM`."""
+    """Where the events are: `redis://HOST:PORT/STREAM`, or `rediss://...` for TLS; `auth` (never part of the
+    URL) says how to log in."""
 
     host: str
     port: int
     stream: str
+    tls: bool = False
+    auth: RedisAuth = RedisAuth()
 
     @classmethod
-    def parse(cls, url: str) -> RedisSource:
-        """The source of a URL, or BrokerError naming what is wrong with it."""
-        if not isinstance(url, str) or not url.startswith("redis://"):
-            raise BrokerError(f"broker URL must start with redis://, got {url!r} (form: redis://HOST:PORT/STREAM)")
+    def parse(cls, url: str, auth: RedisAuth | None = None) -> RedisSource:
+        """The source of a URL, or BrokerError naming what is wrong with it (a password in it included,
+        without repeating the password)."""
+        form = "redis://HOST:PORT/STREAM or rediss://HOST:PORT/STREAM"
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://")):
+            shown = url.split("@")[-1] if isinstance(url, str) else url
+            raise BrokerError(f"broker URL must start with redis:// or rediss://, got {shown!r} (form: {form})")
+        scheme, _, rest = url.partition("://")
+        if "@" in rest.partition("/")[0]:
+            raise BrokerError(
+                f"broker URL {scheme}://...@{rest.rpartition('@')[2]} carries credentials: a URL is logged and "
+                f"recorded in reports, so it may not hold a user or password; pass --redis-user, and the password "
+                f"in --redis-password-file FILE or the environment variable {PASSWORD_ENV}"
+            )
         m = _URL.match(url)
         if m is None:
-            rest = url[len("redis://") :]
             host_port, _, stream = rest.partition("/")
             if not stream:
-                raise BrokerError(f"broker URL {url!r} names no stream (form: redis://HOST:PORT/STREAM)")
+                raise BrokerError(f"broker URL {url!r} names no stream (form: {form})")
             if ":" not in host_port:
-                raise BrokerError(f"broker URL {url!r} has no port (form: redis://HOST:PORT/STREAM)")
+                raise BrokerError(f"broker URL {url!r} has no port (form: {form})")
             raise BrokerError(
-                f"broker URL {url!r} is malformed: expected redis://HOST:PORT/STREAM with a host name, a numeric "
+                f"broker URL {url!r} is malformed: expected {scheme}://HOST:PORT/STREAM with a host name, a numeric "
                 "port and a stream name without '/', '?', '#' or spaces"
             )
         port = int(m["port"])
@@ -147,21 +197,58 @@ class RedisSource:
         stream = m["stream"]
         if not _STREAM_NAME.match(stream):
             raise BrokerError(f"broker URL {url!r}: stream name {stream!r} may hold only letters, digits and _.:-")
-        return cls(m["host"].strip("[]"), port, stream)
+        tls = m["scheme"] == "rediss"
+        auth = auth or RedisAuth()
+        if auth.ca_file is not None and not tls:
+            raise BrokerError(f"--redis-ca-file is for rediss:// (TLS) URLs; {url!r} is plain redis://")
+        return cls(m["host"].strip("[]"), port, stream, tls, auth)
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/{self.stream}"
+        """The URL (never any credential)."""
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.stream}"
 
     def client(self):
-        """A connected client (BrokerError naming the address when nothing answers there)."""
+        """A connected client (BrokerError naming the address when nothing answers there, or when the login
+        or the TLS handshake fails; the password is never in a message)."""
         import redis
 
-        client = redis.Redis(host=self.host, port=self.port, socket_keepalive=True)
+        kw = {}
+        if self.tls:
+            kw = {"ssl": True, "ssl_cert_reqs": "required", "ssl_ca_certs": self.auth.ca_file}
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        options = {
+            "host": self.host,
+            "port": self.port,
+            "username": self.auth.username,
+            "password": self.auth.password,
+            "socket_keepalive": True,
+            **kw,
+        }
+        who = f"as user {self.auth.username!r}" if self.auth.username else "as the default user"
+        # The first ping without retries: a refused login or a failed handshake is not retried with backoff
+        # (seconds) by the client's default retry policy, which stays for the connections that follow.
+        probe = redis.Redis(**options, retry=Retry(NoBackoff(), 0))
         try:
-            client.ping()
+            probe.ping()
+        except redis.AuthenticationError as e:
+            how = "with a password" if self.auth.password else "without a password"
+            raise BrokerError(
+                f"the broker at {self.host}:{self.port} refused the login {who} {how} ({e}); give the password in "
+                f"--redis-password-file or {PASSWORD_ENV}"
+            ) from None
+        except redis.ResponseError as e:
+            if "NOPERM" in str(e) or "NOAUTH" in str(e):
+                raise BrokerError(f"the broker at {self.host}:{self.port} refused {who}: {e}") from None
+            raise
         except redis.ConnectionError as e:
-            raise BrokerError(f"cannot reach the broker at {self.host}:{self.port} ({e})") from None
+            tls = " over TLS (rediss://)" if self.tls else ""
+            raise BrokerError(f"cannot reach the broker at {self.host}:{self.port}{tls} ({e})") from None
+        finally:
+            probe.close()
+        client = redis.Redis(**options)
         return client
 
 
@@ -342,8 +429,17 @@ class Producer:
     """Publishes raw events to the broker: partitioned by user, `batch` events per entry, pipelined XADDs;
     every column of the source travels (`entry_columns`)."""
 
-    def __init__(self, target, *, partitions: int = 1, batch: int = 1024, pipeline: int = 256, client=None):
-        self.source = target if isinstance(target, RedisSource) else RedisSource.parse(target)
+    def __init__(
+        self,
+        target,
+        *,
+        partitions: int = 1,
+        batch: int = 1024,
+        pipeline: int = 256,
+        client=None,
+        auth: RedisAuth | None = None,
+    ):
+        self.source = target if isinstance(target, RedisSource) else RedisSource.parse(target, auth)
         check_partition(0, partitions)
         if not isinstance(batch, int) or not 1 <= batch <= MAX_ENTRY_EVENTS:
             raise BrokerError(f"--batch must be in 1..{MAX_ENTRY_EVENTS} events per entry, got {batch!r}")
@@ -440,6 +536,9 @@ class StreamMetrics:
         self.claimed = counter(
             "jaxscale_stream_entries_claimed", "Entries claimed (XAUTOCLAIM) from the group's idle pending ones"
         )
+        self.trimmed = counter(
+            "jaxscale_stream_entries_trimmed", "Entries removed from the stream by the retention (XTRIM MINID)"
+        )
         self.commit_seconds = Histogram(
             "jaxscale_stream_commit_seconds",
             "Seconds to commit one micro-batch to the store",
@@ -451,7 +550,7 @@ class StreamMetrics:
         self._values = dict.fromkeys(
             ("lag_entries", "pending_entries", "latency_seconds", "events_consumed", "events_acked",
              "events_stored", "events_deduplicated", "batches_committed", "entries_dead_lettered",
-             "events_dead_lettered", "entries_failed", "entries_claimed"), 0
+             "events_dead_lettered", "entries_failed", "entries_claimed", "entries_trimmed"), 0
         )  # fmt: skip
 
     def observe_lag(self, lag: int, pending: int) -> None:
@@ -492,6 +591,10 @@ class StreamMetrics:
     def observe_claimed(self, entries: int) -> None:
         self.claimed.inc(entries)
         self._values["entries_claimed"] += entries
+
+    def observe_trimmed(self, entries: int) -> None:
+        self.trimmed.inc(entries)
+        self._values["entries_trimmed"] += entries
 
     def snapshot(self) -> dict:
         """The current values (for the run report)."""
@@ -549,7 +652,11 @@ class StreamConsumer:
         claim_every_ms: int | None = None,
         max_deliveries: int = MAX_DELIVERIES,
         max_cached_ids: int = DEFAULT_CACHED_IDS,
+        retain_ms: int | None = None,
+        retain_entries: int | None = None,
+        trim_every_ms: int = 1_000,
         client=None,
+        auth: RedisAuth | None = None,
     ):
         if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
             raise ValueError(f"--micro-batch must be a positive integer, got {micro_batch!r}")
@@ -561,9 +668,14 @@ class StreamConsumer:
             claim_every_ms = min(max(claim_idle_ms // 2, 50), 5_000)
         if not isinstance(claim_every_ms, int) or isinstance(claim_every_ms, bool) or claim_every_ms < 1:
             raise ValueError(f"claim_every_ms must be a positive integer, got {claim_every_ms!r}")
+        for name, value in (("--retain-ms", retain_ms), ("--retain-entries", retain_entries)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(trim_every_ms, int) or isinstance(trim_every_ms, bool) or trim_every_ms < 0:
+            raise ValueError(f"trim_every_ms must be a non-negative integer, got {trim_every_ms!r}")
         if not group:
             raise BrokerError("--group must name the consumer group")
-        self.source = source if isinstance(source, RedisSource) else RedisSource.parse(source)
+        self.source = source if isinstance(source, RedisSource) else RedisSource.parse(source, auth)
         check_partition(partition, partitions)
         self.defs, self.group, self.store = defs, group, Path(store)
         self.partition, self.partitions = partition, partitions
@@ -572,6 +684,8 @@ class StreamConsumer:
         self.consumer = consumer or f"consumer-{partition}"
         self.micro_batch, self.block_ms = micro_batch, block_ms
         self.claim_idle_ms, self.claim_every_ms, self.max_deliveries = claim_idle_ms, claim_every_ms, max_deliveries
+        self.retain_ms, self.retain_entries, self.trim_every_ms = retain_ms, retain_entries, trim_every_ms
+        self._next_trim = 0.0
         self.client = client or self.source.client()
         self.engine = Engine(defs, load_enrichment_tables(defs, dict(sources or {})))
         self.writer = IncrementalWriter(
@@ -834,6 +948,70 @@ class StreamConsumer:
             )  # fmt: skip
         self.update_lag()
 
+    # -- retention
+
+    def trim_floor(self) -> bytes | None:
+        """The lowest entry id any group of the stream may still need (XINFO GROUPS, XPENDING): each group's
+        oldest pending entry (delivered, not acknowledged), or, with none pending, the id right after its
+        last delivered one; the lowest over the groups. None when the stream has no group."""
+        floor = None
+        for g in self.client.xinfo_groups(self.key):
+            name = g["name"]
+            if int(g.get("pending") or 0):
+                oldest = self.client.xpending(self.key, name)["min"]
+                need = entry_time(oldest if isinstance(oldest, bytes) else oldest.encode())
+            else:
+                last = g["last-delivered-id"]
+                ms, seq = entry_time(last if isinstance(last, bytes) else last.encode())
+                need = (ms, seq + 1) if seq < 2**64 - 1 else (ms + 1, 0)
+            floor = need if floor is None else min(floor, need)
+        return None if floor is None else f"{floor[0]}-{floor[1]}".encode()
+
+    def retention_floor(self) -> bytes | None:
+        """The lowest entry id the retention keeps: entries received within `retain_ms` of now and the newest
+        `retain_entries` are kept (both given: what either keeps); None when nothing is to be trimmed."""
+        keep = []
+        if self.retain_ms is not None:
+            keep.append((max(int(time.time() * 1000) - self.retain_ms, 0), 0))
+        if self.retain_entries is not None:
+            if self.retain_entries == 0:
+                keep.append((2**64 - 1, 2**64 - 1))
+            else:
+                newest = self.client.xrevrange(self.key, count=self.retain_entries)
+                if len(newest) < self.retain_entries:
+                    return None
+                keep.append(entry_time(newest[-1][0]))
+        if not keep:
+            return None
+        ms, seq = min(keep)
+        return f"{ms}-{seq}".encode()
+
+    def trim(self) -> int:
+        """Trims the stream by the retention (XTRIM MINID, exact), never above `trim_floor`: an entry is
+        removed only once every group has had it delivered and acknowledged and the retention lets it go.
+        Safe without a transaction: the floor only rises (a group's last delivered id grows, its pending
+        entries are acknowledged or re-claimed, never re-added below). Returns the entries removed."""
+        retain = self.retention_floor()
+        if retain is None:
+            return 0
+        floor = self.trim_floor()
+        if floor is None:
+            return 0
+        minid = min(entry_time(retain), entry_time(floor))
+        removed = int(self.client.xtrim(self.key, minid=f"{minid[0]}-{minid[1]}", approximate=False))
+        if removed:
+            self.metrics.observe_trimmed(removed)
+            log.info("%s: trimmed %d entries below %d-%d (retention and the groups' progress)", self.key, removed,
+                     *minid)  # fmt: skip
+        return removed
+
+    def _maybe_trim(self) -> None:
+        if self.retain_ms is None and self.retain_entries is None:
+            return
+        if time.monotonic() >= self._next_trim:
+            self._next_trim = time.monotonic() + self.trim_every_ms / 1000
+            self.trim()
+
     def update_lag(self) -> None:
         """Lag and pending entries of the group (XINFO GROUPS)."""
         for g in self.client.xinfo_groups(self.key):
@@ -854,9 +1032,12 @@ class StreamConsumer:
             if entries:
                 self.process(entries)
                 idle_since = time.monotonic()
-            elif until_idle is not None and time.monotonic() - idle_since >= until_idle:
+            self._maybe_trim()
+            if not entries and until_idle is not None and time.monotonic() - idle_since >= until_idle:
                 break
         self.writer.finish()
+        if self.retain_ms is not None or self.retain_entries is not None:
+            self.trim()
         self.update_lag()
         finish_stream_report(self.report, self.writer, self.store, t0)
         self.report.extra.update(
@@ -870,6 +1051,9 @@ class StreamConsumer:
                 "dead_lettered": self.metrics.snapshot()["entries_dead_lettered"],
                 "max_deliveries": self.max_deliveries,
                 "claim_idle_ms": self.claim_idle_ms,
+                "retain_ms": self.retain_ms,
+                "retain_entries": self.retain_entries,
+                "trimmed": self.metrics.snapshot()["entries_trimmed"],
                 "metrics": self.metrics.snapshot(),
                 "pid": os.getpid(),
             }

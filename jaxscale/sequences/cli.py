@@ -61,6 +61,9 @@ def _consume(defs, args):
         block_ms=args.block_ms,
         claim_idle_ms=args.claim_idle_ms,
         max_deliveries=args.max_deliveries,
+        retain_ms=args.retain_ms,
+        retain_entries=args.retain_entries,
+        auth=_redis_auth(args),
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -74,6 +77,23 @@ def _consume(defs, args):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return consumer.run(until_idle=args.until_idle, stop=stop)
+
+
+def _redis_args(p: argparse.ArgumentParser) -> None:
+    """Broker login and TLS options (never in the URL, which is logged and recorded)."""
+    p.add_argument("--redis-user", metavar="NAME", help="Redis ACL user (default: Redis' default user)")
+    p.add_argument(
+        "--redis-password-file",
+        metavar="FILE",
+        help="file whose first line is the Redis password (default: the environment variable JAXSCALE_REDIS_PASSWORD)",
+    )
+    p.add_argument("--redis-ca-file", metavar="FILE", help="CA certificates to verify a rediss:// (TLS) server with")
+
+
+def _redis_auth(args):
+    from jaxscale.sequences.broker import RedisAuth
+
+    return RedisAuth.load(username=args.redis_user, password_file=args.redis_password_file, ca_file=args.redis_ca_file)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,12 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--metrics-port", type=int, help="export Prometheus metrics on this port (0 = any free one)")
     b.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics exporter")
+    b.add_argument(
+        "--retain-ms",
+        type=int,
+        metavar="MS",
+        help="trim the stream (XTRIM MINID) to entries received in the last MS, never one a group has not yet "
+        "had delivered and acknowledged (default: never trim)",
+    )
+    b.add_argument(
+        "--retain-entries", type=int, metavar="N", help="keep at least the newest N entries when trimming (see above)"
+    )
+    _redis_args(b)
 
     p = sub.add_parser("produce", help="publish raw event Parquet files to a Redis stream, in arrival order")
     p.add_argument("--events", required=True, help="a Parquet file or a directory of them (any layout)")
     p.add_argument("--target", required=True, metavar="redis://HOST:PORT/STREAM")
     p.add_argument("--partitions", type=int, default=1, help="streams STREAM.0..N-1, by user (1: STREAM itself)")
     p.add_argument("--batch", type=int, default=1024, help="events per stream entry (at most 4096)")
+    _redis_args(p)
 
     p = sub.add_parser("serve", help="HTTP API over a store")
     p.add_argument("--store", required=True)
@@ -230,7 +262,7 @@ def run(args) -> int:
     if args.command == "produce":
         from jaxscale.sequences.broker import Producer
 
-        producer = Producer(args.target, partitions=args.partitions, batch=args.batch)
+        producer = Producer(args.target, partitions=args.partitions, batch=args.batch, auth=_redis_auth(args))
         print(json.dumps(producer.publish_files(args.events)))
         return 0
     if args.command == "import":
