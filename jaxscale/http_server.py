@@ -320,9 +320,13 @@ class Service:
         collectors: Iterable = (),
         unrouted: Callable[[Request, list[str]], Response] = default_unrouted,
         on_close: Iterable[Callable[[], Awaitable[None]]] = (),
+        cancel_on_disconnect: bool = False,
     ):
-        """``on_close``: coroutines run on the loop after the last in-flight request (close an `AsyncClient`)."""
+        """``on_close``: coroutines run on the loop after the last in-flight request (close an `AsyncClient`).
+        ``cancel_on_disconnect``: a handler whose client closes the connection is cancelled (a proxy's calls to
+        its upstreams end with it); off by default, as a handler cancelled mid-way must leave nothing half done."""
         self.config, self.name, self.unrouted = config, name, unrouted
+        self.cancel_on_disconnect = cancel_on_disconnect
         self.on_close = tuple(on_close)
         self.registry = CollectorRegistry(auto_describe=False)
         self.metrics = HTTPMetrics(metrics_prefix, self.registry)
@@ -358,6 +362,7 @@ class Service:
             handle_signals=False,
             shutdown_timeout=cfg.shutdown_timeout_s,
             access_log=_access_logger(self.name) if cfg.access_log else None,
+            handler_cancellation=self.cancel_on_disconnect,
         )
         await self._runner.setup()
         tls = server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None

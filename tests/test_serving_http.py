@@ -211,10 +211,12 @@ def test_malformed_requests(root, leaves):
     assert status == 200, body
 
 
-def test_unreachable_leaf_is_502_naming_it(store):
+def test_unreachable_leaf_is_503_naming_it(store):
+    """Unreachable is unavailable (Envoy's "upstream connect error"): 503 + Retry-After, naming the leaf."""
     with Root(RootConfig(store, (LeafAddress("ctr", "1", "http://127.0.0.1:9"),), leaf_timeout_s=5)) as r:
-        status, _, body = post(r.url + "/predict", BODY)
-        assert status == 502 and "leaf ctr/1 at http://127.0.0.1:9 unreachable" in json.loads(body)["error"]
+        status, headers, body = post(r.url + "/predict", BODY)
+        assert status == 503 and "leaf ctr/1 at http://127.0.0.1:9 unreachable" in json.loads(body)["error"]
+        assert headers["Retry-After"] == "1"
         assert r.metrics.value("leaf_errors", model="ctr", version="1") == 1
 
 

@@ -41,6 +41,7 @@ counted (``ignored_features``): that is what a fail-open or untrimmed root costs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import logging
 import threading
@@ -70,6 +71,7 @@ from jaxscale.serving import retrieval as retrieval_lib
 from jaxscale.serving import wire
 from jaxscale.serving.export import ExportedModel, load_model
 from jaxscale.serving.metrics import MetricDef, Metrics
+from jaxscale.serving.resilience import TIMEOUT_HEADER, budget_s
 from jaxscale.serving.signature import FeatureError
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ LEAF_METRICS = (
     MetricDef("ignored_features", "counter", "received feature columns the model does not declare (ignored)"),
     MetricDef("filled_unused_features", "counter", "declared-but-unused features absent and passed as zeros"),
     MetricDef("retrieved", "counter", "retrieve requests (rows) answered"),
+    MetricDef("deadlines", "counter", "requests answered 504: their X-Request-Timeout-Ms ran out", ("route",)),
 )
 
 
@@ -286,7 +289,32 @@ class Leaf:
         payload.setdefault("version", self.signature.version)
         return HTTPError(400, payload)
 
+    async def _within_deadline(self, request: Request, route: str, handler) -> Response:
+        """``handler(request)`` within the sender's ``X-Request-Timeout-Ms`` (the root sends what is left of its
+        deadline): past it the answer is 504 at once (nobody reads a later one; a model call already running in a
+        thread finishes there), and a request that arrives with nothing left is not run at all."""
+        budget = budget_s(request.headers)
+        try:
+            if budget is not None and budget <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(budget):
+                return await handler(request)
+        except TimeoutError:
+            self.metrics.inc("deadlines", route=route)
+            ms = request.headers.get(TIMEOUT_HEADER.lower())
+            message = f"the request's deadline of {ms} ms ({TIMEOUT_HEADER}) ran out before the answer"
+            return Response.json(
+                {"error": message, "reason": "deadline", "deadline": TIMEOUT_HEADER, **self._label}, 504
+            )
+
+    @property
+    def _label(self) -> dict:
+        return {"model": self.signature.model, "version": self.signature.version}
+
     async def _predict(self, request: Request) -> Response:
+        return await self._within_deadline(request, "predict", self._predict_now)
+
+    async def _predict_now(self, request: Request) -> Response:
         self.metrics.inc("request_bytes", len(request.body))
         status = 200
         try:
@@ -330,6 +358,9 @@ class Leaf:
         ]
 
     async def _retrieve(self, request: Request) -> Response:
+        return await self._within_deadline(request, "retrieve", self._retrieve_now)
+
+    async def _retrieve_now(self, request: Request) -> Response:
         """``POST /v1/models/{name}:retrieve``: decoded and checked inline; the state lookup, the query step and
         the index search go through ``self._offload`` (one cost key per batch bucket)."""
         ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()

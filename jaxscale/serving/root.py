@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,15 +77,33 @@ from jaxscale.http_server import (
 )
 from jaxscale.serving import wire
 from jaxscale.serving.metrics import MetricDef, Metrics
+from jaxscale.serving.resilience import STATES, TIMEOUT_HEADER, CircuitBreaker, Concurrency, budget_s
 from jaxscale.serving.retrieval import TIMINGS_HEADER, trim_retrieve_request
 from jaxscale.serving.routes import OK, RouteTable
 from jaxscale.serving.signature import FeatureError, SignatureError, check_name
 from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
 
 log = logging.getLogger(__name__)
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxscale_root_request_id", default=None)
+
+
+class _RequestIdFilter(logging.Filter):
+    """Every log line the root writes while handling a request starts with that request's id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = _REQUEST_ID.get()
+        if rid and getattr(record, "request_id", None) is None:
+            record.request_id = rid
+            record.msg = f"[request {rid}] {record.msg}"
+        return True
+
+
+log.addFilter(_RequestIdFilter())
 
 GENERATION_HEADER = "X-Jaxscale-Routes-Generation"
 FANOUT_HEADER = "X-Jaxscale-Fanout"
+FAILED_HEADER = "X-Jaxscale-Failed"  # a partial answer: {"model/version": {"status", "error", "reason"}} per leaf
+FAILED_METADATA = b"jaxscale.failed"  # the same JSON in a partial answer's Arrow schema metadata
 
 ROOT_METRICS = (
     MetricDef("requests", "counter", "predict requests answered, by HTTP status", ("status",)),
@@ -103,33 +123,83 @@ ROOT_METRICS = (
     MetricDef("reloads", "counter", "route map reloads"),
     MetricDef("routes_generation", "gauge", "generation of the route map in use"),
     MetricDef("signatures_unavailable", "gauge", "model versions whose signature is missing or unreadable"),
+    MetricDef(
+        "leaf_state", "gauge", "circuit breaker of each leaf: 1 for the state it is in", ("model", "version", "state")
+    ),
+    MetricDef(
+        "leaf_refused",
+        "counter",
+        "leaf calls not made: circuit open, or the leaf's concurrency bound reached",
+        ("model", "version", "reason"),
+    ),
+    MetricDef("leaf_deadlines", "counter", "leaf calls that ran out of their deadline (504)", ("model", "version")),
+    MetricDef("leaf_cancelled", "counter", "leaf calls cancelled because the client went away", ("model", "version")),
+    MetricDef("partial_answers", "counter", "predict requests answered without some leaves' outputs (listed)"),
 )
 
 
 @dataclass(frozen=True)
 class LeafAddress:
+    """One leaf; ``timeout_s`` / ``max_in_flight`` override the root's ``leaf_timeout_s`` / ``leaf_max_in_flight``
+    for it (None = the root's)."""
+
     model: str
     version: str
     url: str
+    timeout_s: float | None = None
+    max_in_flight: int | None = None
 
     def __post_init__(self):
         check_name("model", self.model)
         check_name("version", self.version)
+        if self.timeout_s is not None and not (_is_number(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"leaf {self.label}: timeout must be a number > 0, got {self.timeout_s!r}")
+        if self.max_in_flight is not None and not (_is_count(self.max_in_flight) and self.max_in_flight >= 1):
+            raise ValueError(f"leaf {self.label}: max_in_flight must be an integer >= 1, got {self.max_in_flight!r}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}/{self.version}"
 
     @classmethod
     def parse(cls, text: str) -> LeafAddress:
-        """``model/version=http://host:port``"""
-        key, sep, url = text.partition("=")
+        """``model/version=http://host:port[,timeout=SECONDS][,max_in_flight=N]``"""
+        key, sep, rest = text.partition("=")
         model, slash, version = key.partition("/")
         if not sep or not slash:
-            raise ValueError(f"leaf must be model/version=http://host:port, got {text!r}")
-        return cls(model, version, url)
+            raise ValueError(f"leaf must be model/version=http://host:port[,timeout=S][,max_in_flight=N], got {text!r}")
+        url, *options = rest.split(",")
+        known = {"timeout": float, "max_in_flight": int}
+        values = {}
+        for option in options:
+            name, eq, value = option.partition("=")
+            if not eq or name not in known:
+                raise ValueError(f"leaf {key}: unknown option {option!r} (known: timeout=S, max_in_flight=N)")
+            try:
+                values[name] = known[name](value)
+            except ValueError:
+                raise ValueError(f"leaf {key}: option {name} must be a number, got {value!r}") from None
+        return cls(model, version, url, values.get("timeout"), values.get("max_in_flight"))
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
 class RootConfig:
     """``trim=False`` sends every leaf the whole request (the baseline; signatures are still checked).
-    ``rescan_interval_s > 0`` rescans the store in the background; `/admin/reload` always works."""
+    ``rescan_interval_s > 0`` rescans the store in the background; `/admin/reload` always works.
+
+    Failing leaves (`jaxscale.serving.resilience`): each leaf call has at most ``leaf_timeout_s`` (per leaf:
+    `LeafAddress.timeout_s`) and what is left of the request's deadline (the client's ``X-Request-Timeout-Ms``,
+    else ``request_timeout_s``; None = no request deadline); at most ``leaf_max_in_flight`` calls per leaf at once
+    (503 over it); after ``breaker_failures`` consecutive failures a leaf is not called for ``breaker_cooldown_s``
+    (0 failures = no breaker)."""
 
     store: str | Path
     leaves: tuple[LeafAddress, ...]
@@ -140,6 +210,10 @@ class RootConfig:
     server: ServerConfig = field(default_factory=ServerConfig)  # host, port, in-flight bound, tokens, TLS, ...
     leaf_ca_file: str | Path | None = None  # CA that signed the leaves' certificates (https leaves)
     leaf_token: str | None = field(default=None, repr=False)  # bearer token sent to the leaves
+    request_timeout_s: float | None = None
+    leaf_max_in_flight: int = 64
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
 
     def __post_init__(self):
         object.__setattr__(self, "leaves", tuple(self.leaves))
@@ -150,8 +224,18 @@ class RootConfig:
             raise ValueError(f"a model version is served by one leaf; duplicates in {keys}")
         if self.compression not in wire.COMPRESSIONS:
             raise ValueError(f"compression must be one of {wire.COMPRESSIONS}, got {self.compression!r}")
-        if not isinstance(self.leaf_timeout_s, (int, float)) or not self.leaf_timeout_s > 0:
+        if not _is_number(self.leaf_timeout_s) or not self.leaf_timeout_s > 0:
             raise ValueError(f"leaf_timeout_s must be a number > 0, got {self.leaf_timeout_s!r}")
+        if self.request_timeout_s is not None and not (
+            _is_number(self.request_timeout_s) and self.request_timeout_s > 0
+        ):
+            raise ValueError(f"request_timeout_s must be None or a number > 0, got {self.request_timeout_s!r}")
+        if not _is_count(self.leaf_max_in_flight) or self.leaf_max_in_flight < 1:
+            raise ValueError(f"leaf_max_in_flight must be an integer >= 1, got {self.leaf_max_in_flight!r}")
+        if not _is_count(self.breaker_failures) or self.breaker_failures < 0:
+            raise ValueError(f"breaker_failures must be an integer >= 0 (0 = off), got {self.breaker_failures!r}")
+        if not _is_number(self.breaker_cooldown_s) or self.breaker_cooldown_s < 0:
+            raise ValueError(f"breaker_cooldown_s must be a number >= 0, got {self.breaker_cooldown_s!r}")
 
 
 @dataclass
@@ -176,18 +260,28 @@ class FanoutResult:
 
     generation: int
     leaves: dict[str, LeafResult] = field(default_factory=dict)
+    failed: dict[str, LeafCallError] = field(default_factory=dict)  # a partial answer: the leaves that failed
+
+    def failures(self) -> dict[str, dict]:
+        """``{"model/version": {"status", "error", "reason"}}`` of the leaves left out of a partial answer."""
+        return {k: e.summary() for k, e in self.failed.items()}
 
     def outputs(self) -> dict[str, dict[str, np.ndarray]]:
         """``{"model/version": {output: array}}``"""
         return {k: {n: wire.to_numpy(r.outputs, n) for n in r.outputs.schema.names} for k, r in self.leaves.items()}
 
     def to_batch(self) -> pa.RecordBatch:
+        """One column per leaf output, "<model>/<version>/<output>"; a partial answer lists the leaves that
+        failed in the schema metadata (``jaxscale.failed``, as in the ``X-Jaxscale-Failed`` header)."""
         cols, names = [], []
         for key, r in self.leaves.items():
             for name, col in zip(r.outputs.schema.names, r.outputs.columns):
                 cols.append(col)
                 names.append(f"{key}/{name}")
-        return pa.RecordBatch.from_arrays(cols, names=names)
+        batch = pa.RecordBatch.from_arrays(cols, names=names)
+        if self.failed:
+            batch = batch.replace_schema_metadata({FAILED_METADATA: json.dumps(self.failures()).encode()})
+        return batch
 
 
 class _Run:
@@ -269,11 +363,76 @@ class UnknownModelError(ValueError):
 
 class LeafCallError(Exception):
     """A leaf call failed: ``status`` 400 (413) when the leaf refused the request (its JSON ``payload`` names the
-    feature or the limit, and the leaf), 502 when it was unreachable or answered something unusable."""
+    feature or the limit, and the leaf); 503 + ``Retry-After`` (``headers``) when the leaf is unreachable, busy
+    (its own 503, or the root's bound on calls to it) or its circuit is open; 504 when a deadline ran out (the
+    payload names it); 502 when it answered something unusable."""
 
-    def __init__(self, status: int, payload: dict):
+    def __init__(self, status: int, payload: dict, headers: dict | None = None):
         super().__init__(payload.get("error", ""))
-        self.status, self.payload = status, payload
+        self.status, self.payload, self.headers = status, payload, dict(headers or {})
+
+    def summary(self) -> dict:
+        return {"status": self.status, "error": self.payload.get("error", ""), "reason": self.payload.get("reason")}
+
+    def response(self) -> Response:
+        return Response.json(self.payload, self.status, self.headers)
+
+
+def _retry_after(seconds: float) -> dict:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+class _LeafGuard:
+    """One leaf's timeout, concurrency bound and circuit breaker (`jaxscale.serving.resilience`)."""
+
+    def __init__(self, address: LeafAddress, config: RootConfig, metrics: Metrics):
+        self.label, self.labels = address.label, {"model": address.model, "version": address.version}
+        self.timeout_s = address.timeout_s or config.leaf_timeout_s
+        self.concurrency = Concurrency(address.max_in_flight or config.leaf_max_in_flight)
+        self.metrics, self.retry_after_s = metrics, config.server.retry_after_s
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, self._changed)
+        self._show(self.breaker.state)
+
+    def _show(self, state: str) -> None:
+        for s in STATES:
+            self.metrics.set("leaf_state", float(s == state), state=s, **self.labels)
+
+    def _changed(self, old: str, new: str) -> None:
+        self._show(new)
+        log.warning("leaf %s: circuit %s -> %s", self.label, old, new)
+
+    def enter(self) -> None:
+        """Admits a call (then `exit` must follow) or raises the 503 that refuses it."""
+        wait = self.breaker.admit()
+        if wait is not None:
+            self.metrics.inc("leaf_refused", reason="circuit_open", **self.labels)
+            message = f"leaf {self.label}: circuit open after repeated failures; retry in {wait:.1f} s"
+            raise LeafCallError(
+                503, {"error": message, "reason": "circuit_open", "leaf": self.label}, _retry_after(wait)
+            )
+        if not self.concurrency.acquire():
+            self.breaker.release()
+            self.metrics.inc("leaf_refused", reason="leaf_busy", **self.labels)
+            message = f"leaf {self.label}: {self.concurrency.limit} calls in flight (the limit leaf_max_in_flight)"
+            raise LeafCallError(
+                503, {"error": message, "reason": "leaf_busy", "leaf": self.label}, _retry_after(self.retry_after_s)
+            )
+
+    def exit(self, ok: bool | None) -> None:
+        """``ok``: the call's verdict for the breaker (None: no verdict, e.g. cancelled)."""
+        self.concurrency.release()
+        if ok is None:
+            self.breaker.release()
+        else:
+            self.breaker.record(ok)
+
+    def timeout(self, deadline: float | None) -> tuple[float, str]:
+        """(seconds this call may take, the name of the deadline that bounds it)."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < self.timeout_s:
+                return left, "request deadline (X-Request-Timeout-Ms or request_timeout_s)"
+        return self.timeout_s, "leaf_timeout_s"
 
 
 class Root:
@@ -283,16 +442,20 @@ class Root:
         self.config = config
         self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
         self.targets = tuple((a.model, a.version) for a in config.leaves)
+        self._guards = {(a.model, a.version): _LeafGuard(a, config, self.metrics) for a in config.leaves}
         self._clients = {
             (a.model, a.version): Client(
-                a.url, config.leaf_timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
+                a.url, self._guards[a.model, a.version].timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
             )
             for a in config.leaves
         }
         self._async_clients = {  # the HTTP path's: bound to the server's event loop on first use
-            (a.model, a.version): AsyncClient(
-                a.url, config.leaf_timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
-            )
+            (a.model, a.version): AsyncClient(  # its own timeout is a backstop: the guard's deadline comes first
+                a.url,
+                self._guards[a.model, a.version].timeout_s + 1,
+                ca_file=config.leaf_ca_file,
+                token=config.leaf_token,
+            )  # fmt: skip
             for a in config.leaves
         }
         self._planner = FanoutPlanner()
@@ -363,21 +526,102 @@ class Root:
             known.recipes[plan] = _LeafBodyRecipe.learn(request, payload, body) if cut else None
         return body
 
-    def _leaf_failed(self, plan: LeafPlan, url: str, error: OSError) -> LeafCallError:
-        self.metrics.inc("leaf_errors", model=plan.model, version=plan.version)
-        return LeafCallError(502, {"error": f"leaf {plan.label} at {url} unreachable: {error}"})
+    # ------------------------------------------------------------------------------------- one leaf call
 
-    def _leaf_result(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes, status: int, data: bytes):
-        """A leaf's answer -> `LeafResult`, or raises `LeafCallError` (its 400 passed on, anything else 502)."""
-        labels = {"model": plan.model, "version": plan.version}
-        if status != 200:
-            self.metrics.inc("leaf_errors", **labels)
+    def _deadline_error(self, guard: _LeafGuard, named: str, seconds: float) -> LeafCallError:
+        self.metrics.inc("leaf_deadlines", **guard.labels)
+        message = f"leaf {guard.label} did not answer within {seconds * 1e3:.0f} ms: the {named} ran out"
+        log.warning("%s", message)
+        return LeafCallError(504, {"error": message, "reason": "deadline", "deadline": named, "leaf": guard.label})
+
+    def _unreachable(self, guard: _LeafGuard, url: str, error: OSError) -> LeafCallError:
+        self.metrics.inc("leaf_errors", **guard.labels)
+        message = f"leaf {guard.label} at {url} unreachable: {error}"
+        log.warning("%s", message)
+        headers = _retry_after(self.config.server.retry_after_s)
+        return LeafCallError(503, {"error": message, "reason": "unreachable", "leaf": guard.label}, headers)
+
+    def _leaf_error(self, guard: _LeafGuard, status: int, headers: dict, data: bytes) -> LeafCallError:
+        """A leaf's non-200 answer: its 400/413 passed on (the request's fault), its 503 passed on with its
+        ``Retry-After``, its 504 (it ran out of the deadline it was sent) passed on; anything else a 502."""
+        self.metrics.inc("leaf_errors", **guard.labels)
+        try:
+            payload = json.loads(data)
+            if not isinstance(payload, dict):
+                raise ValueError
+        except ValueError:
+            payload = {"error": data[:200].decode(errors="replace")}
+        payload = {**payload, "leaf": guard.label}
+        log.warning("leaf %s answered %d: %s", guard.label, status, str(payload.get("error", ""))[:200])
+        if status == 503:
+            retry = headers.get("retry-after")
+            return LeafCallError(503, payload, {"Retry-After": retry} if retry else _retry_after(self.retry_after_s))
+        if status in _PASSED_ON or status == 504:
+            return LeafCallError(status, payload)
+        return LeafCallError(502, payload)
+
+    @property
+    def retry_after_s(self) -> int:
+        return self.config.server.retry_after_s
+
+    def _exchange(self, key, path: str, body: bytes, headers: dict):
+        """One blocking call to a leaf, guarded (`_LeafGuard`): -> (status 200, headers, body) or `LeafCallError`."""
+        guard, client = self._guards[key], self._clients[key]
+        guard.enter()
+        ok = None
+        try:
+            headers = {**headers, TIMEOUT_HEADER: str(max(1, int(guard.timeout_s * 1e3)))}
             try:
-                payload = json.loads(data)
-            except ValueError:
-                payload = {"error": data[:200].decode(errors="replace")}
-            payload = {**payload, "leaf": plan.label}
-            raise LeafCallError(status if status in _PASSED_ON else 502, payload)
+                status, leaf_headers, data = client.request("POST", path, body, headers)
+            except TimeoutError:
+                ok = False
+                raise self._deadline_error(guard, "leaf_timeout_s", guard.timeout_s) from None
+            except OSError as e:
+                ok = False
+                raise self._unreachable(guard, client.url, e) from None
+            ok = status < 500
+            if status != 200:
+                raise self._leaf_error(guard, status, leaf_headers, data)
+            return status, leaf_headers, data
+        finally:
+            guard.exit(ok)
+
+    async def _exchange_async(self, key, path: str, body: bytes, headers: dict, deadline: float | None):
+        """One call to a leaf on the event loop, guarded: refused at once when its circuit is open or its bound is
+        reached (503), bounded by its timeout and the request's ``deadline`` (504; the leaf is sent what is left
+        in ``X-Request-Timeout-Ms``), cancelled with the request (the client went away). -> (200, headers, body)
+        or raises `LeafCallError`."""
+        guard, client = self._guards[key], self._async_clients[key]
+        guard.enter()
+        ok = None
+        try:
+            timeout, named = guard.timeout(deadline)
+            if timeout <= 0:
+                raise self._deadline_error(guard, named, 0.0)
+            headers = {**headers, TIMEOUT_HEADER: str(max(1, int(timeout * 1e3)))}
+            try:
+                async with asyncio.timeout(timeout):
+                    status, leaf_headers, data = await client.request("POST", path, body, headers)
+            except TimeoutError:
+                ok = False
+                raise self._deadline_error(guard, named, timeout) from None
+            except OSError as e:
+                ok = False
+                raise self._unreachable(guard, client.url, e) from None
+            except asyncio.CancelledError:
+                self.metrics.inc("leaf_cancelled", **guard.labels)
+                log.info("leaf %s: call cancelled (the client went away)", guard.label)
+                raise
+            ok = status < 500
+            if status != 200:
+                raise self._leaf_error(guard, status, leaf_headers, data)
+            return status, leaf_headers, data
+        finally:
+            guard.exit(ok)
+
+    def _leaf_result(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes, data: bytes) -> LeafResult:
+        """A leaf's 200 answer -> `LeafResult`, or raises `LeafCallError` (502) when it is unusable."""
+        labels = {"model": plan.model, "version": plan.version}
         try:
             outputs = wire.decode(data)
         except wire.PayloadError as e:
@@ -395,24 +639,21 @@ class Root:
 
     def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
         body = self._leaf_body(plan, batch)
-        client = self._clients[(plan.model, plan.version)]
-        try:
-            status, _, data = client.request("POST", "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
-        except OSError as e:
-            raise self._leaf_failed(plan, client.url, e) from None
-        return self._leaf_result(plan, batch, body, status, data)
+        _, _, data = self._exchange((plan.model, plan.version), "/predict", body, {"Content-Type": wire.MEDIA_TYPE})
+        return self._leaf_result(plan, batch, body, data)
 
     async def _call_leaf_async(
-        self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes | None = None, request_id: str = ""
+        self,
+        plan: LeafPlan,
+        batch: pa.RecordBatch,
+        body: bytes | None = None,
+        request_id: str = "",
+        deadline: float | None = None,
     ) -> LeafResult:
         body = self._leaf_body(plan, batch, body)
-        client = self._async_clients[(plan.model, plan.version)]
         headers = {"Content-Type": wire.MEDIA_TYPE, **({REQUEST_ID_HEADER: request_id} if request_id else {})}
-        try:
-            status, _, data = await client.request("POST", "/predict", body, headers)
-        except OSError as e:
-            raise self._leaf_failed(plan, client.url, e) from None
-        return self._leaf_result(plan, batch, body, status, data)
+        _, _, data = await self._exchange_async((plan.model, plan.version), "/predict", body, headers, deadline)
+        return self._leaf_result(plan, batch, body, data)
 
     def _plan(self, batch, models: Sequence[str] | None):
         """-> (the route map, one plan per target leaf); raises `FeatureError` / `UnknownModelError`."""
@@ -423,19 +664,32 @@ class Root:
         self.metrics.inc("trim_seconds", time.perf_counter() - t0)
         return routes, plans
 
-    @staticmethod
-    def _collect(generation: int, plans: list[LeafPlan], outcomes: list) -> FanoutResult:
-        result, errors = FanoutResult(generation), []
+    def _collect(self, generation: int, plans: list[LeafPlan], outcomes: list, partial: bool) -> FanoutResult:
+        """The fan-out's result. A leaf's 400/413 (the request's fault) fails the request. Other failures: with
+        ``partial`` (the request named no models) the leaves that answered are the answer and the others are listed
+        in ``failed``; else (or when none answered) the first failure is the answer, listing every failed leaf."""
+        result, errors = FanoutResult(generation), {}
         for plan, outcome in zip(plans, outcomes):
             if isinstance(outcome, LeafCallError):
-                errors.append(outcome)
+                errors[plan.label] = outcome
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
                 result.leaves[plan.label] = outcome
-        if errors:
-            raise min(errors, key=lambda e: e.status)  # a leaf's 400 (bad request) wins over a 502
-        return result
+        if not errors:
+            return result
+        refused = [e for e in errors.values() if e.status in _PASSED_ON]
+        if refused:
+            raise min(refused, key=lambda e: e.status)  # a leaf's 400 (bad request) wins
+        if partial and result.leaves:
+            result.failed = errors
+            self.metrics.inc("partial_answers")
+            log.warning("partial answer: %s failed, %s answered", sorted(errors), sorted(result.leaves))
+            return result
+        first = next(iter(errors.values()))
+        if len(errors) > 1:
+            first.payload = {**first.payload, "failed": {k: e.summary() for k, e in errors.items()}}
+        raise first
 
     def fan_out(self, batch: pa.RecordBatch | Mapping[str, np.ndarray], models: Sequence[str] | None = None):
         """Check, trim and send one request to every target leaf (in parallel threads); -> `FanoutResult`.
@@ -455,30 +709,36 @@ class Root:
                 outcomes.append(fut.result())
             except LeafCallError as e:
                 outcomes.append(e)
-        return self._collect(routes.generation, plans, outcomes)
+        return self._collect(routes.generation, plans, outcomes, partial=not models)
 
     async def fan_out_async(self, batch: pa.RecordBatch, models: Sequence[str] | None = None) -> FanoutResult:
         """`fan_out` on the running event loop: the leaves are called concurrently over `AsyncClient`s."""
         routes, plans = self._plan(batch, models)
-        return await self._send_async(routes, plans, batch, [None] * len(plans))
+        return await self._send_async(routes, plans, batch, [None] * len(plans), partial=not models)
 
-    async def _send_async(self, routes, plans: list[LeafPlan], batch, bodies: list, request_id="") -> FanoutResult:
+    async def _send_async(
+        self, routes, plans: list[LeafPlan], batch, bodies: list, request_id="", deadline=None, partial=False
+    ) -> FanoutResult:
         if len(plans) == 1:
             try:
-                outcomes = [await self._call_leaf_async(plans[0], batch, bodies[0], request_id)]
+                outcomes = [await self._call_leaf_async(plans[0], batch, bodies[0], request_id, deadline)]
             except LeafCallError as e:
                 outcomes = [e]
-        else:
-            calls = (self._call_leaf_async(plan, batch, body, request_id) for plan, body in zip(plans, bodies))
+        else:  # a cancelled request (the client went away) cancels every call still running
+            calls = (
+                self._call_leaf_async(plan, batch, body, request_id, deadline) for plan, body in zip(plans, bodies)
+            )
             outcomes = await asyncio.gather(*calls, return_exceptions=True)
-        return self._collect(routes.generation, plans, outcomes)
+        return self._collect(routes.generation, plans, outcomes, partial)
 
-    async def _fan_out_body(self, body: bytes, models: Sequence[str], request_id: str = "") -> FanoutResult:
+    async def _fan_out_body(
+        self, body: bytes, models: Sequence[str], request_id: str = "", deadline: float | None = None
+    ) -> FanoutResult:
         """`fan_out_async` of a request body: `_prepare_body` (in a thread for a body of at least
         ``parse_offload_bytes``: decoding and encoding a big one would stall the event loop), then the sends."""
         threshold = self.config.server.parse_offload_bytes
         routes, plans, batch, bodies = await off_loop(len(body), threshold, self._prepare_body, body, models)
-        return await self._send_async(routes, plans, batch, bodies, request_id)
+        return await self._send_async(routes, plans, batch, bodies, request_id, deadline, partial=not models)
 
     def _prepare_body(self, body: bytes, models: Sequence[str]):
         """-> (routes, plans, batch or known layout, leaf bodies). A body laid out like one decoded before
@@ -504,7 +764,22 @@ class Root:
 
     # ------------------------------------------------------------------------------------------------- HTTP
 
+    def _deadline(self, request: Request) -> float | None:
+        """The request's deadline (monotonic seconds): now + the client's ``X-Request-Timeout-Ms``, else
+        ``request_timeout_s``; None = none (each leaf call still has its own timeout)."""
+        budget = budget_s(request.headers)
+        if budget is None:
+            budget = self.config.request_timeout_s
+        return None if budget is None else time.monotonic() + budget
+
     async def _predict(self, request: Request) -> Response:
+        token = _REQUEST_ID.set(request.request_id)
+        try:
+            return await self._predict_traced(request)
+        finally:
+            _REQUEST_ID.reset(token)
+
+    async def _predict_traced(self, request: Request) -> Response:
         status = 200
         try:
             ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
@@ -513,7 +788,7 @@ class Root:
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             models = [m for m in request.query.get("models", "").split(",") if m]
             try:
-                result = await self._fan_out_body(request.body, models, request.request_id)
+                result = await self._fan_out_body(request.body, models, request.request_id, self._deadline(request))
             except wire.DecodeLimitError as e:
                 status = 413
                 self.metrics.inc("bad_requests", reason="decode_limit")
@@ -530,7 +805,7 @@ class Root:
                 status = e.status
                 if e.status == 400:
                     self.metrics.inc("bad_requests", reason=str(e.payload.get("reason", "leaf")))
-                raise HTTPError(e.status, e.payload) from None
+                return e.response()
             except UnknownModelError as e:
                 status = 400
                 self.metrics.inc("bad_requests", reason="model")
@@ -539,6 +814,8 @@ class Root:
                 GENERATION_HEADER: str(result.generation),
                 FANOUT_HEADER: json.dumps({k: r.summary() for k, r in result.leaves.items()}, separators=(",", ":")),
             }
+            if result.failed:
+                headers[FAILED_HEADER] = json.dumps(result.failures(), separators=(",", ":"))
             return Response(200, wire.encode(result.to_batch()), wire.MEDIA_TYPE, headers)
         finally:
             self.metrics.inc("requests", status=status)
@@ -559,6 +836,14 @@ class Root:
     async def _retrieve(self, request: Request) -> Response:
         """``POST /v1/models/{name}:retrieve``: check and trim the request inline (fail open without a signature),
         forward it to the model's leaf over its `AsyncClient`, pass the answer on."""
+        token = _REQUEST_ID.set(request.request_id)
+        try:
+            return await self._retrieve_traced(request)
+        finally:
+            _REQUEST_ID.reset(token)
+
+    async def _retrieve_traced(self, request: Request) -> Response:
+        deadline = self._deadline(request)
         model, version = self._retrieve_target(request)
         routes = self.routes.current()
         entry = routes.entry(model, version)
@@ -592,21 +877,12 @@ class Root:
         self.metrics.inc("features_trimmed", trimmed.features_received - trimmed.features_sent, **labels)
         if trimmed.fail_open:
             self.metrics.inc("fail_open_requests", reason=trimmed.fail_open, **labels)
-        client = self._async_clients[(model, version)]
         path = f"/v1/models/{model}:retrieve" + (f"?{request.query_string}" if request.query_string else "")
+        headers = {"Content-Type": ctype, REQUEST_ID_HEADER: request.request_id}
         try:
-            headers = {"Content-Type": ctype, REQUEST_ID_HEADER: request.request_id}
-            status, leaf_headers, data = await client.request("POST", path, trimmed.body, headers)
-        except OSError as e:
-            self.metrics.inc("leaf_errors", **labels)
-            raise HTTPError(502, {"error": f"leaf {model}/{version} at {client.url} unreachable: {e}"}) from None
-        if status != 200:
-            self.metrics.inc("leaf_errors", **labels)
-            try:
-                payload = json.loads(data)
-            except ValueError:
-                payload = {"error": data[:200].decode(errors="replace")}
-            raise HTTPError(status if status in _PASSED_ON else 502, {**payload, "leaf": f"{model}/{version}"})
+            _, leaf_headers, data = await self._exchange_async((model, version), path, trimmed.body, headers, deadline)
+        except LeafCallError as e:
+            return e.response()
         fanout = {"features": trimmed.features_sent, "bytes": len(trimmed.body), "fail_open": trimmed.fail_open}
         headers = {
             GENERATION_HEADER: str(routes.generation),
@@ -639,7 +915,7 @@ class Root:
     def service(self) -> Service:
         return Service(
             self.routes_http(), self.config.server, name="jaxscale-root", metrics_prefix="jaxscale_root",
-            collectors=[self.metrics], on_close=[self._close_leaf_connections],
+            collectors=[self.metrics], on_close=[self._close_leaf_connections], cancel_on_disconnect=True,
         )  # fmt: skip
 
     async def _close_leaf_connections(self) -> None:
@@ -674,7 +950,13 @@ def parse_config(argv=None) -> RootConfig:
     """The `RootConfig` of ``python -m jaxscale.serving root`` arguments."""
     p = argparse.ArgumentParser(prog="python -m jaxscale.serving root", description="Fan requests out to leaves.")
     p.add_argument("--store", required=True, help="directory of exported signatures (<store>/<model>/<version>/)")
-    p.add_argument("--leaf", action="append", required=True, help="model/version=http://host:port (repeat)")
+    p.add_argument(
+        "--leaf",
+        action="append",
+        required=True,
+        help="model/version=http://host:port[,timeout=S][,max_in_flight=N] (repeat; the options override "
+        "--leaf-timeout and --leaf-max-in-flight for that leaf)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--compression", choices=["none", "zstd", "lz4"], default="none")
@@ -683,6 +965,30 @@ def parse_config(argv=None) -> RootConfig:
     p.add_argument("--leaf-ca-file", help="CA certificate (PEM) that signed https leaves' certificates")
     p.add_argument("--leaf-token-file", help="file holding the bearer token sent to the leaves")
     p.add_argument("--leaf-timeout", type=float, default=RootConfig.leaf_timeout_s, help="seconds a leaf has to answer")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request has in all when the client sends no X-Request-Timeout-Ms (default: none)",
+    )
+    p.add_argument(
+        "--leaf-max-in-flight",
+        type=int,
+        default=RootConfig.leaf_max_in_flight,
+        help="calls to one leaf at once (503 + Retry-After over it)",
+    )
+    p.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=RootConfig.breaker_failures,
+        help="consecutive failures that open a leaf's circuit (0 = never)",
+    )
+    p.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=RootConfig.breaker_cooldown_s,
+        help="seconds an open circuit waits before one probe call",
+    )
     add_server_arguments(p)
     args = p.parse_args(argv)
     cfg = RootConfig(
@@ -692,6 +998,10 @@ def parse_config(argv=None) -> RootConfig:
         compression=None if args.compression == "none" else args.compression,
         rescan_interval_s=args.rescan_interval,
         leaf_timeout_s=args.leaf_timeout,
+        request_timeout_s=args.request_timeout,
+        leaf_max_in_flight=args.leaf_max_in_flight,
+        breaker_failures=args.breaker_failures,
+        breaker_cooldown_s=args.breaker_cooldown,
         server=ServerConfig(host=args.host, port=args.port, **server_options(args)),
         leaf_ca_file=args.leaf_ca_file,
         leaf_token=Path(args.leaf_token_file).read_text().strip() if args.leaf_token_file else None,
