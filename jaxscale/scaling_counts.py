@@ -28,9 +28,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxscale.cluster import ClusterSpec
-from jaxscale.comm_model import StackCounts, round_up_capacity
+from jaxscale.comm_model import StackCounts
+from jaxscale.embedding.row_owner import row_part
 from jaxscale.plan import ShardingPlan
-from jaxscale.planner.step_counts import sorted_unique  # np.unique by sorting: far faster
+from jaxscale.planner.step_counts import sorted_unique, stack_counts  # sorted_unique: np.unique, far faster
 from jaxscale.tables import TableConfig
 
 
@@ -126,15 +127,8 @@ class NestedCounts:
                     a["rows"][shard[p, c]] += ts.piece_rows(t.stored_rows, p)
             ti = self.per_table[t.name]
 
-            def part_local(row, P=P, rows=ti.rows):
-                """(row part, local index) under the row assignment."""
-                if row_assignment == "modulo":
-                    return row % P, row // P
-                block = -(-rows // P)
-                return row // block, row % block
-
             end = np.searchsorted(ti.dev, D)
-            part, _ = part_local(ti.dev_row[:end])
+            part, _ = row_part(ti.dev_row[:end], P, row_assignment, ti.rows)
             per_part = np.bincount(ti.dev[:end] * P + part, minlength=D * P).reshape(D, P)
             for c in range(ts.col_parts):
                 np.add.at(a["requested"].T, shard[:, c], per_part.T)
@@ -148,35 +142,21 @@ class NestedCounts:
             else:  # 2d_ar: replica = local index
                 keep = ti.local_first_node < nodes
                 group, row = ti.local[keep], ti.local_row[keep]
-            part, loc = part_local(row)
+            part, loc = row_part(row, P, row_assignment, ti.rows)
             touched = np.bincount(group * P + part, minlength=rep * P).reshape(rep, P)
             sent = np.bincount((group * P + part) * rep + loc % rep, minlength=rep * P * rep).reshape(rep, P, rep)
-            upart, uloc = part_local(union)
+            upart, uloc = row_part(union, P, row_assignment, ti.rows)
             owned = np.bincount(upart * rep + uloc % rep, minlength=P * rep).reshape(P, rep)
             for c in range(ts.col_parts):
                 np.add.at(a["touched"].T, shard[:, c], touched.T)
                 np.add.at(a["owner_sent"].transpose(1, 0, 2), shard[:, c], sent.transpose(1, 0, 2))
                 np.add.at(a["owned"], shard[:, c], owned)
 
-        def cap(x) -> int:
-            n = int(np.max(x)) if np.size(x) else 0
-            return round_up_capacity(n) if round_capacities else n
-
-        out = []
-        for width, a in sorted(acc.items()):
-            owned_per_shard = a["owned"].sum(axis=1)
-            out.append(
-                StackCounts(
-                    width=width,
-                    rows_per_shard=int(a["rows"].max()),
-                    requested=cap(a["requested"]) if S > 1 else 0,
-                    touched=cap(a["touched"]),
-                    owner_sent=cap(a["owner_sent"]),
-                    owned=cap(a["owned"]),
-                    touched_since_sync=cap(owned_per_shard),
-                )
-            )
-        return out
+        # one step: the rows touched since the last sync are the union over replicas, the owned rows
+        return [
+            stack_counts(width, {**a, "since_sync": a["owned"].sum(axis=1)}, S, round_capacities)
+            for width, a in sorted(acc.items())
+        ]
 
 
 def generate_ids(cfg, max_nodes: int, local: int, batch_per_device: int, seed: int = 0, step: int = 0, log=print):

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxscale import native
 from jaxscale.embedding.layout import Layout
+from jaxscale.embedding.row_owner import row_part
 
 
 class Segment(NamedTuple):
@@ -132,8 +133,7 @@ def row_requests(layout: Layout, feature_table: Mapping[str, int], key: str, fea
         x = ids[f].reshape(-1)
         valid = _valid(x, t.stored_rows, xp)
         sid = xp.where(valid, x, 0)
-        part = sid % route.row_parts if route.row_parts > 1 else xp.zeros_like(sid)
-        block_row = sid // route.row_parts
+        part, block_row = row_part(sid, route.row_parts)
         for c in range(route.col_parts):
             dest.append(xp.where(valid, xp.asarray(route.shard[:, c])[part], S))
             row.append(xp.asarray(route.offset[:, c])[part] + block_row)
@@ -207,10 +207,10 @@ def pair_requests(layout: Layout, feature_table, key: str, feats, ids, xp=jnp):
         x = ids[seg.feature].reshape(-1)
         valid = _valid(x, t.stored_rows, xp)
         sid = xp.where(valid, x, 0)
-        part = sid % route.row_parts if route.row_parts > 1 else xp.zeros_like(sid)
+        part, block_row = row_part(sid, route.row_parts)
         d = xp.where(valid, xp.asarray(route.shard[:, seg.col_block])[part], S)
         dest.append(d)
-        row.append(xp.asarray(route.offset[:, seg.col_block])[part] + sid // route.row_parts)
+        row.append(xp.asarray(route.offset[:, seg.col_block])[part] + block_row)
         bag.append(xp.asarray(offsets[:, j])[d] + xp.repeat(xp.arange(b, dtype=xp.int32), L))
     cat = xp.concatenate
     bag_len = max(ids[seg.feature].shape[1] for seg in segments)

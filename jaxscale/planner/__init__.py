@@ -19,6 +19,7 @@ Stages, one module each (each can be tested alone):
   resolve         `resolve(cfg, tables, sample) -> (settings, plan)`: what a run executes, before its trainer.
 """
 
+from jaxscale.embedding.row_owner import ROW_ASSIGNMENTS
 from jaxscale.planner.costs import (
     DEFAULT_COST,
     CostParams,
@@ -27,7 +28,7 @@ from jaxscale.planner.costs import (
     enumerate_options,
     estimate_option,
 )
-from jaxscale.planner.id_stats import ROW_ASSIGNMENTS, FeatureStats, distinct_ids_per_part, measure_feature_stats
+from jaxscale.planner.id_stats import FeatureStats, distinct_ids_per_part, measure_feature_stats
 from jaxscale.planner.placement import plan_sharding
 from jaxscale.planner.report import PlanReport, report
 from jaxscale.planner.resolve import choose_topology, cluster_for, resolve

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxscale.cluster import ClusterSpec
+from jaxscale.embedding.row_owner import part_rows
 from jaxscale.mesh import AXES, shard_axes
 from jaxscale.plan import SHARDING_TYPES
 from jaxscale.planner.checks import check_positive, cluster_topology
@@ -204,12 +205,8 @@ def estimate_option(
     )
     piece_dim = table.stored_dim // option.col_parts
     per_piece = np.repeat(distinct, option.col_parts)  # every column piece of a row part sees its ids
-    if row_assignment == "modulo":
-        part_rows = np.array([len(range(p, table.stored_rows, option.row_parts)) for p in range(option.row_parts)])
-    else:
-        block = -(-table.stored_rows // option.row_parts)
-        part_rows = np.clip(table.stored_rows - np.arange(option.row_parts) * block, 0, block)
-    piece_rows = np.repeat(part_rows, option.col_parts).astype(np.float64)
+    held = part_rows(table.stored_rows, option.row_parts, row_assignment)
+    piece_rows = np.repeat(held, option.col_parts).astype(np.float64)
     lookups = per_piece * sources
     sent_per_source = per_piece * cost.comm_bytes_per_row(piece_dim)
     read_bytes = lookups * (

@@ -10,11 +10,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxscale.embedding.row_owner import check_row_assignment, part_rows, row_part
 from jaxscale.planner.checks import check_positive
 from jaxscale.tables import TableConfig, check_tables
-
-ROW_ASSIGNMENTS = ("modulo", "contiguous")
-
 
 _EXACT_TAIL_TERMS = 20_000  # Zipf ranks summed term by term before switching to an integral
 
@@ -185,23 +183,17 @@ def distinct_ids_per_part(
     ceil(rows / parts) blocks, kept to score baselines. If the table stores more rows than ids
     (reshape='half_dim'), the hot ids' stored rows are unknown and are spread evenly.
     """
-    if row_assignment not in ROW_ASSIGNMENTS:
-        raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
+    check_row_assignment(row_assignment)
     rows = stats.num_rows if stored_rows is None else stored_rows
     hot_ids = np.asarray(stats.hot_ids, dtype=np.int64)
     hot_freqs = np.asarray(stats.hot_freqs, dtype=np.float64)
     hot_distinct = -np.expm1(draws * np.log1p(-np.minimum(hot_freqs, 1 - 1e-15)))  # 1 - (1-q)^n
     tail = _tail_distinct(draws, stats.tail_mass, stats.zipf_exponent, len(hot_ids) + 1, stats.num_rows)
-    parts = np.arange(row_parts)
-    if row_assignment == "modulo":
-        part_rows = (rows - parts + row_parts - 1) // row_parts
-    else:
-        block = -(-rows // row_parts)
-        part_rows = np.clip(rows - parts * block, 0, block)
+    held = part_rows(rows, row_parts, row_assignment)
     if rows != stats.num_rows:  # hot ids hashed to unknown stored rows: spread them like the tail
-        return (hot_distinct.sum() + tail) * part_rows / rows
-    hot_part = hot_ids % row_parts if row_assignment == "modulo" else hot_ids // (-(-rows // row_parts))
+        return (hot_distinct.sum() + tail) * held / rows
+    hot_part, _ = row_part(hot_ids, row_parts, row_assignment, rows)
     hot_per_part = np.bincount(hot_part, weights=hot_distinct, minlength=row_parts)
-    tail_rows = part_rows - np.bincount(hot_part, minlength=row_parts)
+    tail_rows = held - np.bincount(hot_part, minlength=row_parts)
     tail_rows_total = max(rows - len(hot_ids), 1)
     return hot_per_part + tail * tail_rows / tail_rows_total

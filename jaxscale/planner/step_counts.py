@@ -12,10 +12,11 @@ import numpy as np
 
 from jaxscale import comm_model
 from jaxscale.cluster import ClusterSpec
+from jaxscale.embedding.row_owner import check_row_assignment, row_part
 from jaxscale.plan import ShardingPlan
 from jaxscale.planner.checks import cluster_topology
 from jaxscale.planner.costs import features_stats
-from jaxscale.planner.id_stats import ROW_ASSIGNMENTS, FeatureStats, distinct_ids_per_part
+from jaxscale.planner.id_stats import FeatureStats, distinct_ids_per_part
 from jaxscale.tables import TableConfig, check_tables
 
 
@@ -116,8 +117,7 @@ def measure_step_counts(
     (bag, row) pairs per destination and the bags each owner sums are counted instead.
     """
     tables = check_tables(tables)
-    if row_assignment not in ROW_ASSIGNMENTS:
-        raise ValueError(f"row_assignment must be one of {ROW_ASSIGNMENTS}, got {row_assignment!r}")
+    check_row_assignment(row_assignment)
     layout = cluster_topology(cluster, plan.topology)
     plan.check(tables, cluster.nodes, cluster.devices_per_node)
     S, rep, D = layout.num_shards, layout.num_replicas, cluster.devices
@@ -146,7 +146,7 @@ def measure_step_counts(
                 rows_steps.append(x)
         for x in partial:  # (bag, row) pairs, not de-duplicated across bags; one partial sum per bag
             dev, row = np.nonzero(x >= 0)[0], x[x >= 0]
-            part, _ = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
+            part, _ = row_part(row, ts.row_parts, row_assignment, t.stored_rows)
             for c in range(ts.col_parts):
                 _tally(a["pairs"], dev, shard_of_piece[part, c])
                 for s in set(shard_of_piece[:, c].tolist()):
@@ -155,16 +155,16 @@ def measure_step_counts(
             continue
         now = np.concatenate([x[0].reshape(D, -1) for x in rows_steps], axis=1)
         dev, row = _unique_pairs(np.repeat(np.arange(D), now.shape[1]), now.reshape(-1), t.stored_rows)
-        part, local = _row_part(row, t.stored_rows, ts.row_parts, row_assignment)
+        part, local = row_part(row, ts.row_parts, row_assignment, t.stored_rows)
         for c in range(ts.col_parts):
             _tally(a["requested"], dev, shard_of_piece[part, c])
         rr, row_r = _unique_pairs(replica_of[dev], row, t.stored_rows)
-        part_r, local_r = _row_part(row_r, t.stored_rows, ts.row_parts, row_assignment)
+        part_r, local_r = row_part(row_r, ts.row_parts, row_assignment, t.stored_rows)
         union = sorted_unique(row_r)
         history = [x[i].reshape(D, -1) for x in rows_steps for i in range(1, len(steps))]
         since = sorted_unique(np.concatenate([union] + [h[h >= 0] for h in history]))
-        part_u, local_u = _row_part(union, t.stored_rows, ts.row_parts, row_assignment)
-        part_s, _ = _row_part(since, t.stored_rows, ts.row_parts, row_assignment)
+        part_u, local_u = row_part(union, ts.row_parts, row_assignment, t.stored_rows)
+        part_s, _ = row_part(since, ts.row_parts, row_assignment, t.stored_rows)
         for c in range(ts.col_parts):
             shard_r = shard_of_piece[part_r, c]
             _tally(a["touched"], rr, shard_r)
@@ -172,24 +172,32 @@ def measure_step_counts(
             _tally(a["owned"], shard_of_piece[part_u, c], local_u % rep)
             _tally(a["since_sync"], shard_of_piece[part_s, c])
 
-    def cap(x) -> int:
-        n = int(np.max(x)) if np.size(x) else 0
+    return [stack_counts(width, a, S, round_capacities) for width, a in sorted(acc.items())]
+
+
+def stack_counts(
+    width: int, tallies: Mapping[str, np.ndarray], shards: int, round_capacities: bool = True
+) -> comm_model.StackCounts:
+    """One stack's counts from its tallies ('rows' per shard; 'requested', 'touched', 'owner_sent', 'owned',
+    'since_sync' and, optionally, 'pairs' and 'bags' per (source, shard[, owner])): each capacity is the max of
+    its tally, rounded up on the capacity ladder; one shard has no all-to-all."""
+
+    def cap(key: str) -> int:
+        x = tallies.get(key)
+        n = int(np.max(x)) if x is not None and np.size(x) else 0
         return comm_model.round_up_capacity(n) if round_capacities else n
 
-    return [
-        comm_model.StackCounts(
-            width=width,
-            rows_per_shard=int(a["rows"].max()),
-            requested=cap(a["requested"]) if S > 1 else 0,
-            touched=cap(a["touched"]),
-            owner_sent=cap(a["owner_sent"]),
-            owned=cap(a["owned"]),
-            touched_since_sync=cap(a["since_sync"]),
-            pair_slots=cap(a["pairs"]),
-            bags=cap(a["bags"]),
-        )
-        for width, a in sorted(acc.items())
-    ]
+    return comm_model.StackCounts(
+        width=width,
+        rows_per_shard=int(tallies["rows"].max()),
+        requested=cap("requested") if shards > 1 else 0,
+        touched=cap("touched"),
+        owner_sent=cap("owner_sent"),
+        owned=cap("owned"),
+        touched_since_sync=cap("since_sync"),
+        pair_slots=cap("pairs"),
+        bags=cap("bags"),
+    )
 
 
 def _empty_counts(devices: int, shards: int, replicas: int) -> dict[str, np.ndarray]:
@@ -241,11 +249,3 @@ def sorted_unique(keys: np.ndarray) -> np.ndarray:
     """np.unique by sorting (numpy 2.4's default hash-based unique is far slower on large int64 arrays)."""
     keys = np.sort(keys)
     return keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if keys.size else keys
-
-
-def _row_part(row: np.ndarray, rows: int, parts: int, row_assignment: str) -> tuple[np.ndarray, np.ndarray]:
-    """(row part, local index within the part) of stored rows under the row assignment."""
-    if row_assignment == "modulo":
-        return row % parts, row // parts
-    block = -(-rows // parts)
-    return row // block, row % block
