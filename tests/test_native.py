@@ -698,6 +698,29 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
         build.find_compiler()
 
 
+def test_the_library_is_written_whole_through_a_temporary_file(tmp_path, monkeypatch):
+    """compile_library has the compiler write a temporary file beside the library and renames it into place
+    (jaxscale.atomic): a failed compile leaves neither a library nor a temporary file behind."""
+    fake = tmp_path / "fake-c++"  # writes its -o argument like a compiler, or fails when told to
+    fake.write_text('#!/bin/sh\n[ -n "$FAIL" ] && { echo boom >&2; exit 1; }\nwhile [ "$1" != -o ]; do shift; done\n'
+                    'printf lib > "$2"\n')  # fmt: skip
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    plan = build.BuildPlan(str(fake), "0", (), str(tmp_path), "k", cache / "lib-k.so")
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(build.atomic.os, "replace", lambda a, b: (renames.append((Path(a), Path(b))), real(a, b)))
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(build.BuildError, match="boom"):
+        build.compile_library(plan)
+    assert not plan.library.exists() and [p.name for p in cache.iterdir()] == ["lib-k.lock"]
+    monkeypatch.delenv("FAIL")
+    assert build.compile_library(plan) == plan.library and plan.library.read_text() == "lib"
+    assert len(renames) == 1 and renames[0][1] == plan.library and renames[0][0].parent == cache
+    assert renames[0][0].name.endswith(".tmp") and os.access(plan.library, os.X_OK)
+    assert sorted(p.name for p in cache.iterdir()) == ["lib-k.lock", "lib-k.so"]
+
+
 _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import json, sys, warnings

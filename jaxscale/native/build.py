@@ -5,7 +5,8 @@ the source's hash, the jaxlib version (its FFI headers), the compiler and its ve
 machine architecture. Flags are chosen from what the CPU supports (x86-64-v3 = AVX2/FMA when present, the
 baseline otherwise) and are part of the key, so a cache shared with another machine never hands it a
 binary its CPU cannot run. Several processes may build at once: each compiles into its own temporary file
-and renames it into place atomically (a lock file also lets the others wait instead of compiling twice).
+and renames it into place atomically (`jaxscale.atomic`; a lock file also lets the others wait instead of
+compiling twice).
 
 Environment:
   JAXSCALE_NATIVE_CACHE   cache directory (default: $XDG_CACHE_HOME/jaxscale/native, ~/.cache/...)
@@ -23,8 +24,9 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from jaxscale import atomic
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "jaxscale_native.cc"
 ABI_VERSION = 4  # must match kAbiVersion in the source
@@ -159,27 +161,27 @@ def compile_library(plan: BuildPlan) -> Path:
         if plan.library.exists():  # another process built it while we waited
             return plan.library
         try:
-            fd, tmp = tempfile.mkstemp(dir=plan.library.parent, prefix=plan.library.stem + ".", suffix=".tmp")
+            # the compiler writes a temporary file that is renamed over the library (`jaxscale.atomic`)
+            with atomic.replacing(plan.library) as tmp:
+                _compile(plan, tmp)
         except OSError as e:
             raise BuildError(
                 f"cannot write to the cache directory {plan.library.parent}: {e} (set JAXSCALE_NATIVE_CACHE)"
             ) from e
-        os.close(fd)
-        cmd = [plan.compiler, *plan.flags, "-I", plan.include_dir, str(SOURCE), "-o", tmp]
-        try:
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise BuildError(f"running the compiler failed: {' '.join(cmd)}: {e}") from e
-            if out.returncode != 0:
-                tail = "\n".join((out.stderr or out.stdout).strip().splitlines()[-25:])
-                raise BuildError(f"compiling the native kernels failed ({' '.join(cmd)}):\n{tail}")
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, plan.library)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
     return plan.library
+
+
+def _compile(plan: BuildPlan, out_path: Path) -> None:
+    """Runs the compiler with output `out_path`; BuildError with its last lines when it fails."""
+    cmd = [plan.compiler, *plan.flags, "-I", plan.include_dir, str(SOURCE), "-o", str(out_path)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"running the compiler failed: {' '.join(cmd)}: {e}") from e
+    if out.returncode != 0:
+        tail = "\n".join((out.stderr or out.stdout).strip().splitlines()[-25:])
+        raise BuildError(f"compiling the native kernels failed ({' '.join(cmd)}):\n{tail}")
+    os.chmod(out_path, 0o755)
 
 
 def build() -> Path:

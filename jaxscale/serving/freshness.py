@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale import atomic
+
 TARGET_S = 2.0
 SURFACES = ("home", "search")
 
@@ -33,6 +35,21 @@ def _definitions():
         sequences=(Sequence("s1", ("click", "save"), ("item_id", "ts", "event_type", "surface", "category"), 256),),
         surfaces=SURFACES,
     )
+
+
+def write_inputs(folder: Path, item_rows: int, num_categories: int):
+    """The pipeline's definitions (defs.json) and item enrichment (items.parquet), each written whole through
+    `jaxscale.atomic` (a temporary file renamed over the target): a reader never sees a torn file, even
+    when the writer dies mid-write. Returns the definitions."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    defs = _definitions()
+    atomic.write_text(folder / "defs.json", defs.dumps())
+    items = np.arange(item_rows, dtype=np.int64)
+    with atomic.replacing(folder / "items.parquet") as tmp:
+        pq.write_table(pa.table({"item_id": items, "category": items % num_categories}), tmp)
+    return defs
 
 
 def _quantiles(x) -> dict:
@@ -59,7 +76,6 @@ def run_freshness(
 ) -> dict:
     """Runs the pipeline of the module doc against a redis-server on 127.0.0.1:`port`; returns the result."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from jaxscale.sequences.broker import Producer, StreamConsumer
     from jaxscale.serving.states import CountingEncoder, StateBuilder, StateReader, history_source
@@ -67,11 +83,8 @@ def run_freshness(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    defs = _definitions()
-    (folder / "defs.json").write_text(defs.dumps())
     cfg = ContextualTwoTowerConfig(**model_kwargs)
-    items = np.arange(cfg.item_rows, dtype=np.int64)
-    pq.write_table(pa.table({"item_id": items, "category": items % cfg.num_categories}), folder / "items.parquet")
+    defs = write_inputs(folder, cfg.item_rows, cfg.num_categories)
     url, store, out = f"redis://127.0.0.1:{port}/events", folder / "store", folder / "states"
 
     acked: list[tuple[np.ndarray, np.ndarray, float]] = []
