@@ -30,7 +30,7 @@ Training (`two_tower_loss`): each example's candidates are the batch's positive 
     context) + p * loss(context missing), so the missing-context mode learns from every example.
 
 Evaluation: exact full-corpus retrieval: every item's vector, scores = queries @ items.T, top-K over all
-items (`full_corpus_topk`), Recall@10/50/100 (`recall_at_k`). In the trainer the eval batches carry the
+items and Recall@10/50/100 (`full_corpus_recall`, by `jaxscale.ranking`). In the trainer the eval batches carry the
 corpus ids (`corpus_items`), the eval step returns the query vectors and the corpus item vectors, and
 `summarize` ranks the whole corpus.
 
@@ -40,7 +40,6 @@ Batch keys: see `jaxscale_models.contextual_two_tower_data`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Literal
@@ -50,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale import ranking
 from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
 from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, CORPUS_KEYS, HISTORY_KEYS, LABEL_KEYS
@@ -658,48 +658,24 @@ def two_tower_loss(model: ContextualTwoTower, embeddings: Mapping, batch: Mappin
 # ------------------------------------------------------------------------------------------ full-corpus eval
 
 
-@functools.partial(jax.jit, static_argnames="k")
-def _topk_chunk(queries, items, k: int):
-    return jax.lax.top_k(queries @ items.T, k)[1]
-
-
-def full_corpus_topk(queries, items, k: int, *, chunk: int = 1024) -> np.ndarray:
-    """Exact retrieval: indices (rows of `items`) of the k best-scoring items for each query, best first,
-    by inner product over EVERY item (matmul + top_k; ties: lower index first). int32 [N, k]."""
+def full_corpus_recall(
+    queries, items, labels, ks: Sequence[int] = (10, 50, 100), *, chunk: int = 1024
+) -> dict[str, float]:
+    """Exact full-corpus Recall@K: labels index the rows of `items` (the whole corpus). Scores = queries @
+    items.T over EVERY item, `chunk` queries at a time; the top-K and the recall are the library's
+    (`jaxscale.ranking.topk_from_scores`: ties by the lower item index; `ranking_metrics`)."""
     queries = np.asarray(queries, np.float32)
     items = np.asarray(items, np.float32)
+    labels = np.asarray(labels)
     if queries.ndim != 2 or items.ndim != 2 or queries.shape[1] != items.shape[1]:
         raise ValueError(f"need queries [N, E] and items [M, E], got {queries.shape} and {items.shape}")
-    if not 1 <= k <= items.shape[0]:
-        raise ValueError(f"k must be in [1, {items.shape[0]}] (the corpus size), got {k}")
-    n = queries.shape[0]
-    chunk = max(1, min(chunk, n))
-    out = np.empty((n, k), np.int32)
-    dev_items = jnp.asarray(items)
-    for start in range(0, n, chunk):
-        q = queries[start : start + chunk]
-        pad = chunk - q.shape[0]  # one compiled shape per (chunk, M, k)
-        q = np.concatenate([q, np.zeros((pad, q.shape[1]), np.float32)]) if pad else q
-        out[start : start + chunk] = np.asarray(_topk_chunk(jnp.asarray(q), dev_items, k=k))[: chunk - pad]
-    return out
-
-
-def recall_at_k(topk: np.ndarray, labels, ks: Sequence[int]) -> dict[str, float]:
-    """{'recall@K': fraction of rows whose label index is among the first K of `topk` [N, >= max(ks)]}."""
-    topk, labels = np.asarray(topk), np.asarray(labels)
-    if topk.shape[0] != labels.shape[0]:
-        raise ValueError(f"{topk.shape[0]} ranked rows but {labels.shape[0]} labels")
-    if max(ks) > topk.shape[1]:
-        raise ValueError(f"recall@{max(ks)} needs the top {max(ks)}, got {topk.shape[1]}")
-    if labels.shape[0] == 0:
-        raise ValueError("recall@K of zero queries is undefined")
-    hits = topk == labels[:, None]
-    return {f"recall@{k}": float(np.mean(np.any(hits[:, :k], axis=1))) for k in ks}
-
-
-def full_corpus_recall(queries, items, labels, ks: Sequence[int] = (10, 50, 100)) -> dict[str, float]:
-    """Exact full-corpus Recall@K: labels index the rows of `items` (the whole corpus)."""
-    return recall_at_k(full_corpus_topk(queries, items, max(ks)), labels, ks)
+    if labels.shape != (queries.shape[0],):
+        raise ValueError(f"{queries.shape[0]} queries but labels of shape {labels.shape}")
+    k = max(ks)
+    chunk = max(1, chunk)
+    top = [ranking.topk_from_scores(queries[i : i + chunk] @ items.T, k) for i in range(0, len(queries), chunk)]
+    metrics = ranking.ranking_metrics(np.concatenate(top) if top else np.zeros((0, k), np.int64), labels, ks)
+    return {f"recall@{k}": metrics[f"recall@{k}"] for k in ks}
 
 
 def corpus_from_metrics(cfg: ContextualTwoTowerConfig, metrics: Mapping) -> np.ndarray:
@@ -801,9 +777,7 @@ __all__ = [
     "StreamingFrequencyEstimator",
     "frequency_update",
     "full_corpus_recall",
-    "full_corpus_topk",
     "in_batch_softmax",
-    "recall_at_k",
     "request_ids",
     "two_tower_ids",
     "two_tower_loss",

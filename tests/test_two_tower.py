@@ -16,9 +16,7 @@ from jaxscale_models.contextual_two_tower import (
     StreamingFrequencyEstimator,
     frequency_update,
     full_corpus_recall,
-    full_corpus_topk,
     in_batch_softmax,
-    recall_at_k,
     two_tower_ids,
     two_tower_loss,
     two_tower_summarize,
@@ -184,25 +182,23 @@ def test_full_corpus_recall_matches_bruteforce(n, m, e, chunk):
     labels = rng.integers(0, m, n)
     labels[: n // 3] = np.argmax(queries[: n // 3] @ items.T, axis=1)  # some certain hits
     ks = tuple(sorted({1, min(5, m), min(10, m), m}))
-    top = full_corpus_topk(queries, items, max(ks), chunk=chunk)
-    assert top.shape == (n, max(ks)) and top.dtype == np.int32
-    got = recall_at_k(top, labels, ks)
+    got = full_corpus_recall(queries, items, labels, ks, chunk=chunk)
     for k in ks:
         assert got[f"recall@{k}"] == pytest.approx(recall_reference(queries, items, labels, k), abs=1e-12)
     assert got[f"recall@{m}"] == 1.0  # the whole corpus always contains the label
-    assert full_corpus_recall(queries, items, labels, ks) == got
 
 
-def test_full_corpus_topk_ties_and_errors():
+def test_full_corpus_recall_ties_and_errors():
     items = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]], np.float32)
-    top = full_corpus_topk(np.array([[1.0, 0.0]], np.float32), items, 3)
-    assert top.tolist() == [[0, 1, 3]]
-    with pytest.raises(ValueError, match="corpus size"):
-        full_corpus_topk(np.ones((1, 2), np.float32), items, 5)
+    query = np.array([[1.0, 0.0]], np.float32)  # ties: lower index first, so the top 3 are items 0, 1, 3
+    assert full_corpus_recall(query, items, np.array([3]), (2, 3)) == {"recall@2": 0.0, "recall@3": 1.0}
+    assert full_corpus_recall(query, items, np.array([1]), (1, 2)) == {"recall@1": 0.0, "recall@2": 1.0}
+    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 4\]"):
+        full_corpus_recall(np.ones((1, 2), np.float32), items, np.zeros(1), (5,))
     with pytest.raises(ValueError, match="queries"):
-        full_corpus_topk(np.ones((1, 3), np.float32), items, 2)
-    with pytest.raises(ValueError, match="recall@10"):
-        recall_at_k(np.zeros((2, 5), np.int32), np.zeros(2), (10,))
+        full_corpus_recall(np.ones((1, 3), np.float32), items, np.zeros(1), (2,))
+    with pytest.raises(ValueError, match="labels of shape"):
+        full_corpus_recall(np.ones((2, 2), np.float32), items, np.zeros(3), (2,))
 
 
 # ------------------------------------------------------------------------------------------ data
