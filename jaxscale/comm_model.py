@@ -59,7 +59,9 @@ PAIR_ID_BYTES = 8  # (row, bag) of a partial-sum request as two int32 (the wides
 ADAGRAD_STATE_BYTES = 4  # row-wise AdaGrad: one fp32 accumulator per row
 WEIGHT_BYTES = 4  # fp32 stored weights
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb = 25
-BACKWARD_FRACTION = 2 / 3  # backward = 2x forward FLOPs: the window the dense all-reduce can hide in
+# An assumption, not measured: the backward pass takes 2/3 of compute (backward = 2x forward FLOPs, the 6 N D
+# accounting), the window the dense all-reduce can hide in.
+BACKWARD_FRACTION = 2 / 3
 CAPACITY_LADDER = 1.25  # capacities are rounded up to the next step of this geometric ladder
 LOOKUP_COUNTERS = 2  # the lookup's [overflow, invalid ids] int32 counters (jaxscale.embedding.collection)
 
