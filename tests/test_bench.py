@@ -467,7 +467,8 @@ def test_nothing_in_the_package_imports_experiments():
 
 def test_importing_the_suite_imports_neither_jax_nor_torch():
     code = (
-        "import sys; import jaxscale.bench, jaxscale.benchmarks.suite, jaxscale.benchmarks.torchrec_runner; "
+        "import sys; import jaxscale.bench, jaxscale.benchmarks.suite, jaxscale.benchmarks.torchrec_runner, "
+        "jaxscale.benchmarks.train_step, jaxscale.benchmarks.sasrec_torch; "
         "print(sorted(m for m in ('jax', 'torch', 'torchrec') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -511,3 +512,122 @@ def test_collective_latency_runs_checks_every_result_and_renders_its_json(tmp_pa
     assert again.returncode == 0 and out.with_suffix(".md").read_text() == md
     m = r["results"]["2"]["2"]
     assert f"| 2 | 2 | {m['all_reduce']['median_ms']:.3f} |" in md
+
+
+# ------------------------------------------------------------------------------------------ train_step
+
+TINY_STEP = dict(batch=4, events=6, items=9, layers=1, d_model=8, heads=2, inner=16, warmup=1, steps=2)
+
+
+def test_sasrec_reference_is_causal_and_its_loss_is_cross_entropy_over_every_item():
+    torch = pytest.importorskip("torch")
+    from jaxscale.benchmarks import sasrec_torch
+
+    cfg = sasrec_torch.SASRecConfig(items=7, max_len=5, d_model=8, num_layers=1, num_heads=2, inner=16, dropout=0.0)
+    torch.manual_seed(0)
+    model, opt = sasrec_torch.build(cfg)
+    model.eval()
+    items = torch.tensor([[3, 1, 7, 0, 0], [2, 2, 5, 6, 4]])
+    targets = torch.tensor([[1, 7, 2, 0, 0], [2, 5, 6, 4, 0]])  # 0: no target at that position
+    with torch.no_grad():
+        hidden = model(items).numpy()
+        got = float(model.loss(items, targets))
+        changed = items.clone()
+        changed[1, 3] = 1
+        later = model(changed).numpy()
+    np.testing.assert_allclose(later[1, :3], hidden[1, :3], atol=1e-6)  # position t sees events <= t only
+    assert np.abs(later[1, 3:] - hidden[1, 3:]).max() > 1e-4
+    w = model.item_emb.weight.detach().numpy()[1:]  # every item is a candidate, the padding row is not
+    nll = []
+    for b, t in zip(*np.nonzero(targets.numpy())):
+        logits = w @ hidden[b, t]
+        nll.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[targets[b, t] - 1])
+    assert got == pytest.approx(np.mean(nll), rel=1e-5)
+    before = got
+    for _ in range(5):
+        sasrec_torch.train_step(model, opt, items, targets)
+    with torch.no_grad():
+        assert float(model.loss(items, targets)) < before  # Adam on the same batch lowers the loss
+
+
+def test_sasrec_reference_module_imports_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None; from jaxscale.benchmarks import sasrec_torch, train_step; "
+        "print(sasrec_torch.torch_installed(), 'torch' in sys.modules and sys.modules['torch'] is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def _canned_step_sessions(times_ms: dict):
+    """A launch that returns recorded step times per engine and round instead of running anything."""
+    calls = {}
+
+    def launch(engine, spec, tmp, timeout_s):
+        r = calls.setdefault(engine, 0)
+        calls[engine] += 1
+        return {
+            "warmup_s": [1.0],
+            "times_s": [t / 1e3 for t in times_ms[engine][r]],
+            "losses": [2.0, 1.9, 1.8],
+            "threads_set": spec["threads"],
+            "threads": spec["threads"],
+        }
+
+    return launch
+
+
+def test_train_step_part_reports_examples_per_second_and_per_round_speeds(tmp_path, monkeypatch):
+    from jaxscale.benchmarks import sasrec_torch, train_step
+
+    monkeypatch.setattr(sasrec_torch, "torch_installed", lambda: True)
+    times = {"jaxscale": [[10.0, 30.0], [20.0, 20.0]], "torch": [[40.0, 40.0], [30.0, 50.0]]}
+    cfg = dict(TINY_STEP, threads=2, engines=("jaxscale", "torch"))
+    out = train_step.run(cfg, str(tmp_path), partial(sessions.alternate, rounds=2), launch=_canned_step_sessions(times))
+    j, t = out["engines"]["jaxscale"], out["engines"]["torch"]
+    assert j["median_ms"] == pytest.approx(20.0) and j["max_ms"] == pytest.approx(30.0) and j["n"] == 4
+    assert j["examples_per_s"] == pytest.approx(4 / 0.020) and j["worst_examples_per_s"] == pytest.approx(4 / 0.030)
+    assert t["median_ms"] == pytest.approx(40.0)
+    sp = out["speed"]["torch"]
+    assert sp["speed"] == pytest.approx(2.0)  # torch's median step time / jaxscale's
+    assert sp["round_speeds"] == pytest.approx([40 / 20, 40 / 20]) and sp["worst_round"] == pytest.approx(2.0)
+    assert out["order"] == ["jaxscale", "torch", "torch", "jaxscale"] and out["torch_skipped"] is None
+    part = dict(out, rounds=2, load_average_before=[0.1], load_average_after=[0.2], background_busy=[], problems=[])
+    md = "\n".join(report.render_train_step(part))
+    assert "| jaxscale | " in md and "| 20.0 | 30.0 | 200 | 133 |" in md
+    assert "| torch | 2.00x | 2.00 / 2.00 | 2.00x |" in md
+
+
+def test_train_step_part_without_torch_runs_jaxscale_alone_and_says_so(tmp_path, monkeypatch):
+    from jaxscale.benchmarks import sasrec_torch, train_step
+
+    monkeypatch.setattr(sasrec_torch, "torch_installed", lambda: False)
+    launch = _canned_step_sessions({"jaxscale": [[10.0, 12.0]]})
+    out = train_step.run(dict(TINY_STEP), str(tmp_path), partial(sessions.alternate, rounds=1), launch=launch)
+    assert list(out["engines"]) == ["jaxscale"] and out["speed"] == {}
+    assert out["torch_skipped"] == "torch is not installed: the PyTorch reference was not run"
+    part = dict(out, rounds=1, load_average_before=None, load_average_after=None, background_busy=[], problems=[])
+    assert "**torch is not installed: the PyTorch reference was not run.**" in report.render_train_step(part)
+
+
+def test_train_step_part_runs_both_engines_on_tiny_shapes(tmp_path):
+    """The real sessions in this process (the Trainer's step on a 1x1 mesh, and SASRec+ when torch is here):
+    every step timed, losses finite and near ln(items) at the start, threads as set."""
+    from jaxscale.benchmarks import sasrec_torch, train_step
+
+    def launch(engine, spec, tmp, timeout_s):
+        return train_step.session(engine)(spec)
+
+    engines = ("jaxscale", "torch") if sasrec_torch.torch_installed() else ("jaxscale",)
+    cfg = dict(TINY_STEP, threads=1, engines=engines)
+    out = train_step.run(cfg, str(tmp_path), partial(sessions.alternate, rounds=1), launch=launch)
+    for name in engines:
+        e = out["engines"][name]
+        assert "error" not in e, e
+        assert e["n"] == TINY_STEP["steps"] and e["median_ms"] > 0
+        first = e["losses_first_session"][0]
+        assert np.isfinite(e["losses_first_session"]).all() and abs(first - np.log(9)) < 1.5, first
+    assert out["engines"]["jaxscale"]["info"]["mesh"] == "1x1"
+    if "torch" in engines:
+        assert out["engines"]["torch"]["info"]["threads"] == 1
+        assert set(out["speed"]) == {"torch"}

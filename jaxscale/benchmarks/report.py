@@ -362,6 +362,57 @@ def findings(res: dict) -> list[str]:
     return out
 
 
+def render_train_step(p: dict) -> list[str]:
+    """The training-step table: examples/s of each engine (median and worst step), per-round speeds."""
+    s, e = p["shape"], p["engines"]
+    what = {
+        "jaxscale": "foundation model (`movielens_foundation.yaml`), Trainer step: prepare + AOT-compiled donated "
+        "`train_step` + metrics read-back, 1x1 mesh",
+        "torch": "SASRec+ (`jaxscale.benchmarks.sasrec_torch`), eager",
+        "torch_compile": "SASRec+ under `torch.compile`",
+    }
+    L = [
+        "## 4. A real training step: the foundation model vs SASRec+ in PyTorch",
+        "",
+        f"Batch {s['batch']} histories of {s['events']} events, {s['items']:,} items, cross-entropy over every item at "
+        f"every position; {s['layers']} layers, d {s['d_model']}, {s['heads']} heads, inner {s['inner']}, dropout, "
+        f"Adam. {p['rounds']} sessions per engine, alternated in rounds ({' -> '.join(p['order'])}); each: "
+        f"{s['warmup']} warm-up + {s['steps']} timed steps (start-up and compile excluded). Threads: XLA's intra-op "
+        f"pool and torch's both set to {p['threads']}. "
+        + load_line(p["load_average_before"], p["load_average_after"], p["background_busy"])
+        + ".",
+        *_problems(p),
+    ]
+    if p.get("torch_skipped"):
+        L += ["", f"**{p['torch_skipped']}.**"]
+    L += [
+        "",
+        "| engine | what | threads (measured) | median ms | worst ms | examples/s (median) | examples/s (worst) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in e.items():
+        if "error" in r:
+            L.append(f"| {name} | {what.get(name, name)} | - | failed: {r['error'].splitlines()[0][:120]} | | | |")
+            continue
+        measured = ", ".join(str(t) for t in r["session_threads"])
+        L.append(
+            f"| {name} | {what.get(name, name)} | {r['info'].get('threads_set', '?')} ({measured}) | "
+            f"{_ms(r['median_ms'])} | {_ms(r['max_ms'])} | {r['examples_per_s']:,.0f} | "
+            f"{r['worst_examples_per_s']:,.0f} |"
+        )
+    if p["speed"]:
+        L += [
+            "",
+            "| jaxscale against | speed (median) | per round | worst round |",
+            "|---|---|---|---|",
+        ]
+        for name, sp in p["speed"].items():
+            L.append(
+                f"| {name} | {_ratio(sp['speed'])} | {_ratios(sp['round_speeds'])} | {_ratio(sp['worst_round'])} |"
+            )
+    return L + [""]
+
+
 def render(res: dict) -> str:
     m = res["machine"]
     L = [
@@ -392,4 +443,6 @@ def render(res: dict) -> str:
         L += render_equal_devices(parts["equal_devices"])
     if "stages" in parts:
         L += render_stages(parts["stages"])
+    if "train_step" in parts:
+        L += render_train_step(parts["train_step"])
     return "\n".join(L)

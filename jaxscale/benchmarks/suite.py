@@ -16,6 +16,9 @@ Parts (`--parts`, default all):
                jaxscale on W simulated devices of one process is reported apart (not equal devices)
   stages       bytes per example of the foundation smoke config's embedding step per technique stage,
                from the compiled HLO
+  train_step   a real training step: the MovieLens foundation model through the Trainer (1x1 mesh) vs a
+               SASRec+ reference in PyTorch (eager, and under torch.compile), same shapes and threads:
+               examples/s, median and worst, per-round ratios (skipped, and said so, without torch)
 
 Timing protocol (`jaxscale.benchmarks.sessions`, docs/benchmarks.md): every engine runs in its own processes
 and no other engine process is alive while it is timed; sessions alternate in rounds A, B, C, B, C, A, ...
@@ -39,13 +42,13 @@ from functools import partial
 from pathlib import Path
 
 from jaxscale import atomic
-from jaxscale.benchmarks import equal_devices, one_device, stages
+from jaxscale.benchmarks import equal_devices, one_device, stages, train_step
 from jaxscale.benchmarks.machine import LoadGate, load_average, recorded_machine
 from jaxscale.benchmarks.report import FP32_TOLERANCE, render
 from jaxscale.benchmarks.sessions import alternate, log, module_command, run_session
 from jaxscale.benchmarks.threads import usable_cores
 
-PARTS = ("one_device", "equal_devices", "stages")
+PARTS = ("one_device", "equal_devices", "stages", "train_step")
 EXIT_CHECK_FAILED, EXIT_LOADED = 1, 3
 FULL_ROUNDS = 6  # rounds of sessions per engine in a recorded run: enough for a worst round to mean something
 
@@ -53,6 +56,20 @@ FULL_ROUNDS = 6  # rounds of sessions per engine in a recorded run: enough for a
 def sizes(quick: bool) -> dict:
     if quick:
         return {
+            # tiny shapes: a check of the machinery in CI's bench smoke, not a measurement
+            "train_step": dict(
+                batch=8,
+                events=16,
+                items=64,
+                layers=1,
+                d_model=16,
+                heads=2,
+                inner=64,
+                warmup=1,
+                steps=2,
+                rounds=1,
+                engines=("jaxscale", "torch"),
+            ),
             "one_device": dict(rows=100_000, dim=64, batch=1024, hotness=20, zipf=1.1, warmup=2, steps=6, rounds=2),
             "equal_devices": dict(
                 tables=4,
@@ -71,6 +88,19 @@ def sizes(quick: bool) -> dict:
             ),
         }
     return {
+        # the benchmark shapes of issue 34: SASRec+ on ML-1M (3,416 items, histories of 200)
+        "train_step": dict(
+            batch=128,
+            events=200,
+            items=3416,
+            layers=2,
+            d_model=64,
+            heads=2,
+            inner=256,
+            warmup=3,
+            steps=8,
+            rounds=FULL_ROUNDS,
+        ),
         "one_device": dict(
             rows=1_000_000, dim=64, batch=4096, hotness=20, zipf=1.1, warmup=3, steps=15, rounds=FULL_ROUNDS
         ),
@@ -129,12 +159,14 @@ def run(args) -> dict:
                     cfg["capacity_factor"] = args.capacity_factor
                 if part == "equal_devices":
                     cfg["capacities"] = "count" if args.count_every_batch else "reuse"
+                if part == "train_step" and args.threads:
+                    cfg["threads"] = args.threads
                 cfg["cores"] = usable_cores()
-                if not have_torchrec:  # FBGEMM and TorchRec columns stay empty; the report says why
+                if not have_torchrec and part != "train_step":  # FBGEMM, TorchRec columns stay empty; says why
                     cfg["engines"] = tuple(e for e in one_device.ENGINES if e != "fbgemm")
                     cfg["torchrec"] = False
                 alt = partial(alternate, rounds=cfg["rounds"], gate=gate)
-                module = one_device if part == "one_device" else equal_devices
+                module = {"one_device": one_device, "equal_devices": equal_devices, "train_step": train_step}[part]
                 out = module.run(cfg, tmp, alt)
                 out["rounds"] = cfg["rounds"]
             out["load_average_before"], out["load_average_after"] = before, load_average()
@@ -185,6 +217,9 @@ def parse(argv):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument(
         "--rounds", type=int, default=None, help=f"rounds of sessions per engine (default {FULL_ROUNDS}; --quick 2)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="train_step: intra-op threads of both engines (default: usable cores)"
     )
     ap.add_argument("--capacity-factor", type=float, default=None, help="jaxscale capacity_factor (default: engine's)")
     ap.add_argument(
