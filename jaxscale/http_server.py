@@ -46,6 +46,7 @@ import gc
 import hashlib
 import http.client
 import inspect
+import ipaddress
 import json
 import logging
 import re
@@ -119,7 +120,8 @@ class Route:
     valid token. ``public`` routes need no token. An ``async def`` handler runs on the event loop and is counted
     in the in-flight bound. ``inline`` runs a plain handler on the event loop (cheap handlers only: it blocks
     every other request while it runs); inline requests cannot queue, so they are outside the in-flight bound
-    (a saturated server still answers /healthz and /metrics)."""
+    (a saturated server still answers /healthz and /metrics). An ``admin`` route (e.g. ``/admin/reload``) is
+    refused (403) on a server that binds beyond loopback without a tokens file."""
 
     method: str
     path: str
@@ -127,6 +129,7 @@ class Route:
     resources: Resources | None = None
     public: bool = False
     inline: bool = False
+    admin: bool = False
     pattern: re.Pattern = field(init=False, repr=False, compare=False)
     is_async: bool = field(init=False, repr=False, compare=False)
 
@@ -180,6 +183,7 @@ class ServerConfig:
     tls_cert: str | Path | None = None
     tls_key: str | Path | None = None
     shutdown_timeout_s: float = 10.0
+    drain_s: float = 0.0  # on SIGTERM: /readyz answers 503 this long before the listener closes
     access_log: bool = False
     uvloop: bool = True  # run on uvloop's event loop (libuv, C transports) when it is installed; else asyncio's
 
@@ -211,6 +215,7 @@ class ServerConfig:
             "shutdown_timeout_s",
             "must be a number >= 0",
         )
+        check(isinstance(self.drain_s, (int, float)) and self.drain_s >= 0, "drain_s", "must be a number >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(f"tls_cert: TLS needs both tls_cert and tls_key, got {self.tls_cert!r}, {self.tls_key!r}")
         for name in ("tokens_file", "tls_cert", "tls_key"):
@@ -220,6 +225,16 @@ class ServerConfig:
     @property
     def scheme(self) -> str:
         return "https" if self.tls_cert else "http"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the server binds only the loopback interface (reachable from this machine alone)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
 
 def _is_int(x) -> bool:
@@ -321,12 +336,16 @@ class Service:
         unrouted: Callable[[Request, list[str]], Response] = default_unrouted,
         on_close: Iterable[Callable[[], Awaitable[None]]] = (),
         cancel_on_disconnect: bool = False,
+        ready: Callable[[], Iterable[str]] | None = None,
     ):
         """``on_close``: coroutines run on the loop after the last in-flight request (close an `AsyncClient`).
         ``cancel_on_disconnect``: a handler whose client closes the connection is cancelled (a proxy's calls to
-        its upstreams end with it); off by default, as a handler cancelled mid-way must leave nothing half done."""
+        its upstreams end with it); off by default, as a handler cancelled mid-way must leave nothing half done.
+        ``ready``: why the app is not ready to serve (an empty list: ready), for ``GET /readyz``; /healthz says
+        only that the process answers (liveness), /readyz whether to send it traffic (also 503 while draining)."""
         self.config, self.name, self.unrouted = config, name, unrouted
         self.cancel_on_disconnect = cancel_on_disconnect
+        self.ready, self.draining = ready, False
         self.on_close = tuple(on_close)
         self.registry = CollectorRegistry(auto_describe=False)
         self.metrics = HTTPMetrics(metrics_prefix, self.registry)
@@ -336,6 +355,8 @@ class Service:
         own = [Route("GET", "/metrics", self._metrics, inline=True)]
         if not any(r.path == "/healthz" for r in routes):
             own.append(Route("GET", "/healthz", lambda r: Response.json({"status": "ok"}), public=True, inline=True))
+        if not any(r.path == "/readyz" for r in routes):
+            own.append(Route("GET", "/readyz", self._readyz, public=True, inline=True))
         self.routes = (*routes, *own)
         self.in_flight = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(config.workers, thread_name_prefix=f"{name}-handler")
@@ -350,6 +371,20 @@ class Service:
 
     def _metrics(self, request: Request) -> Response:
         return Response(200, generate_latest(self.registry), PROMETHEUS_MEDIA_TYPE)
+
+    def not_ready(self) -> list[str]:
+        """Why the server should get no traffic now (empty: ready)."""
+        reasons = ["draining: shutting down"] if self.draining else []
+        if self.ready is not None:
+            reasons += list(self.ready())
+        return reasons
+
+    def _readyz(self, request: Request) -> Response:
+        reasons = self.not_ready()
+        if reasons:
+            retry = {"Retry-After": str(self.config.retry_after_s)}
+            return Response.json({"status": "not ready", "reasons": reasons}, 503, retry)
+        return Response.json({"status": "ready"})
 
     # --------------------------------------------------------------------------------------------- lifecycle
 
@@ -369,6 +404,13 @@ class Service:
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=tls)
         await site.start()
         self.address = tuple(self._runner.addresses[0][:2])
+        if not cfg.loopback and self.tokens is None:
+            log.warning(
+                "%s binds %s (beyond loopback) with no tokens file: every route but the admin ones is open to anyone "
+                "who can reach it (admin routes are refused; pass --tokens-file)",
+                self.name,
+                cfg.host,
+            )
 
     async def close(self) -> None:
         """Stop accepting, let in-flight requests finish (at most ``shutdown_timeout_s``), close connections."""
@@ -414,6 +456,9 @@ class Service:
 
     def _refuse(self, route: Route, request: Request) -> Response | None:
         """401/403 from the bearer token (checked before the body is read); None = go on."""
+        if route.admin and self.tokens is None and not self.config.loopback:
+            message = f"{route.path} needs a bearer token: this server binds {self.config.host} and has no tokens file"
+            return Response.json({"error": message}, 403)
         if self.tokens is not None and not route.public:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
@@ -771,6 +816,10 @@ def serve_until_signal(service: Service, announce: Callable[[str], None]) -> Non
         gc.freeze()
         announce(service.url)
         await stop.wait()
+        if service.config.drain_s > 0:  # /readyz says 503 first, so balancers stop sending before the listener closes
+            service.draining = True
+            log.info("%s: signal received, draining for %g s (/readyz 503)", service.name, service.config.drain_s)
+            await asyncio.sleep(service.config.drain_s)
         log.info("%s: signal received, finishing %d in-flight requests", service.name, service.in_flight)
         await service.close()
 
@@ -927,6 +976,9 @@ def add_server_arguments(parser) -> None:
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
     )
     parser.add_argument(
+        "--drain", type=float, default=d.drain_s, help="on SIGTERM: seconds /readyz is 503 before the listener closes"
+    )
+    parser.add_argument(
         "--max-body-bytes", type=int, default=d.max_body_bytes, help="request body bytes on the wire (413 above)"
     )
     parser.add_argument(
@@ -960,6 +1012,7 @@ def server_options(args) -> dict:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "shutdown_timeout_s": args.shutdown_timeout,
+        "drain_s": args.drain,
         "uvloop": not args.no_uvloop,
         "max_body_bytes": args.max_body_bytes,
         "body_timeout_s": args.body_timeout,

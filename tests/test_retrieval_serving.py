@@ -428,3 +428,89 @@ def test_healthz_answers_while_the_root_parses_a_large_json_body(world):
     # the body is parsed (then refused: it lacks the context features): the parse happened
     assert status == 400 and json.loads(answer)["feature"] != "user_id"
     assert len(during) >= 5 and max(during) < max(0.25, took / 4), (took, len(during), sorted(during)[-5:])
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def get_status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_state_publication_of_another_model_version_is_refused(world, tmp_path, caplog):
+    """Same width, another model: served, it gives wrong answers and no error. The leaf refuses it (the previous
+    states stay served; a metric and a log line say why) and follows the next publication of its own version."""
+    from jaxscale.serving import Leaf, LeafConfig
+
+    users, context = world["users"][:3], {k: v[:3] for k, v in world["context"].items()}
+    request = {"k": 5, "inputs": {"user_id": users.tolist(), **{k: v.tolist() for k, v in context.items()}}}
+    states = tmp_path / "states"
+    states.mkdir()
+    publish_states(states, world["reader"], 1)
+    config = LeafConfig(world["store"], "tt", "hnsw", states=states, states_watch_s=0.05)
+    with caplog.at_level("WARNING", logger="jaxscale.serving.leaf"), Leaf(config) as leaf:
+        url = f"{leaf.url}/v1/models/tt:retrieve"
+        first = json.loads(post(url, request)[2])
+        assert first["state_version"] == 1
+        other = DictStates(world["users"], -world["states"], world["reader"].default)  # same width, other model
+        publish_states(states, other, 2, model_version="tiny/step-9")
+        assert wait_for(lambda: leaf.metrics.value("state_publications_refused", model_version="tiny/step-9") == 1)
+        again = json.loads(post(url, request)[2])
+        assert again["state_version"] == 1 and again["item_ids"] == first["item_ids"]
+        assert any("refused state publication 2" in r.getMessage() and "tiny/step-9" in r.getMessage()
+                   for r in caplog.records)  # fmt: skip
+        assert get_status(f"{leaf.url}/readyz")[0] == 200  # still serving its own version's states
+        newer = DictStates(world["users"], world["states"] * 2, world["reader"].default)
+        publish_states(states, newer, 3)
+        assert wait_for(lambda: json.loads(post(url, request)[2])["state_version"] == 3)
+
+
+def test_a_leaf_without_states_of_its_model_version_is_live_but_not_ready(world, tmp_path):
+    from jaxscale.serving import Leaf, LeafConfig
+
+    states = tmp_path / "states"
+    states.mkdir()
+    request = {"k": 5, "inputs": {"user_id": world["users"][:2].tolist(),
+                                  **{k: v[:2].tolist() for k, v in world["context"].items()}}}  # fmt: skip
+    config = LeafConfig(world["store"], "tt", "hnsw", states=states, states_watch_s=0.05)
+    with Leaf(config) as leaf:  # nothing published yet
+        status, body = get_status(f"{leaf.url}/readyz")
+        assert status == 503 and "tiny/step-0" in body["reasons"][0]
+        publish_states(states, world["reader"], 1, model_version="tiny/step-9")  # only another model's
+        assert wait_for(lambda: leaf.metrics.value("state_publications_refused", model_version="tiny/step-9") == 1)
+        assert get_status(f"{leaf.url}/healthz")[0] == 200  # live
+        status, body = get_status(f"{leaf.url}/readyz")
+        assert status == 503 and "tiny/step-0" in body["reasons"][0]
+        status, headers, answer = post(f"{leaf.url}/v1/models/tt:retrieve", request)
+        assert status == 503 and json.loads(answer)["reason"] == "states_not_ready" and "Retry-After" in headers
+        publish_states(states, world["reader"], 2)
+        assert wait_for(lambda: get_status(f"{leaf.url}/readyz")[0] == 200)
+        status, _, answer = post(f"{leaf.url}/v1/models/tt:retrieve", request)
+        assert status == 200 and json.loads(answer)["state_version"] == 2
+    # a reader passed in holding another model version's states: refused per request too
+    other = DictStates(world["users"], world["states"], world["reader"].default)
+    other.model_version = "tiny/step-9"
+    with Leaf(LeafConfig(world["store"], "tt", "hnsw"), states=other) as leaf:
+        status, _, answer = post(f"{leaf.url}/v1/models/tt:retrieve", request)
+        assert status == 503 and "tiny/step-9" in json.loads(answer)["error"]
+        assert get_status(f"{leaf.url}/readyz")[0] == 503
+
+
+def test_export_retrieval_checks_the_index_provenance_like_the_cli(world, tmp_path):
+    index = world["indexes"]["flat"]  # built from tiny/step-0
+    with pytest.raises(ValueError, match="built from model version 'tiny/step-0'.*'tiny/step-9'"):
+        export_retrieval(world["parts"], index, store=tmp_path, model="tt", version="1",
+                         provenance={"model_version": "tiny/step-9"})  # fmt: skip
+    assert not store_lib.signature_path(tmp_path, "tt", "1").exists()
+    export_retrieval(world["parts"], index, store=tmp_path, model="tt", version="1",
+                     provenance={"model_version": "tiny/step-0", "checkpoint": "c"})  # fmt: skip

@@ -86,6 +86,13 @@ LEAF_METRICS = (
     MetricDef("filled_unused_features", "counter", "declared-but-unused features absent and passed as zeros"),
     MetricDef("retrieved", "counter", "retrieve requests (rows) answered"),
     MetricDef("deadlines", "counter", "requests answered 504: their X-Request-Timeout-Ms ran out", ("route",)),
+    MetricDef(
+        "state_publications_refused",
+        "counter",
+        "state publications refused: made for another model version (the previous states stay served)",
+        ("model_version",),
+    ),
+    MetricDef("states_ready", "gauge", "1 while states of the loaded model version are served (retrieval leaves)"),
 )
 
 
@@ -165,10 +172,21 @@ class Leaf:
         self.retrieval, self.states, self._own_states = None, states, False
         if retrieval_lib.is_retrieval_version(config.store, config.model, config.version):
             self.retrieval = retrieval_lib.RetrievalModel(config.store, config.model, config.version)
+            if self.retrieval.model_version is None:
+                log.warning("leaf %s: its manifest names no model version: state publications cannot be checked "
+                            "against it (re-export it with provenance)", self.signature.label)  # fmt: skip
             if self.states is None and config.states is not None:
                 from jaxscale.serving.states import StateReader
 
-                self.states, self._own_states = StateReader(config.states), True
+                # only publications of this model's version: another model's states (same width or not) would
+                # be served as wrong answers; until one matches, the leaf is not ready (/readyz 503)
+                self.states = StateReader(
+                    config.states, model_version=self.retrieval.model_version, on_refused=self._refused_states
+                )
+                self._own_states = True
+                if not self.states.ready:
+                    log.warning("leaf %s: not ready: no states of model version %r in %s yet",
+                                self.signature.label, self.retrieval.model_version, config.states)  # fmt: skip
                 self.states.watch(config.states_watch_s)
             if self.states is None:
                 log.warning("leaf %s: a retrieval model without a state store: no retrieve route", self.signature.label)
@@ -182,6 +200,38 @@ class Leaf:
                 inputs = {s.name: wire.to_numpy(batch, s.name) for s in self.signature.features}
                 self._run(inputs)  # compiles
                 self._offload.measure(("predict", b), self._run, inputs)  # a warm call: its cost picks inline or not
+
+    # ------------------------------------------------------------------------------------------ model versions
+
+    def _refused_states(self, snapshot) -> None:
+        """A state publication of another model version: refused (the reader keeps serving the previous one)."""
+        self.metrics.inc("state_publications_refused", model_version=snapshot.model_version)
+        log.warning(
+            "leaf %s: refused state publication %s of %s: it is for model version %r, this leaf serves %r "
+            "(the previous states stay served)",
+            self.signature.label, snapshot.version, self.config.states, snapshot.model_version,
+            self.retrieval.model_version,
+        )  # fmt: skip
+
+    def _states_problem(self) -> str | None:
+        """Why the states cannot be served now (None: they can): none of this model version yet, or a reader
+        (any, e.g. one passed in) holding another model version's states."""
+        if self.states is None or self.retrieval is None:
+            return None
+        if getattr(self.states, "ready", True) is False:
+            want = self.retrieval.model_version
+            return f"no state publication of model version {want!r} yet (states of other versions are refused)"
+        have, want = getattr(self.states, "model_version", None), self.retrieval.model_version
+        if have is not None and want is not None and have != want:
+            return f"the states are of model version {have!r}, the model is {want!r}"
+        return None
+
+    def not_ready(self) -> list[str]:
+        """Why this leaf should get no traffic (empty: ready): its states (retrieval)."""
+        problem = self._states_problem()
+        if self.retrieval is not None and self.states is not None:
+            self.metrics.set("states_ready", float(problem is None))
+        return [problem] if problem else []
 
     # ------------------------------------------------------------------------------------------- predicting
 
@@ -362,7 +412,12 @@ class Leaf:
 
     async def _retrieve_now(self, request: Request) -> Response:
         """``POST /v1/models/{name}:retrieve``: decoded and checked inline; the state lookup, the query step and
-        the index search go through ``self._offload`` (one cost key per batch bucket)."""
+        the index search go through ``self._offload`` (one cost key per batch bucket). 503 while the states are
+        not of the loaded model version."""
+        problem = self._states_problem()
+        if problem is not None:
+            retry = {"Retry-After": str(self.config.server.retry_after_s)}
+            return Response.json({"error": problem, "reason": "states_not_ready", **self._label}, 503, retry)
         ctype = request.headers.get("content-type", wire.MEDIA_TYPE).split(";")[0].strip()
         try:
             if ctype == wire.MEDIA_TYPE:  # refused from the metadata, before anything is decompressed
@@ -385,7 +440,7 @@ class Leaf:
     def service(self) -> Service:
         return Service(
             self.routes(), self.config.server, name="jaxscale-leaf", metrics_prefix="jaxscale_leaf",
-            collectors=[self.metrics],
+            collectors=[self.metrics], ready=self.not_ready,
         )  # fmt: skip
 
     def start(self) -> Leaf:

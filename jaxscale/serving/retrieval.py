@@ -109,7 +109,9 @@ def export_retrieval(
     overwrite: bool = False,
 ) -> Signature:
     """Writes a retrieval model version: the index, the manifest, then the exported query step and its signature
-    (last). Refuses features the step does not read, and an index whose dimension differs from the query's."""
+    (last). Refuses features the step does not read, an index whose dimension differs from the query's, and an
+    index built from another model version than ``provenance`` names (the check the CLI makes: the index's
+    vectors and the query step must come from one trained model, or the answers are wrong, not errors)."""
     from jaxscale.serving.export import export_model
 
     names = [f.name for f in parts.features]
@@ -119,6 +121,12 @@ def export_retrieval(
     if sig_path.exists() and not overwrite:
         raise FileExistsError(f"{sig_path} exists: model versions are immutable (pass overwrite=True)")
     vdir = store_lib.version_dir(store, model, version)
+    built_for = (index.meta.get("provenance") or {}).get("model_version")
+    if provenance is not None and built_for != provenance.get("model_version"):
+        raise ValueError(
+            f"the index was built from model version {built_for!r}, the query step's provenance names "
+            f"{provenance.get('model_version')!r}: an index and a query step must come from one model version"
+        )
     provenance = dict(provenance if provenance is not None else index.meta.get("provenance", {}))
     index.save(vdir / INDEX_DIR)
     manifest = {
@@ -692,7 +700,7 @@ def export_retrieval_main(argv) -> int:
         index = AnnIndex.load(args.index)
         parts, provenance = load_parts(args.config, args.checkpoint, args.overrides, step=args.step, queries=0)
         built_for = index.meta["provenance"].get("model_version")
-        if built_for != provenance["model_version"]:
+        if built_for != provenance["model_version"]:  # export_retrieval checks it too; this names the flag
             raise ValueError(
                 f"--index {args.index} was built from {built_for!r}, the checkpoint is {provenance['model_version']!r}"
             )

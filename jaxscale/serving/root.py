@@ -908,7 +908,7 @@ class Root:
             Route("POST", "/predict", self._predict, resources=self._predict_models),
             Route("POST", "/v1/models/{name}:retrieve", self._retrieve, resources=self._retrieve_model),
             Route("GET", "/routes", lambda r: Response.json(self.routes.current().to_json())),
-            Route("POST", "/admin/reload", self._reload, resources=lambda r: ("admin",)),
+            Route("POST", "/admin/reload", self._reload, resources=lambda r: ("admin",), admin=True),
             Route("GET", "/healthz", lambda r: Response(200, b'{"status": "ok"}\n', JSON), public=True, inline=True),
         ]
 

@@ -204,6 +204,11 @@ def open_current(root, retries: int = 5) -> StateSnapshot | None:
     return None
 
 
+class StatesNotReady(RuntimeError):
+    """A reader expecting one model version's states has none of it to serve (nothing published, or only another
+    model version's publications)."""
+
+
 class StateReader:
     """The latest published states under `path` (a state directory; see the module doc).
 
@@ -211,21 +216,57 @@ class StateReader:
     the default state (the encoder's state of an empty history). `state_time(user_ids)` is the event time
     (epoch ms) of the newest event each state includes (-1 without one). `reload_if_changed()` follows a
     new publication; `watch(interval_s)` does so in a daemon thread. Each call reads one snapshot (a single
-    reference read), so a lookup never mixes two versions."""
+    reference read), so a lookup never mixes two versions.
 
-    def __init__(self, path, *, wait_s: float = 0.0):
+    ``model_version``: the model the states are for (a server's loaded model). A publication of another model
+    version is refused (states of another model of the same width would give wrong answers, not errors): the
+    previous one stays served, and ``on_refused(snapshot)`` is called once per refused publication. Such a reader
+    may start with no matching publication (none, or another model's): it is not `ready` (lookups raise
+    `StatesNotReady`) until a matching one is published."""
+
+    def __init__(self, path, *, wait_s: float = 0.0, model_version: str | None = None, on_refused=None):
         self.path = Path(path)
+        self.expected_model_version, self._on_refused = model_version, on_refused
+        self.refused: StateSnapshot | None = None  # the last publication refused (another model version)
         self._reload_lock = threading.Lock()
         self._watcher = PeriodicTask(self.reload_if_changed, f"states-watch-{self.path}")
         self._pointer_key = None
         deadline = time.monotonic() + wait_s
-        snap = self._read()
+        snap = self._accepted(self._read())
         while snap is None and time.monotonic() < deadline:
             time.sleep(0.05)
-            snap = self._read()
-        if snap is None:
+            snap = self._accepted(self._read())
+        if snap is None and model_version is None:
             raise FileNotFoundError(f"{self.path}: no published states yet (no {POINTER}; run the state builder)")
-        self._snapshot: StateSnapshot = snap
+        self._current: StateSnapshot | None = snap
+
+    def _accepted(self, snap: StateSnapshot | None) -> StateSnapshot | None:
+        """``snap`` when it is for the expected model version (or none is expected), else None (refused)."""
+        if snap is None or self.expected_model_version is None or snap.model_version == self.expected_model_version:
+            return snap
+        if self.refused is None or self.refused.version != snap.version:
+            self.refused = snap
+            if self._on_refused is not None:
+                self._on_refused(snap)
+        return None
+
+    @property
+    def ready(self) -> bool:
+        """Whether a publication (of the expected model version) is being served."""
+        return self._current is not None
+
+    @property
+    def _snapshot(self) -> StateSnapshot:
+        snap = self._current
+        if snap is None:
+            refused = self.refused
+            why = (
+                f"the only publication ({refused.version}) is of model version {refused.model_version!r}"
+                if refused is not None
+                else "nothing is published yet"
+            )
+            raise StatesNotReady(f"{self.path}: no states of model version {self.expected_model_version!r}: {why}")
+        return snap
 
     def _key(self):
         try:
@@ -287,14 +328,15 @@ class StateReader:
         return EncoderStateStore(s.path, s.user_ids, s.states, s.model_version, s.mapped)
 
     def reload_if_changed(self) -> bool:
-        """Swaps in the version `CURRENT` names if it changed; True if it did."""
+        """Swaps in the version `CURRENT` names if it changed (and is of the expected model version); True if it
+        did."""
         with self._reload_lock:
             if self._key() == self._pointer_key:
                 return False
-            snap = self._read()
-            if snap is None or snap.version == self._snapshot.version:
+            snap = self._accepted(self._read())
+            if snap is None or (self._current is not None and snap.version == self._current.version):
                 return False
-            self._snapshot = snap
+            self._current = snap
             return True
 
     def watch(self, interval_s: float) -> None:
