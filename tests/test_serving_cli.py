@@ -83,3 +83,46 @@ def test_the_root_does_not_import_jax():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def independent(f):
+    return {"score": jnp.tanh(f["dense"].sum(-1))}
+
+
+def test_warmup_compiles_the_default_buckets_of_a_model_scoring_examples_independently(tmp_path):
+    """No --batch-buckets: a signature saying examples are scored independently gets powers of two up to
+    max_batch, all compiled at warm-up; requests of new sizes compile nothing more. Without the flag nothing is
+    padded (a batch-dependent model must see its real batch), and warm-up still runs batch 1."""
+    from jaxscale.serving.leaf import Leaf, LeafConfig, default_buckets
+    from jaxscale.serving.signature import Signature
+
+    specs = SPECS[:1]
+    export_model(independent, specs, model="ind", version="1", store=tmp_path, independent_examples=True)
+    export_model(independent, specs, model="dep", version="1", store=tmp_path)
+    assert Signature.load(tmp_path / "ind" / "1" / "signature.json").independent_examples
+    assert not Signature.load(tmp_path / "dep" / "1" / "signature.json").independent_examples
+    assert default_buckets(8) == (1, 2, 4, 8) and default_buckets(12) == (1, 2, 4, 8, 12)
+    leaf = Leaf(LeafConfig(tmp_path, "ind", "1", warmup=True, max_batch=8))
+    assert leaf.buckets == (1, 2, 4, 8) and leaf._call._cache_size() == 4  # every bucket compiled before serving
+    rng = np.random.default_rng(0)
+    for rows in (3, 5, 7, 8, 1):
+        dense = rng.standard_normal((rows, 3)).astype(np.float32)
+        out = leaf.predict({"dense": dense})["score"]
+        np.testing.assert_allclose(out, np.tanh(dense.sum(-1)), rtol=1e-6)
+    assert leaf._call._cache_size() == 4  # served from the warm programs
+    dep = Leaf(LeafConfig(tmp_path, "dep", "1", warmup=True))
+    assert dep.buckets == () and dep._call._cache_size() == 1
+
+
+def test_a_model_that_cannot_run_here_fails_the_leaf_start_up(tmp_path):
+    """Exported for GPUs only, served on CPUs: --warmup makes the leaf exit non-zero with a message naming the
+    problem, instead of reporting healthy and failing every request."""
+    export_model(independent, SPECS[:1], model="gpu", version="1", store=tmp_path, platforms=["cuda"])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    args = ["leaf", "--store", str(tmp_path), "--model", "gpu", "--version", "1", "--warmup"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxscale.serving", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 3 and "serving on" not in proc.stdout, (proc.returncode, proc.stdout)
+    assert "gpu/1: the model cannot run on this machine (cpu)" in proc.stderr and "cuda" in proc.stderr

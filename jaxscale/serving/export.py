@@ -135,10 +135,13 @@ def export_model(
     on_unused: str = "warn",
     platforms: Sequence[str] | None = None,
     overwrite: bool = False,
+    independent_examples: bool = False,
 ) -> ExportedModel:
     """Export ``fn`` over the declared ``features``; with ``store``, write the artifact then the signature.
 
     Versions are immutable: writing over an existing ``<store>/<model>/<version>`` needs ``overwrite=True``.
+    ``independent_examples=True`` declares that each example is scored on its own (recorded in the signature:
+    leaves then pad batches to buckets and compile them all at warm-up).
     """
     if on_unused not in ON_UNUSED:
         raise ValueError(f"on_unused must be one of {ON_UNUSED}, got {on_unused!r}")
@@ -165,6 +168,7 @@ def export_model(
         unused=tuple(unused),
         artifact=store_lib.ARTIFACT,
         artifact_sha256=hashlib.sha256(artifact).hexdigest(),
+        independent_examples=independent_examples,
     )
     if unused:
         message = (

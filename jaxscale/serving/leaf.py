@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import bisect
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,19 +135,32 @@ class LeafConfig:
     model: str
     version: str
     batch_buckets: tuple[int, ...] = ()
-    warmup: bool = False  # compile every bucket at start-up
+    warmup: bool = False  # compile every bucket at start-up (at least batch 1): a model that cannot run fails start-up
     server: ServerConfig = field(default_factory=ServerConfig)  # host, port, in-flight bound, tokens, TLS, ...
     states: str | Path | None = None  # retrieval: the state directory (`jaxscale.serving.states`) to read
     states_watch_s: float = 1.0  # retrieval: how often to look for a new state publication
     inline_budget_s: float = 0.002  # model calls measured shorter than this run on the event loop (0 = never)
+    max_batch: int = 1024  # default buckets (no batch_buckets, examples scored independently): powers of two up to it
 
     def __post_init__(self):
         buckets = tuple(self.batch_buckets)
         if any(not isinstance(b, int) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"batch_buckets must be increasing positive integers, got {buckets!r}")
+        if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         if not isinstance(self.inline_budget_s, (int, float)) or self.inline_budget_s < 0:
             raise ValueError(f"inline_budget_s must be a number >= 0, got {self.inline_budget_s!r}")
         object.__setattr__(self, "batch_buckets", buckets)
+
+
+class LeafStartupError(RuntimeError):
+    """The leaf cannot serve its model on this machine (found at warm-up)."""
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_batch`` (included when it is not a power of two)."""
+    out = tuple(1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch)
+    return out if out[-1] == max_batch else (*out, max_batch)
 
 
 _FULL_PATH = object()  # a layout learned as one whose inputs are not views of the body: always decoded
@@ -161,6 +175,12 @@ class Leaf:
         self.model: ExportedModel = load_model(config.store, config.model, config.version)
         self.signature = self.model.signature
         self._call = jax.jit(self.model.exported.call)
+        # the batch sizes compiled: the configured buckets, else powers of two up to max_batch when the signature
+        # says examples are scored independently (padding rows cannot change the others), else none (every new
+        # batch size compiles a program on its first request)
+        self.buckets = config.batch_buckets
+        if not self.buckets and self.signature.independent_examples:
+            self.buckets = default_buckets(config.max_batch)
         self.metrics = Metrics("jaxscale_leaf", LEAF_METRICS)
         self._server: BackgroundServer | None = None
         self._plans: list[tuple[pa.Schema, _InputPlan]] = []
@@ -194,12 +214,30 @@ class Leaf:
                 self._retrieve_endpoint = retrieval_lib.RetrieveEndpoint(self.retrieval, self.states, self.metrics)
                 if config.warmup:
                     self.retrieval.warmup()
-        if config.warmup:  # compile every bucket, and load what decoding a request imports (pyarrow -> pandas)
-            for b in config.batch_buckets:
+        if config.warmup:
+            self._warmup()
+
+    def _warmup(self) -> None:
+        """Compile every batch size this leaf serves (each bucket; batch 1 when it has none) and load what decoding
+        a request imports (pyarrow -> pandas). A model that cannot run here (exported for another platform, a
+        kernel this backend lacks, outputs not of the signature) fails the start-up with `LeafStartupError`, not
+        every request after a healthy-looking start."""
+        for b in self.buckets or (1,):
+            try:
                 batch = wire.to_record_batch(self._zeros(b))
                 inputs = {s.name: wire.to_numpy(batch, s.name) for s in self.signature.features}
-                self._run(inputs)  # compiles
+                outputs = self._run(inputs)  # compiles
                 self._offload.measure(("predict", b), self._run, inputs)  # a warm call: its cost picks inline or not
+            except Exception as e:
+                raise LeafStartupError(
+                    f"leaf {self.signature.label}: the model cannot run on this machine ({jax.default_backend()}): "
+                    f"warm-up at batch {b} failed: {type(e).__name__}: {str(e)[:500]}"
+                ) from e
+            wrong = [n for n, a in outputs.items() if a.shape[:1] != (b,)]
+            if wrong:
+                raise LeafStartupError(
+                    f"leaf {self.signature.label}: warm-up at batch {b}: outputs {wrong} are not one row per example"
+                )
 
     # ------------------------------------------------------------------------------------------ model versions
 
@@ -239,7 +277,7 @@ class Leaf:
         return {s.name: np.zeros((batch, *s.shape), s.dtype) for s in self.signature.features}
 
     def _bucket(self, batch: int) -> int:
-        buckets = self.config.batch_buckets
+        buckets = self.buckets
         i = bisect.bisect_left(buckets, batch)
         return buckets[i] if i < len(buckets) else batch
 
@@ -479,17 +517,33 @@ def parse_config(argv=None) -> LeafConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--batch-buckets", default="", help="comma-separated batch sizes to pad to, e.g. 1,8,64,512")
-    p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every bucket (batch 1 without buckets) before serving; exit non-zero if the model cannot run",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=LeafConfig.max_batch,
+        help="default buckets (no --batch-buckets, a signature with independent_examples): powers of two up to it",
+    )
     p.add_argument("--states", default=None, help="retrieval: the state directory (python -m jaxscale.serving states)")
     add_server_arguments(p)
     args = p.parse_args(argv)
     buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
     server = ServerConfig(host=args.host, port=args.port, **server_options(args))
-    return LeafConfig(args.store, args.model, args.version, buckets, args.warmup, server, states=args.states)
+    return LeafConfig(
+        args.store, args.model, args.version, buckets, args.warmup, server, states=args.states, max_batch=args.max_batch
+    )
 
 
 def main(argv=None) -> None:
-    leaf = Leaf(parse_config(argv))
+    try:
+        leaf = Leaf(parse_config(argv))
+    except LeafStartupError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(3) from None
     serve_until_signal(
         leaf.service(), lambda url: print(f"leaf {leaf.signature.label} serving on {url}", flush=True)
     )  # until SIGTERM/SIGINT; in-flight requests finish first

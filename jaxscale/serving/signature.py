@@ -118,6 +118,9 @@ class Signature:
 
     ``required`` (declared minus unused, in declared order) is what a leaf needs in a request and what the root
     sends it. ``artifact`` / ``artifact_sha256`` pin the serialized `jax.export.Exported` this signature describes.
+    ``independent_examples``: the exporter declares that each example's outputs depend on that example alone (no
+    batch statistics, no attention across the batch), so a leaf may pad a batch with zero rows and drop their
+    outputs: it then serves batch buckets by default (one compiled program per bucket, all compiled at warm-up).
     """
 
     model: str
@@ -127,11 +130,17 @@ class Signature:
     unused: tuple[str, ...] = ()
     artifact: str | None = None
     artifact_sha256: str | None = None
+    independent_examples: bool = False
     _by_name: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_name("model", self.model)
         check_name("version", self.version)
+        if not isinstance(self.independent_examples, bool):
+            raise SignatureError(
+                f"model {self.model}/{self.version}: independent_examples must be true or false, "
+                f"got {self.independent_examples!r}"
+            )
         features = _specs("features", self.features)
         if not features:
             raise SignatureError(f"model {self.model}/{self.version}: a signature declares at least one feature")
@@ -207,7 +216,7 @@ class Signature:
                 )
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "format": SIGNATURE_FORMAT,
             "model": self.model,
             "version": self.version,
@@ -217,6 +226,9 @@ class Signature:
             "artifact": self.artifact,
             "artifact_sha256": self.artifact_sha256,
         }
+        if self.independent_examples:  # written only when declared: older readers read the others unchanged
+            out["independent_examples"] = True
+        return out
 
     @classmethod
     def from_json(cls, obj, where: str = "signature") -> Signature:
@@ -228,7 +240,7 @@ class Signature:
         missing = sorted(expected - set(obj))
         if missing:
             raise SignatureError(f"{where}: missing field(s) {missing}")
-        extra = sorted(set(obj) - expected - {"artifact_sha256"})
+        extra = sorted(set(obj) - expected - {"artifact_sha256", "independent_examples"})
         if extra:
             raise SignatureError(f"{where}: unknown field(s) {extra}")
         for key in ("features", "outputs", "unused_features"):
@@ -245,6 +257,7 @@ class Signature:
                 unused=tuple(obj["unused_features"]),
                 artifact=obj["artifact"],
                 artifact_sha256=obj.get("artifact_sha256"),
+                independent_examples=obj.get("independent_examples", False),
             )
         except SignatureError as e:
             msg = str(e)
