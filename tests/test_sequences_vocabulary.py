@@ -361,3 +361,36 @@ def test_programs_that_load_a_vocabulary_exit_cleanly(tmp_path):
     failed = [(rc, err[-300:]) for rc, _, err in results if rc != 0]
     assert not failed, f"{len(failed)} of {len(results)} exited non-zero: {failed[:3]}"
     assert all(out.strip() == "1" for _, out, _ in results)
+
+
+def test_a_refresh_publishes_partitions_and_vocabulary_together(tmp_path, monkeypatch):
+    """Issue 35 item 12: a query that runs while a refresh is loading the vocabulary sees the partitions and
+    the vocabulary of one refresh: no stored item answered as out-of-vocabulary in ids=dense."""
+    import shutil
+
+    import jaxscale.sequences.query as query
+
+    defs = vocab_defs()
+    _, items = random_log(6, tmp_path, files=2, rows=200, items=30, bad=False)
+    (tmp_path / "later").mkdir()
+    shutil.move(tmp_path / "events" / "part-001.parquet", tmp_path / "later" / "part-001.parquet")
+    store = tmp_path / "store"
+    backfill(defs, tmp_path / "events", store, sources={"items": items})
+    reader = SequenceReader(store, "s1")
+    before = reader.vocabulary("item_id").size
+    users = sorted(set(read_sequence(store, "s1").column("user_id").to_pylist()))
+    shutil.move(tmp_path / "later" / "part-001.parquet", tmp_path / "events" / "part-001.parquet")
+    stream(defs, tmp_path / "events", store, sources={"items": items}, micro_batch=500)  # the new events
+    seen = []
+    real = query.load_vocabulary
+
+    def load_while_querying(seq_dir, field):  # another thread's queries, in the middle of the refresh
+        seen.extend(e["item_id"] for u in users for e in reader.events(u, ids="dense"))
+        return real(seq_dir, field)
+
+    monkeypatch.setattr(query, "load_vocabulary", load_while_querying)
+    assert reader.refresh()
+    assert reader.vocabulary("item_id").size > before  # the new events brought new items
+    assert seen and OOV not in seen, "a query saw new partitions with the old vocabulary"
+    after = [e["item_id"] for u in users for e in reader.events(u, ids="dense")]
+    assert OOV not in after and PAD not in after

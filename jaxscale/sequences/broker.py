@@ -1,9 +1,23 @@
 """The streaming runtime's log broker: Redis Streams, a producer and a consumer-group consumer.
 
-    python -m jaxscale.sequences produce --events DIR --target redis://HOST:PORT/STREAM [--partitions N]
-    python -m jaxscale.sequences stream --defs D --source redis://HOST:PORT/STREAM --group G --out STORE \\
+    python -m jaxscale.sequences produce --events DIR --target redis[s]://HOST:PORT/STREAM [--partitions N]
+    python -m jaxscale.sequences stream --defs D --source redis[s]://HOST:PORT/STREAM --group G --out STORE \\
         [--partition i --partitions N] [--consumer NAME] --micro-batch N [--until-idle S] [--metrics-port P] \\
-        [--claim-idle-ms MS] [--max-deliveries N]
+        [--claim-idle-ms MS] [--max-deliveries N] [--retain-ms MS] [--retain-entries N]
+    (both: [--redis-user NAME] [--redis-password-file FILE] [--redis-ca-file FILE])
+
+Login and TLS. A URL is logged and recorded in reports, so one with credentials (`user:pw@`) is refused
+without repeating them; the password comes from `--redis-password-file` (first line) or the environment
+variable JAXSCALE_REDIS_PASSWORD, the ACL user from `--redis-user` (`RedisAuth`; never in a repr, a message
+or a report). `rediss://` is TLS, the server verified against `--redis-ca-file` (default: the system's CAs).
+
+Retention. Without `retain_ms`/`retain_entries` (`--retain-ms`, `--retain-entries`) nothing is trimmed.
+With them, the consumer trims its stream (at most every `trim_every_ms`, and at the end of a run) with an
+exact XTRIM MINID at the lowest of: what the retention lets go (entries received more than `retain_ms` ago;
+all but the newest `retain_entries`; both given: what either keeps) and `trim_floor`, the lowest id any
+group still needs (its oldest pending entry, or the one after its last delivered one): an entry delivered
+and not acknowledged, or not yet delivered to some group, is never removed. The dead-letter stream is not
+trimmed.
 
 Streams. With N partitions the events of user u go to stream `STREAM.{p}`, p = splitmix64(user_id) mod N (one
 stream `STREAM` when N = 1), so one user's events stay in one stream, in publish order. The producer records

@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--refresh-seconds", type=float, default=1.0, help="how often changed partitions are reloaded (0: never)"
     )
+    p.add_argument(
+        "--hold-events",
+        type=int,
+        metavar="N",
+        help="hold only each user's last N events in memory (at least the sequence's max_length; the store keeps "
+        "every event; an answer needing older ones is a 422); default: every event",
+    )
     p.add_argument("--access-log", action="store_true")
     add_server_arguments(p)
 
@@ -250,6 +257,7 @@ def run(args) -> int:
             args.host,
             args.port,
             refresh_seconds=args.refresh_seconds,
+            hold_events=args.hold_events,
             access_log=args.access_log,
             **server_options(args),
         )

@@ -29,12 +29,24 @@ events all passed it needs no per-row test.
 `refresh()` is incremental: a day whose directory is unchanged is kept as is; otherwise only its new
 files are loaded (a file is known by name, inode, size and mtime, so a compaction's hard-linked files are
 kept) and removed ones are dropped, never a whole-day reload. The vocabularies whose version changed are
-reloaded after the partitions (a writer saves a vocabulary before the partitions it covers, so every
-loaded id is in the loaded vocabulary). Stored columns the reader does not use are not read.
+read after the partitions (a writer saves a vocabulary before the partitions it covers, so every loaded id
+is in it), and the two are published together: one `View` (partitions, vocabularies) swapped in whole, and
+every query reads one view, so a query running during a refresh never pairs new partitions with an older
+vocabulary (new items out-of-vocabulary in ids=dense). Stored columns the reader does not use are not read.
+
+A held window (`SequenceReader(..., hold=N)`, the server's `--hold-events N`, N >= max_length) bounds
+memory: the reader holds each user's last N events (by ts, arrival) and, per user with older events, the
+(ts, arrival) of the newest one not held (`Cutoffs`); the store keeps every event. A day that gains files
+merges them into the window; a day that loses one (a merge, a new backfill) is dropped from the window and
+read again whole; memory holds the window plus one day's files. An answer is exact when the window holds
+enough of the user's events before as_of (every event not held is older than every held one); otherwise
+`OutsideWindow` (the server's 422) names the window, never a shorter answer. The latest answer (no as_of)
+is always held.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -53,9 +65,11 @@ from jaxscale.sequences.store import (
     MS_PER_DAY,
     VISIBLE_TS,
     StoreError,
+    day_name,
     day_number,
     file_visible_ms,
     list_partitions,
+    partition_dir,
     read_sequence_meta,
 )
 from jaxscale.sequences.vocabulary import Vocabulary, load_vocabulary, read_vocabulary_meta
@@ -77,6 +91,8 @@ class Segment:
 
     def __init__(self, day: str, signature: tuple, users, starts, values, codes, dictionary):
         self.day, self.start_ms, self.signature = day, day_number(day) * MS_PER_DAY, signature
+        self.end_ms = self.start_ms + MS_PER_DAY
+        """Every row's ts is below this (a held window spanning days sets it higher)."""
         self.users, self.starts = users, starts
         """starts[i]:starts[i+1] are the rows of users[i]."""
         self.values, self.codes, self.dictionary = values, codes, dictionary
@@ -108,7 +124,7 @@ class Segment:
         lo, hi = self.user_rows(user_id)
         if hi == lo:
             return slice(0, 0)
-        if as_of is not None and as_of < self.start_ms + MS_PER_DAY:
+        if as_of is not None and as_of < self.end_ms:
             hi = lo + int(np.searchsorted(self.ts[lo:hi], as_of, side="left"))
         if bound is not None and self.max_bound[bound] >= as_of:
             rows = lo + np.flatnonzero(self.bounds[bound][lo:hi] < as_of)
@@ -166,6 +182,93 @@ def merge_segments(day: str, signature: tuple, segments: tuple[Segment, ...]) ->
     bounds = np.flatnonzero(np.diff(users)) + 1
     starts = np.concatenate([[0], bounds, [len(users)]]).astype(np.int64)
     return Segment(day, signature, users[starts[:-1]], starts, values, codes, dictionary)
+
+
+def take_rows(seg: Segment, keep: np.ndarray, day: str | None = None) -> Segment:
+    """The rows of `seg` where `keep` (a mask) holds, in order, as a Segment of `day` (default: the day of its
+    first ts); string dictionaries keep only the values still used."""
+    users = np.repeat(seg.users, np.diff(seg.starts))[keep]
+    values = {f: v[keep] for f, v in seg.values.items()}
+    codes, dictionary = {}, {}
+    for f, c in seg.codes.items():
+        used, inverse = np.unique(c[keep], return_inverse=True)
+        codes[f], dictionary[f] = inverse.astype(np.int32), seg.dictionary[f][used]
+    if not len(users):
+        return Segment(day or "1970-01-01", ("held",), users, np.zeros(1, np.int64), values, codes, dictionary)
+    bounds = np.flatnonzero(np.diff(users)) + 1
+    starts = np.concatenate([[0], bounds, [len(users)]]).astype(np.int64)
+    day = day or day_name(int(values["ts"].min()) // MS_PER_DAY)
+    return Segment(day, ("held",), users[starts[:-1]], starts, values, codes, dictionary)
+
+
+class Cutoffs:
+    """Per user of a held window, the (ts, arrival) of the newest stored event NOT held: every event of the
+    user not held is at or below it, every held one above it."""
+
+    def __init__(self, users=None, ts=None, arrival=None):
+        z = np.zeros(0, np.int64)
+        self.users = z if users is None else users
+        self.ts = z if ts is None else ts
+        self.arrival = z if arrival is None else arrival
+
+    def of(self, user_id: int) -> tuple[int, int] | None:
+        i = int(np.searchsorted(self.users, user_id))
+        if i < len(self.users) and self.users[i] == user_id:
+            return int(self.ts[i]), int(self.arrival[i])
+        return None
+
+    def covers(self, users, ts, arrival) -> np.ndarray:
+        """Mask of the rows at or below their user's cutoff (events the window must not hold)."""
+        if not len(self.users):
+            return np.zeros(len(users), bool)
+        pos = np.minimum(np.searchsorted(self.users, users), len(self.users) - 1)
+        has = self.users[pos] == users
+        cut_ts, cut_arr = self.ts[pos], self.arrival[pos]
+        return has & ((ts < cut_ts) | ((ts == cut_ts) & (arrival <= cut_arr)))
+
+    def raised(self, users, ts, arrival) -> Cutoffs:
+        """These cutoffs raised to the given (user, ts, arrival) of newly dropped events (each user's newest)."""
+        u = np.concatenate([self.users, users])
+        t = np.concatenate([self.ts, ts])
+        a = np.concatenate([self.arrival, arrival])
+        order = np.lexsort((a, t, u))
+        u, t, a = u[order], t[order], a[order]
+        last = np.concatenate([u[1:] != u[:-1], [True]]) if len(u) else np.zeros(0, bool)
+        return Cutoffs(u[last], t[last], a[last])
+
+
+def hold_window(seg: Segment, hold: int, cutoffs: Cutoffs) -> tuple[Segment, Cutoffs]:
+    """Each user's last `hold` events of `seg` above the user's cutoff; the cutoffs raised by what was
+    dropped (see `Cutoffs`)."""
+    users = np.repeat(seg.users, np.diff(seg.starts))
+    arrival = seg.values["arrival"]
+    keep = ~cutoffs.covers(users, seg.ts, arrival)
+    counts = np.diff(seg.starts)
+    over = np.flatnonzero(counts > hold)
+    if len(over):
+        # rank from the end within each user's run: rows before end - hold go
+        end = np.repeat(seg.starts[1:], counts)
+        keep &= (end - np.arange(len(users))) <= hold
+        newest_dropped = seg.starts[over + 1] - hold - 1
+        cutoffs = cutoffs.raised(users[newest_dropped], seg.ts[newest_dropped], arrival[newest_dropped])
+    if keep.all():
+        return seg, cutoffs
+    return take_rows(seg, keep), cutoffs
+
+
+class OutsideWindow(LookupError):
+    """A query needs events older than the per-user window the reader holds in memory (`hold`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """What one refresh publishes, swapped in whole: the partitions, the vocabularies read after them (so
+    they cover every loaded id), and in a held window the cutoffs and the stored days."""
+
+    partitions: tuple
+    vocabularies: dict
+    cutoffs: Cutoffs | None = None
+    days: tuple[str, ...] = ()
 
 
 class Partition:
@@ -230,9 +333,10 @@ def _partition_listing(path: Path, day: str) -> tuple[tuple, list[tuple]]:
 
 
 class SequenceReader:
-    """One sequence of a store, in memory, for point-in-time queries (thread-safe reads)."""
+    """One sequence of a store, in memory, for point-in-time queries (thread-safe reads). `hold`: keep only
+    each user's last `hold` events in memory (at least max_length; None: every event; see the module doc)."""
 
-    def __init__(self, store, name: str):
+    def __init__(self, store, name: str, *, hold: int | None = None):
         self.store, self.name = Path(store), name
         self.seq_dir = self.store / name
         meta = read_sequence_meta(self.seq_dir)
@@ -252,10 +356,15 @@ class SequenceReader:
         used = ("user_id", "ts", "arrival", INGEST_TS, *self.fields)
         self.read_columns = {c: self.columns[c] for c in dict.fromkeys(used) if c in self.columns}
         """The stored columns the reader loads (others, e.g. an event id, are never read)."""
+        if hold is not None and (not isinstance(hold, int) or isinstance(hold, bool) or hold < self.max_length):
+            raise ValueError(
+                f"hold must be an integer >= the sequence's max_length ({self.max_length}) of {name!r}, got {hold!r}"
+            )
+        self.hold = hold
         self._lock = threading.Lock()
         self._json_cache: dict = {}
-        self.partitions: tuple[Partition, ...] = ()
-        self.vocabularies: dict[str, Vocabulary | None] = {f: None for f in self.sequence.vocabularies}
+        self._view = View((), {f: None for f in self.sequence.vocabularies}, Cutoffs() if hold else None)
+        self._held_listing: dict[str, tuple] = {}
         self.stats = {"refreshes": 0, "files_loaded": 0, "files_dropped": 0}
         """Counters of the incremental refresh (for monitoring and the memory benchmark)."""
         self.refresh()
@@ -272,9 +381,45 @@ class SequenceReader:
                     time.sleep(0.01 * (attempt + 1))
         return False
 
+    @property
+    def partitions(self) -> tuple[Partition, ...]:
+        """The loaded days (in a held window: one partition holding the window)."""
+        return self._view.partitions
+
+    @property
+    def vocabularies(self) -> dict[str, Vocabulary | None]:
+        return self._view.vocabularies
+
+    @property
+    def days(self) -> list[str]:
+        """The store's days loaded by the last refresh."""
+        return list(self._view.days) if self.hold else [p.day for p in self._view.partitions]
+
     def _refresh(self) -> bool:
-        old = {p.day: p for p in self.partitions}
-        known = {s.signature: s for p in self.partitions for s in p.segments}
+        view = self._view
+        if self.hold:
+            changed, partitions, cutoffs = self._refresh_held(view)
+        else:
+            changed, partitions = self._refresh_days(view)
+            cutoffs = None
+        # The vocabularies after the partitions (a writer saves one before the partitions it covers), then
+        # both published in one swap: a query never pairs new partitions with an older vocabulary.
+        vocabularies = dict(view.vocabularies)
+        for f, old_vocab in vocabularies.items():
+            meta = read_vocabulary_meta(self.seq_dir, f)
+            if meta is not None and (old_vocab is None or old_vocab.version != meta["version"]):
+                vocabularies[f] = load_vocabulary(self.seq_dir, f)
+                changed = True
+        days = tuple(self._held_listing) if self.hold else ()
+        self._view = View(partitions, vocabularies, cutoffs, days)
+        if changed:
+            live_ids = {id(s) for p in partitions for s in p.segments} | {id(p) for p in partitions}
+            self._json_cache = {k: v for k, v in self._json_cache.items() if k[0] in live_ids}
+        return changed
+
+    def _refresh_days(self, view: View) -> tuple[bool, tuple[Partition, ...]]:
+        old = {p.day: p for p in view.partitions}
+        known = {s.signature: s for p in view.partitions for s in p.segments}
         new, loaded = [], 0
         for day, path in list_partitions(self.seq_dir).items():
             directory, keys = _partition_listing(path, day)
@@ -293,34 +438,72 @@ class SequenceReader:
                     raise StoreError(f"partition {path} has no Parquet file")
                 part = Partition(day, directory, tuple(segments))
             new.append(part)
-        changed = [p.signature for p in new] != [p.signature for p in self.partitions]
+        changed = [p.signature for p in new] != [p.signature for p in view.partitions]
         live = {s.signature for p in new for s in p.segments}
         self.stats["refreshes"] += 1
         self.stats["files_loaded"] += loaded
         self.stats["files_dropped"] += sum(1 for k in known if k not in live)
-        self.partitions = tuple(new)
-        if changed:
-            live_ids = {id(s) for p in new for s in p.segments} | {id(p) for p in new}
-            self._json_cache = {k: v for k, v in self._json_cache.items() if k[0] in live_ids}
-        for f, old_vocab in self.vocabularies.items():  # after the partitions (see the module doc)
-            meta = read_vocabulary_meta(self.seq_dir, f)
-            if meta is not None and (old_vocab is None or old_vocab.version != meta["version"]):
-                self.vocabularies[f] = load_vocabulary(self.seq_dir, f)
-                changed = True
-        return changed
+        return changed, tuple(new)
+
+    def _refresh_held(self, view: View) -> tuple[bool, tuple[Partition, ...], Cutoffs]:
+        """The held window after the store's changes: a day that only gained files merges them in; a day that
+        lost a file (a merge, a new backfill) or went away is dropped from the window and, if present, read
+        again whole; each day's files are merged into the window and trimmed to `hold` per user at once, so
+        memory holds the window plus one day's files."""
+        held = view.partitions[0].segments[0] if view.partitions else None
+        cutoffs = view.cutoffs
+        listing = {day: _partition_listing(path, day) for day, path in list_partitions(self.seq_dir).items()}
+        if listing == self._held_listing:
+            self.stats["refreshes"] += 1
+            return False, view.partitions, cutoffs
+        drop, load, loaded = set(), {}, 0
+        for day, (directory, keys) in listing.items():
+            prev = self._held_listing.get(day)
+            if prev == (directory, keys):
+                continue
+            if prev is not None and not set(prev[1]) <= set(keys):
+                drop.add(day)
+                self.stats["files_dropped"] += len(set(prev[1]) - set(keys))
+                load[day] = keys
+            else:
+                load[day] = [k for k in keys if prev is None or k not in prev[1]]
+        drop |= set(self._held_listing) - set(listing)
+        if held is not None and drop:
+            day_of = held.ts // MS_PER_DAY
+            gone = np.isin(day_of, [day_number(d) for d in drop])
+            held = take_rows(held, ~gone) if gone.any() else held
+        for day, keys in sorted(load.items()):
+            path = partition_dir(self.seq_dir, day)
+            segments = [load_segment(path / k[1], day, k, self.read_columns) for k in keys]
+            loaded += len(segments)
+            if _partition_listing(path, day) != listing[day]:
+                raise FileNotFoundError(path)  # changed while loading: retry
+            parts = [s for s in (held, *segments) if s is not None and s.rows]
+            if not parts:
+                continue
+            merged = merge_segments(day, ("held",), tuple(parts)) if len(parts) > 1 else parts[0]
+            held, cutoffs = hold_window(merged, self.hold, cutoffs)
+            held = take_rows(held, np.ones(held.rows, bool))  # its own day span and dictionaries
+        self._held_listing = listing
+        self.stats["refreshes"] += 1
+        self.stats["files_loaded"] += loaded
+        if held is None or not held.rows:
+            return True, (), cutoffs
+        held.end_ms = INT64_MAX
+        return True, (Partition(held.day, ("held",), (held,)),), cutoffs
 
     def vocabulary(self, field: str) -> Vocabulary | None:
         """The loaded vocabulary of `field` (as of the last refresh), or None when the store has none."""
         return self.vocabularies.get(field)
 
-    def _dense_fields(self, ids: str) -> dict[str, Vocabulary]:
-        """{field: vocabulary} to encode for `ids` ('raw': none; 'dense': every vocabulary field).
-        ValueError for another mode, or 'dense' on a sequence without a stored vocabulary."""
+    def _dense_fields(self, ids: str, view: View | None = None) -> dict[str, Vocabulary]:
+        """{field: vocabulary} to encode for `ids` ('raw': none; 'dense': every vocabulary field) of `view`
+        (default: the current one). ValueError for another mode, or 'dense' without a stored vocabulary."""
         if ids == "raw":
             return {}
         if ids != "dense":
             raise ValueError(f"ids must be one of {list(ID_MODES)}, got {ids!r}")
-        vocabs = {f: v for f, v in self.vocabularies.items() if v is not None}
+        vocabs = {f: v for f, v in (view or self._view).vocabularies.items() if v is not None}
         if not vocabs:
             raise ValueError(f"sequence {self.name!r} has no vocabulary in {self.store}: ids=dense needs one")
         return vocabs
@@ -334,15 +517,26 @@ class SequenceReader:
         """Bytes of the loaded columns (what the reader holds; the memory benchmark prints it beside RSS)."""
         return sum(s.nbytes for p in self.partitions for s in p.segments)
 
-    def slices(self, user_id: int, as_of: int | None = None, limit: int | None = None, *, as_of_mode: str = "event"):
+    def slices(
+        self,
+        user_id: int,
+        as_of: int | None = None,
+        limit: int | None = None,
+        *,
+        as_of_mode: str = "event",
+        view: View | None = None,
+    ):
         """[(segment, rows)], oldest first, `rows` a slice or an index array of the segment: the user's last
-        min(limit, max_length) events before as_of in `as_of_mode` (see the module doc)."""
+        min(limit, max_length) events before as_of in `as_of_mode` (see the module doc), from `view` (default:
+        the current one). OutsideWindow when a held window lacks events the answer needs."""
         if as_of_mode not in AS_OF_MODES:
             raise ValueError(f"as_of_mode must be one of {list(AS_OF_MODES)}, got {as_of_mode!r}")
+        view = view or self._view
         bound = as_of_mode if as_of_mode in BOUNDED_MODES and as_of is not None else None
         need = self.max_length if limit is None else min(int(limit), self.max_length)
+        wanted = need
         out = []
-        for part in reversed(self.partitions):
+        for part in reversed(view.partitions):
             if need <= 0:
                 break
             if as_of is not None and (part.start_ms >= as_of or (bound and part.min_bound[bound] >= as_of)):
@@ -351,6 +545,14 @@ class SequenceReader:
                 out.append(piece)
                 need -= _count(piece[1])
         out.reverse()
+        if need > 0 and view.cutoffs is not None:
+            cut = view.cutoffs.of(user_id)
+            if cut is not None:
+                raise OutsideWindow(
+                    f"user {user_id} of {self.name!r}: the answer needs {wanted} events and the {self.hold} this "
+                    f"server holds per user (--hold-events) give {wanted - need}; its older events (ts <= {cut[0]}) "
+                    "are in the store only: ask for a later as_of or a smaller limit, or read the store"
+                )
         return out
 
     def query(
@@ -380,8 +582,9 @@ class SequenceReader:
     ) -> list[dict]:
         """JSON-ready events (each with the sequence's fields, in definition order), oldest first.
         `ids='dense'`: vocabulary fields hold dense indices (OOV = 1) instead of raw ids."""
-        dense = self._dense_fields(ids)
-        pieces = self.slices(user_id, as_of, limit, as_of_mode=as_of_mode)
+        view = self._view  # one view: the vocabulary that covers these partitions
+        dense = self._dense_fields(ids, view)
+        pieces = self.slices(user_id, as_of, limit, as_of_mode=as_of_mode, view=view)
         cols = {}
         for f in self.fields:
             if f in dense:
@@ -402,8 +605,9 @@ class SequenceReader:
         as_of_mode: str = "event",
     ) -> str:
         """`json.dumps(self.events(...))`, rendered column-wise (the serving hot path: no dict per event)."""
-        dense = self._dense_fields(ids)
-        pieces = self.slices(user_id, as_of, limit, as_of_mode=as_of_mode)
+        view = self._view  # one view: the vocabulary that covers these partitions
+        dense = self._dense_fields(ids, view)
+        pieces = self.slices(user_id, as_of, limit, as_of_mode=as_of_mode, view=view)
         if not pieces:
             return "[]"
         template = "{{" + ",".join(f"{json.dumps(f)}:{{}}" for f in self.fields) + "}}"

@@ -12,6 +12,9 @@
                           ids neither raw nor dense, ids=dense on a sequence without a stored vocabulary,
                           as_of_mode not event, ingest or visible, a parameter repeated or unknown
       404 {"error": ...}  unknown sequence (or path)
+      422 {"error": ...}  the answer needs events older than the server's per-user window (--hold-events N:
+                          each user's last N events are held in memory, the store keeps every event); the
+                          message names the window and the time of the user's newest event not held
       405 {"error": ...}  a method other than GET (except batchGet below)
     POST /v1/sequences/{name}:batchGet   body {"user_ids": [...], "as_of": T?, "limit": N?, "ids": "raw|dense"?,
                                                "as_of_mode": "event|ingest|visible"?}
@@ -31,6 +34,7 @@ stream becomes visible without a restart (each partition is swapped in whole).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -48,7 +52,7 @@ from jaxscale.http_server import (
     serve_until_signal,
 )
 from jaxscale.periodic import PeriodicTask
-from jaxscale.sequences.query import AS_OF_MODES, ID_MODES, INT64_MAX, INT64_MIN, SequenceReader
+from jaxscale.sequences.query import AS_OF_MODES, ID_MODES, INT64_MAX, INT64_MIN, OutsideWindow, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
 _INT = re.compile(r"^[+-]?[0-9]+$")
@@ -56,6 +60,7 @@ PARAMS = ("as_of", "limit", "ids", "as_of_mode")
 BATCH_FIELDS = ("user_ids", "as_of", "limit", "ids", "as_of_mode")
 MAX_BATCH_USERS = 1000
 USER_ROUTE = "/v1/users/{user_id}/sequences/{name}"
+log = logging.getLogger("jaxscale.sequences.server")
 
 
 class BadRequest(ValueError):
@@ -146,33 +151,80 @@ def parse_batch(body: bytes, max_depth: int = 64) -> tuple[list[int], int | None
 
 
 class SequenceStore:
-    """The readers of every sequence of a store, refreshed from disk on demand."""
+    """The readers of every sequence of a store, refreshed from disk on demand. `hold`: each reader keeps
+    only every user's last `hold` events in memory (None: all; see `jaxscale.sequences.query`). A sequence
+    whose refresh fails keeps what it had (or stays absent) and the others still refresh; each failure is
+    logged and counted per sequence (`jaxscale_sequences_refresh_failures_total{sequence}`)."""
 
-    def __init__(self, store):
-        self.path = Path(store)
+    def __init__(self, store, hold: int | None = None):
+        self.path, self.hold = Path(store), hold
         if not self.path.is_dir():
             raise FileNotFoundError(f"store {self.path} does not exist")
         self.readers: dict[str, SequenceReader] = {}
+        self.failures: dict[str, int] = {}
+        self.last_error: dict[str, str | None] = {}
         self.refresh()
 
     def refresh(self) -> None:
         for name in list_sequences(self.path):
+            try:
+                if name in self.readers:
+                    self.readers[name].refresh()
+                else:
+                    self.readers[name] = SequenceReader(self.path, name, hold=self._hold(name))
+                self.last_error[name] = None
+            except Exception as e:  # one sequence's failure must not stop the others' refresh
+                self.failures[name] = self.failures.get(name, 0) + 1
+                self.last_error[name] = f"{type(e).__name__}: {e}"
+                log.warning("refresh of sequence %r failed (it keeps what it had): %s", name, self.last_error[name])
+
+    def _hold(self, name: str) -> int | None:
+        """The window for `name`: `hold`, raised to the sequence's max_length (a window must hold one answer)."""
+        if self.hold is None:
+            return None
+        from jaxscale.sequences.store import read_sequence_meta
+
+        return max(self.hold, int(read_sequence_meta(self.path / name)["sequence"]["max_length"]))
+
+    def collector(self):
+        """A Prometheus collector of `metrics()` (this class's `describe` is the store's, not a collector's)."""
+        return _Collector(self.metrics)
+
+    def metrics(self):
+        """Per sequence, refresh failures, whether the last refresh worked, events and
+        bytes held in memory."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        failures = CounterMetricFamily(
+            "jaxscale_sequences_refresh_failures", "Refreshes of a sequence that failed", labels=["sequence"]
+        )
+        ok = GaugeMetricFamily("jaxscale_sequences_refresh_ok", "1 if the last refresh worked", labels=["sequence"])
+        events = GaugeMetricFamily("jaxscale_sequences_events_held", "Events held in memory", labels=["sequence"])
+        held = GaugeMetricFamily("jaxscale_sequences_held_bytes", "Bytes of events held in memory", labels=["sequence"])
+        for name in sorted(set(self.readers) | set(self.failures)):
+            failures.add_metric([name], self.failures.get(name, 0))
+            ok.add_metric([name], 0 if self.last_error.get(name) else 1)
             if name in self.readers:
-                self.readers[name].refresh()
-            else:
-                self.readers[name] = SequenceReader(self.path, name)
+                events.add_metric([name], self.readers[name].num_events)
+                held.add_metric([name], self.readers[name].memory_bytes)
+        return [failures, ok, events, held]
 
     def describe(self) -> dict:
         return {
             name: {
                 "fields": list(r.fields),
                 "max_length": r.max_length,
-                "days": [p.day for p in r.partitions],
+                "days": r.days,
                 "events": r.num_events,
                 **({"vocabularies": {f: _describe(v) for f, v in r.vocabularies.items()}} if r.vocabularies else {}),
             }
             for name, r in sorted(self.readers.items())
         }
+
+
+class _Collector:
+    def __init__(self, collect):
+        self.collect = collect
 
 
 def _describe(vocab) -> dict | None:
@@ -215,6 +267,8 @@ class SequenceAPI:
                 return _compact({"error": str(e)}, 400)
             except TooLarge as e:
                 return _compact({"error": str(e)}, 413)
+            except OutsideWindow as e:
+                return _compact({"error": str(e)}, 422)
 
         return guarded
 
@@ -261,15 +315,25 @@ class SequenceServer:
     (max_in_flight, tokens_file, tls_cert, tls_key, ...). `start()` serves on a background thread (then
     `shutdown()` + `server_close()`, or `stop()`); `serve_forever()` serves in the foreground until SIGTERM."""
 
-    def __init__(self, store, host: str = "127.0.0.1", port: int = 0, *, refresh_seconds: float = 1.0, **options):
+    def __init__(
+        self,
+        store,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        refresh_seconds: float = 1.0,
+        hold_events: int | None = None,
+        **options,
+    ):
         self.config = ServerConfig(host=host, port=port, **options)
-        self.store = SequenceStore(store)
+        self.store = SequenceStore(store, hold_events)
         self.refresh_seconds = refresh_seconds
         self.service = Service(
             SequenceAPI(self.store, self.config.max_json_depth).routes(),
             self.config,
             name="jaxscale-sequences",
             metrics_prefix="jaxscale_sequences",
+            collectors=(self.store.collector(),),
             unrouted=_unrouted,
         )
         self._background: BackgroundServer | None = None
