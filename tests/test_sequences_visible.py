@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from redis_helpers import redis_port  # noqa: F401  (the fixture)
 from test_sequences_helpers import assert_frames_equal, by_user, make_defs, reference_query, reference_store
 
 from jaxscale.sequences.query import SequenceReader
@@ -209,3 +210,38 @@ def test_files_without_visible_ts_count_from_their_write(tmp_path):
     for u in USERS:
         assert reader.events(u, min(before, min(raw.ts)), as_of_mode="visible") == []
         assert reader.events(u, max(max(mtimes), late) + 1, as_of_mode="visible") == reader.events(u, late)
+
+
+def test_broker_consumer_visible_mode_answers_what_a_reader_saw(tmp_path, redis_port):  # noqa: F811
+    """The broker's ingest_ts is Redis' receive time: every event below was received before the consumer
+    started, yet committed micro-batch by micro-batch. The visible mode at each moment answers what a reader
+    of the store saw then; the ingest mode claims every received event."""
+    from jaxscale.sequences.broker import Producer, StreamConsumer
+
+    defs = make_defs(max_length=6)
+    raw, items = _log(tmp_path, seed=21, rows=200, spread_ms=60_000)
+    url = f"redis://127.0.0.1:{redis_port}/ev"
+    Producer(url, batch=10).publish_files(tmp_path / "events")
+    consumer = StreamConsumer(defs, url, "g", tmp_path / "store", sources={"items": items}, micro_batch=30)
+    seen, real = [], consumer.process
+
+    def process_then_look(entries):
+        real(entries)
+        time.sleep(0.003)
+        at = time.time_ns() // 1_000_000
+        reader = SequenceReader(tmp_path / "store", "s1")
+        seen.append((at, {u: reader.events(u, at) for u in USERS}))
+        time.sleep(0.003)
+
+    consumer.process = process_then_look
+    consumer.run(until_idle=0.3)
+    assert len(seen) >= 5
+    reader = SequenceReader(tmp_path / "store", "s1")
+    stored = _stored(tmp_path / "store", defs.sequence("s1"))
+    assert (stored[VISIBLE_TS] > stored["ingest_ts"]).all()
+    claims_more = 0
+    for at, then in seen:
+        for u in USERS:
+            assert reader.events(u, at, as_of_mode="visible") == then[u], (at, u)
+            claims_more += reader.events(u, at, as_of_mode="ingest") != then[u]
+    assert claims_more > 5
