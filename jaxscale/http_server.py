@@ -404,13 +404,18 @@ class Service:
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=tls)
         await site.start()
         self.address = tuple(self._runner.addresses[0][:2])
-        if not cfg.loopback and self.tokens is None:
-            log.warning(
-                "%s binds %s (beyond loopback) with no tokens file: every route but the admin ones is open to anyone "
-                "who can reach it (admin routes are refused; pass --tokens-file)",
-                self.name,
-                cfg.host,
-            )
+        warning = self.exposure_warning()
+        if warning:
+            log.warning("%s", warning)
+
+    def exposure_warning(self) -> str | None:
+        """What the start-up warns about a server open to others (beyond loopback, no tokens); None when closed."""
+        if self.config.loopback or self.tokens is not None:
+            return None
+        return (
+            f"{self.name} binds {self.config.host} (beyond loopback) with no tokens file: every route is open to "
+            "anyone who can reach it, except the admin routes, which are refused (pass --tokens-file)"
+        )
 
     async def close(self) -> None:
         """Stop accepting, let in-flight requests finish (at most ``shutdown_timeout_s``), close connections."""

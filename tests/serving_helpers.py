@@ -69,3 +69,59 @@ def healthz_during(url: str, work) -> tuple[list[float], float, object]:
         rest, _ = poller.communicate(timeout=30)
     samples = [tuple(map(float, line.split()[:2])) for line in rest.splitlines() if line.strip()]
     return [lat for t, lat in samples if t <= t1 and t + lat >= t0], t1 - t0, out
+
+
+class StubLeaf:
+    """A leaf stand-in on 127.0.0.1 (the shared HTTP layer, no model): ``/predict`` answers a score of 0.5 per row,
+    ``:retrieve`` answers JSON naming ``label``; or as ``behave`` says (set per test): ("ok",), ("sleep", seconds),
+    ("status", code, headers). Records each call's headers and cancellations; ``/readyz`` is the layer's own."""
+
+    def __init__(self, label: str = "stub"):
+        from jaxscale.http_server import BackgroundServer, Route, ServerConfig, Service
+
+        self.label, self.behave = label, ("ok",)
+        self.calls, self.cancelled = [], []
+        routes = [Route("POST", "/predict", self._predict), Route("POST", "/v1/models/{name}:retrieve", self._retrieve)]
+        service = Service(routes, ServerConfig(), name="stub", metrics_prefix="stub", cancel_on_disconnect=True)
+        self.server = BackgroundServer(service).start()
+        self.url = self.server.url
+
+    async def _misbehave(self):
+        import asyncio
+        import time
+
+        from jaxscale.http_server import Response
+
+        kind, *args = self.behave
+        if kind == "sleep":
+            try:
+                await asyncio.sleep(args[0])
+            except asyncio.CancelledError:
+                self.cancelled.append(time.monotonic())
+                raise
+        if kind == "status":
+            return Response.json({"error": f"stub says {args[0]}"}, args[0], args[1])
+        return None
+
+    async def _predict(self, request):
+        import numpy as np
+
+        from jaxscale.http_server import Response
+        from jaxscale.serving import wire
+
+        self.calls.append(request.headers)
+        answer = await self._misbehave()
+        if answer is not None:
+            return answer
+        rows = wire.decode(request.body).num_rows
+        return Response(200, wire.encode({"score": np.full(rows, 0.5, np.float32)}), wire.MEDIA_TYPE)
+
+    async def _retrieve(self, request):
+        from jaxscale.http_server import Response
+
+        self.calls.append(request.headers)
+        answer = await self._misbehave()
+        return answer if answer is not None else Response.json({"item_ids": [[1, 2]], "stub": self.label})
+
+    def stop(self):
+        self.server.stop()

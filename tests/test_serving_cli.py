@@ -126,3 +126,35 @@ def test_a_model_that_cannot_run_here_fails_the_leaf_start_up(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 3 and "serving on" not in proc.stdout, (proc.returncode, proc.stdout)
     assert "gpu/1: the model cannot run on this machine (cpu)" in proc.stderr and "cuda" in proc.stderr
+
+
+def test_sigterm_drains_readyz_first_then_the_leaf_exits(tmp_path):
+    """--drain: on SIGTERM /readyz answers 503 (draining) while /healthz and requests still answer, then the
+    listener closes and the process exits 0."""
+    import signal
+    import time
+    import urllib.error
+
+    export_model(independent, SPECS[:1], model="tiny", version="1", store=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc, url = start(["leaf", "--store", str(tmp_path), "--model", "tiny", "--version", "1", "--drain", "3"], env)
+
+    def status(path):
+        try:
+            with urllib.request.urlopen(url + path, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        assert status("/readyz") == 200 and status("/healthz") == 200
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while status("/readyz") != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status("/readyz") == 503 and status("/healthz") == 200  # not ready, still live and serving
+        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 >= 2.5
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

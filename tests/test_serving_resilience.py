@@ -4,7 +4,6 @@ breaker per leaf, leaf calls cancelled with the client, the request id in every 
 
 Leaves are stub servers on 127.0.0.1 (the shared HTTP layer) whose behaviour each test sets: fast, no model."""
 
-import asyncio
 import http.client
 import json
 import logging
@@ -14,9 +13,8 @@ import time
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import demo_store
+from serving_helpers import StubLeaf, demo_store
 
-from jaxscale.http_server import BackgroundServer, Response, Route, ServerConfig, Service
 from jaxscale.serving import demo, wire
 from jaxscale.serving.resilience import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from jaxscale.serving.root import FAILED_HEADER, LeafAddress, Root, RootConfig, parse_config
@@ -45,38 +43,6 @@ def post(url: str, path: str = "/predict", body: bytes | None = None, headers=No
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         conn.close()
-
-
-class StubLeaf:
-    """A leaf stand-in: answers ``/predict`` with a score per row, or as ``behave`` says (set per test):
-    ("ok",), ("sleep", seconds), ("status", code, headers). Records each call's headers and cancellations."""
-
-    def __init__(self):
-        self.behave = ("ok",)
-        self.calls, self.cancelled = [], []
-        service = Service(
-            [Route("POST", "/predict", self._predict)], ServerConfig(), name="stub", metrics_prefix="stub",
-            cancel_on_disconnect=True,
-        )  # fmt: skip
-        self.server = BackgroundServer(service).start()
-        self.url = self.server.url
-
-    async def _predict(self, request):
-        self.calls.append(request.headers)
-        kind, *args = self.behave
-        if kind == "sleep":
-            try:
-                await asyncio.sleep(args[0])
-            except asyncio.CancelledError:
-                self.cancelled.append(time.monotonic())
-                raise
-        if kind == "status":
-            return Response.json({"error": f"stub says {args[0]}"}, args[0], args[1])
-        rows = wire.decode(request.body).num_rows
-        return Response(200, wire.encode({"score": np.full(rows, 0.5, np.float32)}), wire.MEDIA_TYPE)
-
-    def stop(self):
-        self.server.stop()
 
 
 @pytest.fixture
@@ -285,3 +251,18 @@ def test_the_resilience_settings_are_cli_flags(store):
         LeafAddress.parse("ctr/1=http://127.0.0.1:1,retries=3")
     with pytest.raises(ValueError, match="breaker_failures"):
         RootConfig(store, cfg.leaves, breaker_failures=-1)
+
+
+def test_a_leaf_honours_the_deadline_it_is_sent(store):
+    """X-Request-Timeout-Ms at a real leaf: nothing left is a 504 without running the model; a deadline shorter
+    than the call (a first call compiles) is a 504 naming the header; none, or a long one, is answered."""
+    from jaxscale.serving.leaf import Leaf, LeafConfig
+
+    with Leaf(LeafConfig(store, *GOOD)) as leaf:  # no warm-up: the first call of each batch size compiles
+        status, _, body = post(leaf.url, headers={"X-Request-Timeout-Ms": "0"})
+        assert status == 504 and json.loads(body)["deadline"] == "X-Request-Timeout-Ms"
+        status, _, body = post(leaf.url, body=request_body(5), headers={"X-Request-Timeout-Ms": "1"})
+        assert status == 504 and json.loads(body)["reason"] == "deadline"
+        assert leaf.metrics.value("deadlines", route="predict") == 2
+        assert post(leaf.url, headers={"X-Request-Timeout-Ms": "60000"})[0] == 200
+        assert post(leaf.url)[0] == 200

@@ -468,7 +468,13 @@ class RetrieveEndpoint:
         headers = {TIMINGS_HEADER: json.dumps(result.timings_ms, separators=(",", ":"))}
         if parsed.json:
             return Response.json({**self._where, "k": parsed.k, **result.to_json()}, headers=headers)
-        return Response(200, wire.encode(result.arrow_batch()), wire.MEDIA_TYPE, headers)
+        # which model version answered, beside the columns (their names do not change with the version)
+        metadata = {
+            b"jaxscale.model": self._where["model"].encode(),
+            b"jaxscale.version": self._where["version"].encode(),
+        }
+        batch = result.arrow_batch().replace_schema_metadata(metadata)
+        return Response(200, wire.encode(batch), wire.MEDIA_TYPE, headers)
 
     def __call__(self, request):
         """The three steps on the calling thread (a synchronous handler)."""

@@ -82,6 +82,7 @@ from jaxscale.serving.retrieval import TIMINGS_HEADER, trim_retrieve_request
 from jaxscale.serving.routes import OK, RouteTable
 from jaxscale.serving.signature import FeatureError, SignatureError, check_name
 from jaxscale.serving.trim import FanoutPlanner, LeafPlan, trim_batch
+from jaxscale.serving.versions import ConfigFileError, VersionPolicy, read_root_file
 
 log = logging.getLogger(__name__)
 _REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxscale_root_request_id", default=None)
@@ -104,6 +105,9 @@ GENERATION_HEADER = "X-Jaxscale-Routes-Generation"
 FANOUT_HEADER = "X-Jaxscale-Fanout"
 FAILED_HEADER = "X-Jaxscale-Failed"  # a partial answer: {"model/version": {"status", "error", "reason"}} per leaf
 FAILED_METADATA = b"jaxscale.failed"  # the same JSON in a partial answer's Arrow schema metadata
+VERSIONS_HEADER = "X-Jaxscale-Versions"  # /predict: {"model": "version"} of the versions that answered
+VERSIONS_METADATA = b"jaxscale.versions"  # the same JSON in the answer's Arrow schema metadata
+VERSION_HEADER = "X-Jaxscale-Version"  # :retrieve: the version that answered
 
 ROOT_METRICS = (
     MetricDef("requests", "counter", "predict requests answered, by HTTP status", ("status",)),
@@ -182,6 +186,16 @@ class LeafAddress:
         return cls(model, version, url, values.get("timeout"), values.get("max_in_flight"))
 
 
+def _check_policies(leaves: Sequence[LeafAddress], policies: Mapping[str, VersionPolicy]) -> None:
+    served = {(a.model, a.version) for a in leaves}
+    for model, policy in policies.items():
+        if policy.model != model:
+            raise ValueError(f"versions[{model!r}] is the policy of model {policy.model!r}")
+        missing = sorted(v for v in policy.versions() if (model, v) not in served)
+        if missing:
+            raise ValueError(f"versions[{model!r}]: versions {missing} have no leaf")
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -214,9 +228,14 @@ class RootConfig:
     leaf_max_in_flight: int = 64
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
+    # the version a client naming none gets, per model (`jaxscale.serving.versions`); none = every version
+    versions: Mapping[str, VersionPolicy] = field(default_factory=dict)
+    config_file: str | Path | None = None  # leaves and versions, re-read by /admin/reload (`read_root_file`)
 
     def __post_init__(self):
         object.__setattr__(self, "leaves", tuple(self.leaves))
+        object.__setattr__(self, "versions", dict(self.versions))
+        _check_policies(self.leaves, self.versions)
         keys = [(a.model, a.version) for a in self.leaves]
         if not keys:
             raise ValueError("a root needs at least one leaf")
@@ -262,6 +281,13 @@ class FanoutResult:
     leaves: dict[str, LeafResult] = field(default_factory=dict)
     failed: dict[str, LeafCallError] = field(default_factory=dict)  # a partial answer: the leaves that failed
 
+    def versions(self) -> dict[str, str | list[str]]:
+        """``{model: version}`` of the leaves that answered (a list when several versions of a model did)."""
+        out: dict[str, list[str]] = {}
+        for r in self.leaves.values():
+            out.setdefault(r.plan.model, []).append(r.plan.version)
+        return {m: v[0] if len(v) == 1 else v for m, v in out.items()}
+
     def failures(self) -> dict[str, dict]:
         """``{"model/version": {"status", "error", "reason"}}`` of the leaves left out of a partial answer."""
         return {k: e.summary() for k, e in self.failed.items()}
@@ -279,9 +305,10 @@ class FanoutResult:
                 cols.append(col)
                 names.append(f"{key}/{name}")
         batch = pa.RecordBatch.from_arrays(cols, names=names)
+        metadata = {VERSIONS_METADATA: json.dumps(self.versions()).encode()}
         if self.failed:
-            batch = batch.replace_schema_metadata({FAILED_METADATA: json.dumps(self.failures()).encode()})
-        return batch
+            metadata[FAILED_METADATA] = json.dumps(self.failures()).encode()
+        return batch.replace_schema_metadata(metadata)
 
 
 class _Run:
@@ -299,6 +326,7 @@ class _Run:
         return self._value
 
 
+PROBE_TIMEOUT_S = 2.0  # /readyz: how long a leaf has to answer its own /readyz
 _PASSED_ON = (400, 413)  # a leaf's answers about the request itself, passed on as they are (anything else: 502)
 _MAX_RECIPES = 16  # leaf plans per request layout whose body recipe the root keeps
 
@@ -435,29 +463,31 @@ class _LeafGuard:
         return self.timeout_s, "leaf_timeout_s"
 
 
+@dataclass(frozen=True)
+class _Serving:
+    """The leaves and version policies in use: swapped whole by a reload of the config file (a request reads the
+    reference once per step; a leaf kept across reloads keeps its connections and its circuit breaker)."""
+
+    addresses: dict[tuple[str, str], LeafAddress]
+    guards: dict[tuple[str, str], _LeafGuard]
+    clients: dict[tuple[str, str], Client]
+    async_clients: dict[tuple[str, str], AsyncClient]
+    policies: Mapping[str, VersionPolicy]
+
+    @property
+    def targets(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self.addresses)
+
+
 class Root:
     """Checks each request against the target leaves' signatures, trims it per leaf and calls them in parallel."""
 
     def __init__(self, config: RootConfig):
         self.config = config
         self.metrics = Metrics("jaxscale_root", ROOT_METRICS)
-        self.targets = tuple((a.model, a.version) for a in config.leaves)
-        self._guards = {(a.model, a.version): _LeafGuard(a, config, self.metrics) for a in config.leaves}
-        self._clients = {
-            (a.model, a.version): Client(
-                a.url, self._guards[a.model, a.version].timeout_s, ca_file=config.leaf_ca_file, token=config.leaf_token
-            )
-            for a in config.leaves
-        }
-        self._async_clients = {  # the HTTP path's: bound to the server's event loop on first use
-            (a.model, a.version): AsyncClient(  # its own timeout is a backstop: the guard's deadline comes first
-                a.url,
-                self._guards[a.model, a.version].timeout_s + 1,
-                ca_file=config.leaf_ca_file,
-                token=config.leaf_token,
-            )  # fmt: skip
-            for a in config.leaves
-        }
+        self._retired: list[AsyncClient] = []  # clients of leaves a reload removed: closed with the server
+        self._serving = self._build(config.leaves, config.versions, None)
+        self._service: Service | None = None
         self._planner = FanoutPlanner()
         self._layouts = wire.LayoutCache()  # request layouts seen (uncompressed leaf bodies are cut from the bytes)
         self._limits = wire.DecodeLimits(config.server.max_decoded_bytes, config.server.max_rows)
@@ -467,14 +497,66 @@ class Root:
             self.routes.watch(config.rescan_interval_s)
         self._server: BackgroundServer | None = None
 
+    def _build(self, leaves: Sequence[LeafAddress], policies, previous: _Serving | None) -> _Serving:
+        cfg = self.config
+        addresses, guards, clients, async_clients = {}, {}, {}, {}
+        for a in leaves:
+            key = (a.model, a.version)
+            addresses[key] = a
+            if previous is not None and previous.addresses.get(key) == a:  # unchanged: keep its state
+                guards[key], clients[key] = previous.guards[key], previous.clients[key]
+                async_clients[key] = previous.async_clients[key]
+                continue
+            guards[key] = guard = _LeafGuard(a, cfg, self.metrics)
+            clients[key] = Client(a.url, guard.timeout_s, ca_file=cfg.leaf_ca_file, token=cfg.leaf_token)
+            # the HTTP path's: bound to the server's event loop on first use; its own timeout is a backstop (the
+            # guard's deadline comes first)
+            async_clients[key] = AsyncClient(a.url, guard.timeout_s + 1, ca_file=cfg.leaf_ca_file, token=cfg.leaf_token)
+        if previous is not None:
+            self._retired += [c for k, c in previous.async_clients.items() if async_clients.get(k) is not c]
+        return _Serving(addresses, guards, clients, async_clients, dict(policies))
+
+    @property
+    def targets(self) -> tuple[tuple[str, str], ...]:
+        return self._serving.targets
+
+    @property
+    def _guards(self) -> dict:
+        return self._serving.guards
+
+    @property
+    def _clients(self) -> dict:
+        return self._serving.clients
+
+    @property
+    def _async_clients(self) -> dict:
+        return self._serving.async_clients
+
+    @property
+    def policies(self) -> Mapping[str, VersionPolicy]:
+        return self._serving.policies
+
     def _published(self, routes) -> None:
         self.metrics.inc("reloads")
         self.metrics.set("routes_generation", routes.generation)
         self.metrics.set("signatures_unavailable", sum(e.status != OK for e in routes.entries.values()))
 
     def reload(self):
-        """Rescan the store now and swap in the new map (also `POST /admin/reload`)."""
-        return self.routes.reload()
+        """Re-read the config file (when the root has one: its leaves and version policies; a file that does not
+        check raises `ConfigFileError` and changes nothing), rescan the store and swap in the new map (also
+        `POST /admin/reload`)."""
+        if self.config.config_file is None:
+            return self.routes.reload()
+        read = read_root_file(self.config.config_file)
+        try:
+            leaves = [LeafAddress(**kw) for kw in read.leaves]
+            _check_policies(leaves, read.policies)
+        except ValueError as e:
+            raise ConfigFileError(f"{self.config.config_file}: {e}") from None
+        self._serving = self._build(leaves, read.policies, self._serving)
+        log.info("config %s reloaded: %d leaves, versions %s", self.config.config_file, len(leaves),
+                 {m: p.to_json() for m, p in read.policies.items()})  # fmt: skip
+        return self.routes.set_keys(self.targets)
 
     def fail_open_count(self) -> int:
         """Leaf requests sent untrimmed because a signature was missing or unreadable."""
@@ -482,18 +564,45 @@ class Root:
 
     # --------------------------------------------------------------------------------------------- fan-out
 
-    def _select_targets(self, models: Sequence[str] | None) -> list[tuple[str, str]]:
+    def _select_targets(self, models: Sequence[str] | None, request_id: str = "") -> list[tuple[str, str]]:
+        """The leaves a request goes to: each ``model/version`` it names; for a ``model`` it names without a
+        version, and for every model when it names none, the version its policy picks for this request id (the
+        default, or the split's pick); a model without a policy: every version of it when the request names no
+        models, the only one when it names the model."""
+        serving = self._serving
+        served = [f"{a}/{b}" for a, b in serving.targets]
+
+        def versions_of(model: str) -> list[tuple[str, str]]:
+            policy = serving.policies.get(model)
+            if policy is not None:
+                return [(model, policy.pick(request_id))]
+            return [key for key in serving.targets if key[0] == model]
+
         if not models:
-            return list(self.targets)
+            out = []
+            for model in dict.fromkeys(m for m, _ in serving.targets):
+                out += versions_of(model)
+            return out
         out = []
         for m in models:
-            model, _, version = m.partition("/")
-            if (model, version) not in self._clients:
-                served = [f"{a}/{b}" for a, b in self.targets]
-                raise UnknownModelError(f"no leaf serves model {m!r} (served: {served})")
-            if (model, version) in out:
+            model, slash, version = m.partition("/")
+            if not slash:
+                keys = versions_of(model)
+                if not keys:
+                    raise UnknownModelError(f"no leaf serves model {m!r} (served: {served})")
+                if len(keys) > 1:
+                    raise UnknownModelError(
+                        f"model {model!r} has versions {[v for _, v in keys]}: name one ({model}/{keys[0][1]}) or "
+                        "give it a default version in the root's config file"
+                    )
+                key = keys[0]
+            else:
+                key = (model, version)
+                if key not in serving.addresses:
+                    raise UnknownModelError(f"no leaf serves model {m!r} (served: {served})")
+            if key in out:
                 raise UnknownModelError(f"model {m!r} is listed twice")
-            out.append((model, version))
+            out.append(key)
         return out
 
     def _trimmed(self, plan: LeafPlan, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, bytes]:
@@ -591,7 +700,11 @@ class Root:
         reached (503), bounded by its timeout and the request's ``deadline`` (504; the leaf is sent what is left
         in ``X-Request-Timeout-Ms``), cancelled with the request (the client went away). -> (200, headers, body)
         or raises `LeafCallError`."""
-        guard, client = self._guards[key], self._async_clients[key]
+        serving = self._serving
+        guard, client = serving.guards.get(key), serving.async_clients.get(key)
+        if guard is None:  # a reload removed the leaf while the request was under way
+            message = f"leaf {key[0]}/{key[1]} was removed by a config reload"
+            raise LeafCallError(503, {"error": message, "reason": "removed"}, _retry_after(self.retry_after_s))
         guard.enter()
         ok = None
         try:
@@ -655,9 +768,9 @@ class Root:
         _, _, data = await self._exchange_async((plan.model, plan.version), "/predict", body, headers, deadline)
         return self._leaf_result(plan, batch, body, data)
 
-    def _plan(self, batch, models: Sequence[str] | None):
+    def _plan(self, batch, models: Sequence[str] | None, request_id: str = ""):
         """-> (the route map, one plan per target leaf); raises `FeatureError` / `UnknownModelError`."""
-        targets = self._select_targets(models)
+        targets = self._select_targets(models, request_id)
         routes = self.routes.current()  # one snapshot for the whole fan-out
         t0 = time.perf_counter()
         plans = self._planner.plan(batch, routes, targets, trim=self.config.trim)
@@ -737,17 +850,19 @@ class Root:
         """`fan_out_async` of a request body: `_prepare_body` (in a thread for a body of at least
         ``parse_offload_bytes``: decoding and encoding a big one would stall the event loop), then the sends."""
         threshold = self.config.server.parse_offload_bytes
-        routes, plans, batch, bodies = await off_loop(len(body), threshold, self._prepare_body, body, models)
+        routes, plans, batch, bodies = await off_loop(
+            len(body), threshold, self._prepare_body, body, models, request_id
+        )
         return await self._send_async(routes, plans, batch, bodies, request_id, deadline, partial=not models)
 
-    def _prepare_body(self, body: bytes, models: Sequence[str]):
+    def _prepare_body(self, body: bytes, models: Sequence[str], request_id: str = ""):
         """-> (routes, plans, batch or known layout, leaf bodies). A body laid out like one decoded before
         (`wire.LayoutCache`) is not decoded: it is planned from the known schema, bounded by what that layout
         decoded to, and each leaf's body is cut from its bytes by the recipe learned then (the same bytes
         `wire.encode` would write). Any other body is decoded within the decode limits, and its layout learned."""
         known = self._layouts.find(body, self._limits)
         if known is not None:
-            routes, plans = self._plan(known, models)
+            routes, plans = self._plan(known, models, request_id)
             recipes = [known.recipes.get(plan) for plan in plans]
             if all(r is not None for r in recipes):
                 t0 = time.perf_counter()
@@ -755,7 +870,7 @@ class Root:
                 self.metrics.inc("trim_seconds", time.perf_counter() - t0)
                 return routes, plans, known, bodies
         batch = wire.decode(body, self._limits)
-        routes, plans = self._plan(batch, models)
+        routes, plans = self._plan(batch, models, request_id)
         if known is None:
             known = _KnownLayout(batch.schema, batch.num_rows, batch.num_columns)
             self._layouts.learn(body, known, batch)
@@ -814,6 +929,7 @@ class Root:
                 GENERATION_HEADER: str(result.generation),
                 FANOUT_HEADER: json.dumps({k: r.summary() for k, r in result.leaves.items()}, separators=(",", ":")),
             }
+            headers[VERSIONS_HEADER] = json.dumps(result.versions(), separators=(",", ":"))
             if result.failed:
                 headers[FAILED_HEADER] = json.dumps(result.failures(), separators=(",", ":"))
             return Response(200, wire.encode(result.to_batch()), wire.MEDIA_TYPE, headers)
@@ -821,16 +937,20 @@ class Root:
             self.metrics.inc("requests", status=status)
 
     def _retrieve_target(self, request: Request) -> tuple[str, str]:
+        """The ``?version=`` named, else the model's policy's pick for the request id, else its only version."""
+        serving = self._serving
         name, version = request.params["name"], request.query.get("version")
-        keys = [(m, v) for m, v in self.targets if m == name and (not version or v == version)]
+        policy = serving.policies.get(name)
+        if not version and policy is not None:
+            version = policy.pick(request.request_id)
+        keys = [(m, v) for m, v in serving.targets if m == name and (not version or v == version)]
         if not keys:
-            served = [f"{m}/{v}" for m, v in self.targets]
+            served = [f"{m}/{v}" for m, v in serving.targets]
             raise HTTPError(404, {"error": f"no leaf serves model {name!r} (served: {served})", "reason": "model"})
         if len(keys) > 1:
             versions = [v for _, v in keys]
-            raise HTTPError(
-                400, {"error": f"model {name!r} has versions {versions}: pass ?version=", "reason": "model"}
-            )
+            message = f"model {name!r} has versions {versions}: pass ?version= or give it a default version"
+            raise HTTPError(400, {"error": message, "reason": "model"})
         return keys[0]
 
     async def _retrieve(self, request: Request) -> Response:
@@ -887,6 +1007,7 @@ class Root:
         headers = {
             GENERATION_HEADER: str(routes.generation),
             FANOUT_HEADER: json.dumps({f"{model}/{version}": fanout}, separators=(",", ":")),
+            VERSION_HEADER: version,
         }
         if TIMINGS_HEADER.lower() in leaf_headers:
             headers[TIMINGS_HEADER] = leaf_headers[TIMINGS_HEADER.lower()]
@@ -895,8 +1016,14 @@ class Root:
     def _retrieve_model(self, request: Request) -> list[str]:
         return [request.params["name"]]
 
-    def _reload(self, request: Request) -> Response:
-        return Response.json(self.reload().to_json())
+    async def _reload(self, request: Request) -> Response:
+        """On the event loop, so no request sees the leaves change between its steps."""
+        try:
+            routes = self.reload()
+        except ConfigFileError as e:
+            log.warning("reload refused, the previous config stays: %s", e)
+            return Response.json({"error": str(e), "reason": "config"}, 400)
+        return Response.json({**routes.to_json(), "versions": {m: p.to_json() for m, p in self.policies.items()}})
 
     def _predict_models(self, request: Request) -> list[str]:
         """The model names a /predict request targets (what its bearer token must grant)."""
@@ -910,16 +1037,52 @@ class Root:
             Route("GET", "/routes", lambda r: Response.json(self.routes.current().to_json())),
             Route("POST", "/admin/reload", self._reload, resources=lambda r: ("admin",), admin=True),
             Route("GET", "/healthz", lambda r: Response(200, b'{"status": "ok"}\n', JSON), public=True, inline=True),
+            Route("GET", "/readyz", self._readyz, public=True),
         ]
 
+    async def _readyz(self, request: Request) -> Response:
+        """Readiness, apart from liveness (/healthz): not draining, and every model with at least one leaf that
+        answers its own /readyz 200 (model warmed, states of its version) within ``probe_timeout_s``. Each leaf's
+        state is listed; one leaf down leaves the root ready while its model has another."""
+        reasons = self._service.not_ready() if self._service is not None else []
+        serving = self._serving
+
+        async def probe(key) -> str | None:
+            client = serving.async_clients[key]
+            try:
+                async with asyncio.timeout(PROBE_TIMEOUT_S):
+                    status, _, data = await client.request("GET", "/readyz")
+            except (TimeoutError, OSError) as e:
+                return f"unreachable: {type(e).__name__}: {e}"
+            if status == 200:
+                return None
+            try:
+                return "not ready: " + "; ".join(json.loads(data).get("reasons", [])) or str(status)
+            except (ValueError, AttributeError, TypeError):
+                return f"answered {status}"
+
+        states = dict(zip(serving.targets, await asyncio.gather(*(probe(k) for k in serving.targets))))
+        for model in dict.fromkeys(m for m, _ in serving.targets):
+            mine = {k: why for k, why in states.items() if k[0] == model}
+            if all(why is not None for why in mine.values()):
+                reasons.append(
+                    f"model {model}: no leaf ready ({'; '.join(f'{m}/{v}: {w}' for (m, v), w in mine.items())})"
+                )
+        leaves = {f"{m}/{v}": why or "ready" for (m, v), why in states.items()}
+        if reasons:
+            retry = {"Retry-After": str(self.retry_after_s)}
+            return Response.json({"status": "not ready", "reasons": reasons, "leaves": leaves}, 503, retry)
+        return Response.json({"status": "ready", "leaves": leaves})
+
     def service(self) -> Service:
-        return Service(
+        self._service = Service(
             self.routes_http(), self.config.server, name="jaxscale-root", metrics_prefix="jaxscale_root",
             collectors=[self.metrics], on_close=[self._close_leaf_connections], cancel_on_disconnect=True,
         )  # fmt: skip
+        return self._service
 
     async def _close_leaf_connections(self) -> None:
-        for client in self._async_clients.values():
+        for client in [*self._async_clients.values(), *self._retired]:
             await client.close()
 
     def start(self) -> Root:
@@ -951,9 +1114,14 @@ def parse_config(argv=None) -> RootConfig:
     p = argparse.ArgumentParser(prog="python -m jaxscale.serving root", description="Fan requests out to leaves.")
     p.add_argument("--store", required=True, help="directory of exported signatures (<store>/<model>/<version>/)")
     p.add_argument(
+        "--config",
+        help="root config file (YAML/JSON): leaves and each model's default version and split; re-read by "
+        "POST /admin/reload (see jaxscale.serving.versions)",
+    )
+    p.add_argument(
         "--leaf",
         action="append",
-        required=True,
+        default=[],
         help="model/version=http://host:port[,timeout=S][,max_in_flight=N] (repeat; the options override "
         "--leaf-timeout and --leaf-max-in-flight for that leaf)",
     )
@@ -991,9 +1159,21 @@ def parse_config(argv=None) -> RootConfig:
     )
     add_server_arguments(p)
     args = p.parse_args(argv)
+    if bool(args.leaf) == bool(args.config):
+        p.error("give the leaves in one place: --leaf (repeat) or --config FILE (which /admin/reload re-reads)")
+    leaves, versions = [LeafAddress.parse(s) for s in args.leaf], {}
+    if args.config:
+        read = read_root_file(args.config)
+        try:
+            leaves += [LeafAddress(**kw) for kw in read.leaves]
+        except ValueError as e:
+            raise ConfigFileError(f"{args.config}: {e}") from None
+        versions = read.policies
     cfg = RootConfig(
         store=args.store,
-        leaves=tuple(LeafAddress.parse(s) for s in args.leaf),
+        leaves=tuple(leaves),
+        versions=versions,
+        config_file=args.config,
         trim=not args.no_trim,
         compression=None if args.compression == "none" else args.compression,
         rescan_interval_s=args.rescan_interval,

@@ -120,6 +120,12 @@ class RouteTable:
                     )
             return routes
 
+    def set_keys(self, keys: Iterable[tuple[str, str]]) -> Routes:
+        """Serve another set of model versions (the root's config reloaded): a new map of those, published whole."""
+        with self._reload_lock:
+            self.keys = tuple(keys)
+        return self.reload()
+
     def reload_if_changed(self) -> bool:
         if store_lib.fingerprint(self.store) == self._fingerprint:
             return False
