@@ -181,7 +181,7 @@ def post(url, body, content_type="application/json"):
         return e.code, dict(e.headers), e.read()
 
 
-def publish_states(root, reader: DictStates, publication: int, model_version="tiny/step-0"):
+def publish_states(root, reader: DictStates, publication: int, model_version="tiny/step-0", published_at_ms=0):
     """A state publication in `jaxscale.serving.states`' on-disk format (what its builder writes): a version file,
     then the CURRENT pointer, so the leaf reads it with the real `StateReader`."""
     import pyarrow as pa
@@ -196,7 +196,7 @@ def publish_states(root, reader: DictStates, publication: int, model_version="ti
         [("user_id", pa.int64()), ("state", pa.list_(pa.float32(), d)), ("state_time", pa.int64()),
          ("ingest_time", pa.int64()), ("events", pa.int64()), ("digest", pa.uint64())],
         metadata={"format": states_lib.STATE_FORMAT, "version": model_version, "d_model": str(d),
-                  "publication": str(publication), "published_at_ms": "0",
+                  "publication": str(publication), "published_at_ms": str(published_at_ms),
                   "default_state": json.dumps([float(x) for x in reader.default])},
     )  # fmt: skip
     zeros = pa.array(np.zeros(n, np.int64))
@@ -514,3 +514,20 @@ def test_export_retrieval_checks_the_index_provenance_like_the_cli(world, tmp_pa
     assert not store_lib.signature_path(tmp_path, "tt", "1").exists()
     export_retrieval(world["parts"], index, store=tmp_path, model="tt", version="1",
                      provenance={"model_version": "tiny/step-0", "checkpoint": "c"})  # fmt: skip
+
+
+def test_a_leaf_serving_old_states_is_not_ready(world, tmp_path):
+    """--max-state-age: /readyz says 503 while the publication served is older than the bound (retrieve still
+    answers); a fresh publication makes the leaf ready."""
+    from jaxscale.serving import Leaf, LeafConfig
+
+    states = tmp_path / "states"
+    states.mkdir()
+    publish_states(states, world["reader"], 1)  # published at epoch 0
+    config = LeafConfig(world["store"], "tt", "hnsw", states=states, states_watch_s=0.05, max_state_age_s=600)
+    with Leaf(config) as leaf:
+        status, body = get_status(f"{leaf.url}/readyz")
+        assert status == 503 and "max_state_age_s=600" in body["reasons"][0]
+        publish_states(states, world["reader"], 2, published_at_ms=int(time.time() * 1000))
+        assert wait_for(lambda: get_status(f"{leaf.url}/readyz")[0] == 200)
+        assert leaf.metrics.value("states_ready") == 1

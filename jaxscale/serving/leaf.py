@@ -46,6 +46,7 @@ import bisect
 import logging
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,9 @@ class LeafConfig:
     states_watch_s: float = 1.0  # retrieval: how often to look for a new state publication
     inline_budget_s: float = 0.002  # model calls measured shorter than this run on the event loop (0 = never)
     max_batch: int = 1024  # default buckets (no batch_buckets, examples scored independently): powers of two up to it
+    # retrieval: /readyz says 503 while the served state publication is older than this (None = no bound). The
+    # builder publishes only when some user changed: set it above the stream's longest quiet period.
+    max_state_age_s: float | None = None
 
     def __post_init__(self):
         buckets = tuple(self.batch_buckets)
@@ -148,6 +152,10 @@ class LeafConfig:
             raise ValueError(f"batch_buckets must be increasing positive integers, got {buckets!r}")
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if self.max_state_age_s is not None and not (
+            isinstance(self.max_state_age_s, (int, float)) and self.max_state_age_s > 0
+        ):
+            raise ValueError(f"max_state_age_s must be None or a number > 0, got {self.max_state_age_s!r}")
         if not isinstance(self.inline_budget_s, (int, float)) or self.inline_budget_s < 0:
             raise ValueError(f"inline_budget_s must be a number >= 0, got {self.inline_budget_s!r}")
         object.__setattr__(self, "batch_buckets", buckets)
@@ -265,8 +273,18 @@ class Leaf:
         return None
 
     def not_ready(self) -> list[str]:
-        """Why this leaf should get no traffic (empty: ready): its states (retrieval)."""
+        """Why this leaf should get no traffic (empty: ready): its states (retrieval): none of its model version,
+        or older than ``max_state_age_s``. (The model is warm: warm-up runs before the leaf listens.)"""
         problem = self._states_problem()
+        if problem is None and self.config.max_state_age_s is not None and self.states is not None:
+            published = getattr(getattr(self.states, "snapshot", None), "published_at_ms", None)
+            if published is not None:
+                age = time.time() - published / 1e3
+                if age > self.config.max_state_age_s:
+                    problem = (
+                        f"the states served (publication {self.states.version}) are {age:.0f} s old, over "
+                        f"max_state_age_s={self.config.max_state_age_s:g}"
+                    )
         if self.retrieval is not None and self.states is not None:
             self.metrics.set("states_ready", float(problem is None))
         return [problem] if problem else []
@@ -529,13 +547,20 @@ def parse_config(argv=None) -> LeafConfig:
         help="default buckets (no --batch-buckets, a signature with independent_examples): powers of two up to it",
     )
     p.add_argument("--states", default=None, help="retrieval: the state directory (python -m jaxscale.serving states)")
+    p.add_argument(
+        "--max-state-age",
+        type=float,
+        default=None,
+        help="retrieval: /readyz is 503 while the served state publication is older than this many seconds",
+    )
     add_server_arguments(p)
     args = p.parse_args(argv)
     buckets = tuple(int(b) for b in args.batch_buckets.split(",") if b)
     server = ServerConfig(host=args.host, port=args.port, **server_options(args))
     return LeafConfig(
-        args.store, args.model, args.version, buckets, args.warmup, server, states=args.states, max_batch=args.max_batch
-    )
+        args.store, args.model, args.version, buckets, args.warmup, server, states=args.states,
+        max_batch=args.max_batch, max_state_age_s=args.max_state_age,
+    )  # fmt: skip
 
 
 def main(argv=None) -> None:
