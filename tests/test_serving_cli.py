@@ -137,7 +137,7 @@ def test_sigterm_drains_readyz_first_then_the_leaf_exits(tmp_path):
 
     export_model(independent, SPECS[:1], model="tiny", version="1", store=tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc, url = start(["leaf", "--store", str(tmp_path), "--model", "tiny", "--version", "1", "--drain", "3"], env)
+    proc, url = start(["leaf", "--store", str(tmp_path), "--model", "tiny", "--version", "1", "--drain", "5"], env)
 
     def status(path):
         try:
@@ -150,11 +150,11 @@ def test_sigterm_drains_readyz_first_then_the_leaf_exits(tmp_path):
         assert status("/readyz") == 200 and status("/healthz") == 200
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 4
         while status("/readyz") != 503 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert status("/readyz") == 503 and status("/healthz") == 200  # not ready, still live and serving
-        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 >= 2.5
+        assert proc.wait(timeout=60) == 0 and time.monotonic() - t0 >= 4.5
     finally:
         proc.kill()
         proc.wait(timeout=30)
