@@ -34,7 +34,10 @@ Every server also has:
     ``WWW-Authenticate: Bearer``) without a token or with an unknown one, 403 when the token does not grant a
     resource the route names (each `Route` says how: a sequence name, a model name; none = any valid token).
     ``/healthz`` is open; ``/metrics`` needs a valid token (any) when tokens are configured;
-  * TLS from a certificate/key pair.
+  * TLS from a certificate/key pair;
+  * ``GET /readyz`` (readiness, apart from /healthz's liveness: 503 while the app's ``ready`` names a reason or
+    while draining), a drain on SIGTERM (``drain_s``: /readyz answers 503 before the listener closes), admin
+    routes refused beyond loopback without tokens (and a start-up warning for a server open to anyone).
 """
 
 from __future__ import annotations
