@@ -1,13 +1,19 @@
 """The root server: receives requests carrying many features and fans out to the leaves, sending each leaf only
 the features its model's signature says it uses.
 
-    POST /predict[?models=m/v,...]   Arrow IPC features -> Arrow IPC outputs, columns "<model>/<version>/<output>"
+    POST /predict[?models=m/v,m,...] Arrow IPC features -> Arrow IPC outputs, columns "<model>/<version>/<output>"
     GET  /routes                     the current map model/version -> allowed features (JSON)
-    POST /admin/reload               rescan the signatures now; answers the new map
+    POST /admin/reload               re-read the config file (leaves, versions), rescan the signatures; the new map
     POST /v1/models/{name}:retrieve  a retrieve request (`jaxscale.serving.retrieval`), trimmed to user_id + the
                                      query step's features, forwarded to the model's leaf (?version= picks one)
     GET  /metrics                    Prometheus text (the HTTP layer's metrics and the root's own)
-    GET  /healthz
+    GET  /healthz                    liveness
+    GET  /readyz                     readiness: not draining, and each model has a leaf whose /readyz answers 200
+
+A client naming no version gets the one its model's policy picks (`jaxscale.serving.versions`: a default and a
+weighted split per model, from the config file). A failing leaf is contained (`jaxscale.serving.resilience`):
+deadlines (504), a concurrency bound and a circuit breaker per leaf (503 + Retry-After), partial answers for a
+/predict naming no models (the failed leaves listed in ``X-Jaxscale-Failed``), leaf calls cancelled with the client.
 
 Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict needs a token granting
 every model it targets (all served models when ``models`` is absent), /admin/reload one granting "admin".
