@@ -300,7 +300,7 @@ def test_root_calls_a_tls_leaf_with_its_token(model_store, tmp_path):
     body = wire.encode(FEATURES)
     with Leaf(LeafConfig(model_store, "tiny", "1", server=tls)) as leaf:
         assert leaf.url.startswith("https://")
-        for token, expected in (("root-token", 200), ("other", 502), (None, 502)):
+        for token, expected in (("root-token", 200), ("other", 503), (None, 503)):
             address = (LeafAddress("tiny", "1", leaf.url),)
             with Root(RootConfig(model_store, address, leaf_ca_file=ca_file, leaf_token=token)) as root:
                 conn = connection(root.url)
@@ -310,7 +310,7 @@ def test_root_calls_a_tls_leaf_with_its_token(model_store, tmp_path):
                 assert resp.status == expected, (token, answer)
                 if expected == 200:
                     assert wire.decode(answer).num_rows == 8
-                else:  # the leaf's 403 / 401 reaches the caller as the root's 502 naming the leaf
+                else:  # the leaf's 403 / 401 reaches the caller as the root's 503 naming the leaf
                     assert json.loads(answer)["leaf"] == "tiny/1"
 
 

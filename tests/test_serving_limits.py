@@ -261,7 +261,8 @@ def test_a_500_carries_a_request_id_never_the_exception_text(caplog):
 
 
 def test_the_root_sends_its_request_id_to_the_leaves(store):
-    """A leaf's bug answers the root's request id: the root passes X-Request-Id on (and the leaf's 500 as a 502)."""
+    """A leaf's bug answers the root's request id: the root passes X-Request-Id on (and the leaf's 500 as a 503 +
+    Retry-After: every 5xx of the root is a 503 or a 504)."""
     seen = []
 
     async def broken_predict(request):
@@ -275,8 +276,10 @@ def test_the_root_sends_its_request_id_to_the_leaves(store):
             status, headers, answer = post(root.url, "/predict", request_body(BATCH), {"X-Request-Id": "trace-7"})
     finally:
         leaf.stop()
-    assert status == 502 and headers["x-request-id"] == "trace-7" and seen == ["trace-7"]
+    assert status == 503 and headers["x-request-id"] == "trace-7" and seen == ["trace-7"]
+    assert int(headers["retry-after"]) >= 1
     error = json.loads(answer)
+    assert error["reason"] == "leaf_failed" and error["leaf_status"] == 500
     assert error["request_id"] == "trace-7" and error["leaf"] == "ctr/1" and b"internals" not in answer
 
 

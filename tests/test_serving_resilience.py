@@ -71,16 +71,17 @@ def test_a_failing_leaf_gives_a_partial_answer_when_the_request_names_no_models(
         out = wire.decode(body)
         assert out.schema.names == ["ctr/1/score"] and out.num_rows == ROWS
         failed = json.loads(headers[FAILED_HEADER.lower()])
-        assert set(failed) == {"ctr/2"} and failed["ctr/2"]["status"] == 502
+        assert set(failed) == {"ctr/2"} and failed["ctr/2"]["status"] == 503  # a failed leaf: retry later
         assert json.loads(out.schema.metadata[b"jaxscale.failed"]) == failed
         assert metric(root, "partial_answers") == 1
         # naming the models asks for all of them: no partial answer
-        status, _, body = post(root.url, "/predict?models=ctr/1,ctr/2")
-        assert status == 502 and json.loads(body)["leaf"] == "ctr/2"
+        status, headers, body = post(root.url, "/predict?models=ctr/1,ctr/2")
+        assert status == 503 and json.loads(body)["leaf"] == "ctr/2" and int(headers["retry-after"]) >= 1
+        assert json.loads(body)["reason"] == "leaf_failed" and json.loads(body)["leaf_status"] == 500
         # every leaf failing is no answer at all: the failure, listing each leaf
         stubs[GOOD].behave = ("status", 500, {})
         status, _, body = post(root.url)
-        assert status == 502 and set(json.loads(body)["failed"]) == {"ctr/1", "ctr/2"}
+        assert status == 503 and set(json.loads(body)["failed"]) == {"ctr/1", "ctr/2"}
     finally:
         root.stop()
 
@@ -153,7 +154,7 @@ def test_the_circuit_opens_after_consecutive_failures_and_a_probe_closes_it(stor
     root = make_root(store, stubs, breaker_failures=2, breaker_cooldown_s=3.0)
     try:
         for _ in range(2):
-            assert post(root.url, "/predict?models=ctr/2")[0] == 502
+            assert post(root.url, "/predict?models=ctr/2")[0] == 503
         calls = len(stubs[BAD].calls)
         status, headers, body = post(root.url, "/predict?models=ctr/2")
         assert status == 503 and json.loads(body)["reason"] == "circuit_open" and int(headers["retry-after"]) >= 1

@@ -333,7 +333,7 @@ class _Run:
 
 
 PROBE_TIMEOUT_S = 2.0  # /readyz: how long a leaf has to answer its own /readyz
-_PASSED_ON = (400, 413)  # a leaf's answers about the request itself, passed on as they are (anything else: 502)
+_PASSED_ON = (400, 413)  # a leaf's answers about the request itself, passed on as they are (anything else: 503)
 _MAX_RECIPES = 16  # leaf plans per request layout whose body recipe the root keeps
 
 
@@ -398,8 +398,10 @@ class UnknownModelError(ValueError):
 class LeafCallError(Exception):
     """A leaf call failed: ``status`` 400 (413) when the leaf refused the request (its JSON ``payload`` names the
     feature or the limit, and the leaf); 503 + ``Retry-After`` (``headers``) when the leaf is unreachable, busy
-    (its own 503, or the root's bound on calls to it) or its circuit is open; 504 when a deadline ran out (the
-    payload names it); 502 when it answered something unusable."""
+    (its own 503, or the root's bound on calls to it) or its circuit is open, and when it failed otherwise (its
+    500, a refused credential, an unusable answer: ``reason`` ``leaf_failed``, ``leaf_status`` its status): a
+    client retries elsewhere or later, so every 5xx of the root is a 503 with ``Retry-After`` or a 504; 504 when
+    a deadline ran out (the payload names it)."""
 
     def __init__(self, status: int, payload: dict, headers: dict | None = None):
         super().__init__(payload.get("error", ""))
@@ -658,7 +660,8 @@ class Root:
 
     def _leaf_error(self, guard: _LeafGuard, status: int, headers: dict, data: bytes) -> LeafCallError:
         """A leaf's non-200 answer: its 400/413 passed on (the request's fault), its 503 passed on with its
-        ``Retry-After``, its 504 (it ran out of the deadline it was sent) passed on; anything else a 502."""
+        ``Retry-After``, its 504 (it ran out of the deadline it was sent) passed on; anything else a 503 +
+        ``Retry-After`` (`_leaf_failed`)."""
         self.metrics.inc("leaf_errors", **guard.labels)
         try:
             payload = json.loads(data)
@@ -673,7 +676,12 @@ class Root:
             return LeafCallError(503, payload, {"Retry-After": retry} if retry else _retry_after(self.retry_after_s))
         if status in _PASSED_ON or status == 504:
             return LeafCallError(status, payload)
-        return LeafCallError(502, payload)
+        return self._leaf_failed(payload, status)
+
+    def _leaf_failed(self, payload: dict, leaf_status: int | None = None) -> LeafCallError:
+        """A leaf that failed the call (not the request's fault, no deadline): 503 + ``Retry-After``."""
+        payload = {**payload, "reason": "leaf_failed", **({"leaf_status": leaf_status} if leaf_status else {})}
+        return LeafCallError(503, payload, _retry_after(self.retry_after_s))
 
     @property
     def retry_after_s(self) -> int:
@@ -739,21 +747,17 @@ class Root:
             guard.exit(ok)
 
     def _leaf_result(self, plan: LeafPlan, batch: pa.RecordBatch, body: bytes, data: bytes) -> LeafResult:
-        """A leaf's 200 answer -> `LeafResult`, or raises `LeafCallError` (502) when it is unusable."""
+        """A leaf's 200 answer -> `LeafResult`, or raises `LeafCallError` (503, `_leaf_failed`) when it is unusable."""
         labels = {"model": plan.model, "version": plan.version}
         try:
             outputs = wire.decode(data)
         except wire.PayloadError as e:
             self.metrics.inc("leaf_errors", **labels)
-            raise LeafCallError(502, {"error": f"leaf {plan.label} answered an unreadable body: {e}"}) from None
+            message = f"leaf {plan.label} answered an unreadable body: {e}"
+            raise self._leaf_failed({"error": message, "leaf": plan.label}) from None
         if outputs.num_rows != batch.num_rows:
-            raise LeafCallError(
-                502,
-                {
-                    "error": f"leaf {plan.label} answered {outputs.num_rows} rows for {batch.num_rows}",
-                    "leaf": plan.label,
-                },
-            )
+            message = f"leaf {plan.label} answered {outputs.num_rows} rows for {batch.num_rows}"
+            raise self._leaf_failed({"error": message, "leaf": plan.label})
         return LeafResult(plan, len(body), outputs)
 
     def _call_leaf(self, plan: LeafPlan, batch: pa.RecordBatch) -> LeafResult:
