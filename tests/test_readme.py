@@ -30,6 +30,11 @@ def test_readme_api_example_runs_and_donates_its_state(capsys):
     assert copying.alias_size_in_bytes == 0  # the same step without donation aliases nothing: the check can fail
 
 
+def test_docs_api_shows_the_readme_example_as_it_is():
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert text.split("```python", 1)[1].split("```", 1)[0] == readme_api_example()
+
+
 # ------------------------------------------------------------------ the headline results, recomputed
 # Each function reads one recorded file (JSON, or the Markdown table a script rendered from its JSON) and
 # returns the exact phrases the README quotes, formatted as the README writes them.
