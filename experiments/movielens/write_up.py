@@ -167,11 +167,18 @@ def render(metrics: dict, tuning: dict | None) -> str:
     return "\n".join(lines)
 
 
-def ml1m_section(records: dict) -> list[str]:
-    """The ML-1M results: each protocol's run beside its published rows, and what the numbers say."""
+def ml1m_section(records: dict, tuning: dict | None = None) -> list[str]:
+    """The ML-1M results: each protocol's run beside its published rows, and what the numbers say; the
+    validation-only tuning runs (`movielens_ml1m_tuning.json`) when recorded."""
     lines = [ML1M_START, ""]
     if not records:
         lines += ["No ML-1M run is recorded yet: `bash experiments/movielens/run.sh OUT --dataset ml-1m`.", ""]
+    if tuning:
+        lines += ["Tuning runs on ML-1M (validation split only, history masked; the test split is not read):", ""]
+        lines += tuning_table(tuning)
+        lines += ["", "Validation NDCG@10 along each run: " + "; ".join(
+            f"{r['name']}: " + ", ".join(f"{v:.4f} at step {step}" for step, v in r["curve"]) for r in tuning["runs"]
+        ) + ".", ""]  # fmt: skip
     for protocol, m in records.items():
         run, counts = m.get("run", {}), m["counts"]
         masked = "every item of the user's history masked" if m["mask_history"] else "history not masked"
@@ -274,7 +281,9 @@ def main(argv=None) -> int:
         for p in ML1M_PROTOCOLS
         if (RESULTS / f"movielens_ml1m_{p}.json").exists()
     }
-    text = _replace(text, ML1M_START, ML1M_END, "\n".join(ml1m_section(records)), doc)
+    ml1m_tuning = RESULTS / "movielens_ml1m_tuning.json"
+    ml1m_tuning = json.loads(ml1m_tuning.read_text()) if ml1m_tuning.exists() else None
+    text = _replace(text, ML1M_START, ML1M_END, "\n".join(ml1m_section(records, ml1m_tuning)), doc)
     doc.write_text(text)
     curve_png(metrics, Path(args.png))
     if records:
