@@ -619,7 +619,7 @@ def test_train_step_part_runs_both_engines_on_tiny_shapes(tmp_path):
         return train_step.session(engine)(spec)
 
     engines = ("jaxscale", "torch") if sasrec_torch.torch_installed() else ("jaxscale",)
-    cfg = dict(TINY_STEP, threads=1, engines=engines)
+    cfg = dict(TINY_STEP, threads=1, engines=engines, mesh="1x2")  # two of the test process's devices
     out = train_step.run(cfg, str(tmp_path), partial(sessions.alternate, rounds=1), launch=launch)
     for name in engines:
         e = out["engines"][name]
@@ -627,7 +627,7 @@ def test_train_step_part_runs_both_engines_on_tiny_shapes(tmp_path):
         assert e["n"] == TINY_STEP["steps"] and e["median_ms"] > 0
         first = e["losses_first_session"][0]
         assert np.isfinite(e["losses_first_session"]).all() and abs(first - np.log(9)) < 1.5, first
-    assert out["engines"]["jaxscale"]["info"]["mesh"] == "1x1"
+    assert out["engines"]["jaxscale"]["info"]["mesh"] == "1x2" and out["shape"]["mesh"] == "1x2"
     if "torch" in engines:
         assert out["engines"]["torch"]["info"]["threads"] == 1
         assert set(out["speed"]) == {"torch"}

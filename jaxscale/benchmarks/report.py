@@ -367,7 +367,7 @@ def render_train_step(p: dict) -> list[str]:
     s, e = p["shape"], p["engines"]
     what = {
         "jaxscale": "foundation model (`movielens_foundation.yaml`), Trainer step: prepare + AOT-compiled donated "
-        "`train_step` + metrics read-back, 1x1 mesh",
+        f"`train_step` + metrics read-back, {s.get('mesh', '1x1')} mesh",
         "torch": "SASRec+ (`jaxscale.benchmarks.sasrec_torch`), eager",
         "torch_compile": "SASRec+ under `torch.compile`",
     }

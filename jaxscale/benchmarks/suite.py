@@ -161,6 +161,10 @@ def run(args) -> dict:
                     cfg["capacities"] = "count" if args.count_every_batch else "reuse"
                 if part == "train_step" and args.threads:
                     cfg["threads"] = args.threads
+                if part == "train_step" and args.mesh:
+                    cfg["mesh"] = args.mesh
+                if part == "train_step" and args.engines:
+                    cfg["engines"] = tuple(args.engines.split(","))
                 cfg["cores"] = usable_cores()
                 if not have_torchrec and part != "train_step":  # FBGEMM, TorchRec columns stay empty; says why
                     cfg["engines"] = tuple(e for e in one_device.ENGINES if e != "fbgemm")
@@ -221,6 +225,14 @@ def parse(argv):
     ap.add_argument(
         "--threads", type=int, default=None, help="train_step: intra-op threads of both engines (default: usable cores)"
     )
+    ap.add_argument(
+        "--mesh", default=None, help="train_step: jaxscale's mesh NODESxLOCAL of simulated CPU devices (default 1x1)"
+    )
+    ap.add_argument(
+        "--engines",
+        default=None,
+        help=f"train_step: comma-separated subset of {','.join(train_step.ENGINES)} (default all; --quick: no compile)",
+    )
     ap.add_argument("--capacity-factor", type=float, default=None, help="jaxscale capacity_factor (default: engine's)")
     ap.add_argument(
         "--count-every-batch",
@@ -241,6 +253,8 @@ def parse(argv):
     unknown = set(a.parts.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
+    if a.engines and not set(a.engines.split(",")) <= set(train_step.ENGINES):
+        ap.error(f"unknown engines in --engines {a.engines}; choose from {','.join(train_step.ENGINES)}")
     if a.rounds is not None and a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     a.argv = list(argv)

@@ -21,6 +21,7 @@ Timed per step: everything from the host batch to the step's loss on the host. S
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -52,6 +53,13 @@ class Shape:
     inner: int = 256
     warmup: int = 3
     steps: int = 10
+    mesh: str = "1x1"
+    """jaxscale's mesh, NODESxLOCAL simulated CPU devices in its one process (1x2: one device per core)."""
+
+    @property
+    def devices(self) -> int:
+        nodes, local = (int(x) for x in self.mesh.split("x"))
+        return nodes * local
 
 
 def histories(shape: Shape, step: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -77,9 +85,10 @@ class JaxscaleEngine:
 
         self.jax, self.host, self.shape = jax, host, shape
         m = "model.foundation."
+        nodes, local = (int(x) for x in shape.mesh.split("x"))
         overrides = [
-            "mesh.nodes=1",
-            "mesh.local=1",
+            f"mesh.nodes={nodes}",
+            f"mesh.local={local}",
             f"{m}item_rows={shape.items + RESERVED}",
             f"{m}reserved_rows={RESERVED}",
             f"{m}max_seq_len={shape.events}",
@@ -101,12 +110,12 @@ class JaxscaleEngine:
             raise ValueError(f"inner={shape.inner} is not a multiple of d_model={shape.d_model}")
         batches = [self._batch(s) for s in range(shape.warmup + shape.steps)]
         source = _Batches(batches)
-        mesh = make_mesh(1, 1, devices=jax.devices()[:1])  # the worker has one device; a test process may have more
+        mesh = make_mesh(nodes, local, devices=jax.devices()[: nodes * local])  # a test process may have more
         self.trainer = Trainer(cfg, mesh, data=source, eval_data=source, progress=False, log=False)
         self.batches = batches
         self.state = self.trainer.init_state()
         self.trainer.compile(self.state, self.trainer.prepare(batches[0]))
-        self.info = {"jax": jax.__version__, "threads_set": threads, "mesh": "1x1", "devices": jax.device_count()}
+        self.info = {"jax": jax.__version__, "threads_set": threads, "mesh": shape.mesh, "devices": nodes * local}
 
     def _batch(self, step: int) -> dict[str, np.ndarray]:
         """The model's batch format (`jaxscale_models.foundation_sequences`): store indices = item + 1."""
@@ -216,9 +225,12 @@ def session(kind: str):
 
 
 def launch_session(engine: str, spec: dict, tmp: str, timeout_s: float) -> dict:
-    """One engine session in its own process, its XLA and torch threads set to spec['threads']."""
+    """One engine session in its own process, its XLA and torch threads set to spec['threads'] (and jaxscale's
+    simulated CPU devices to its mesh's)."""
     threads = str(spec["threads"])
-    env = child_env(**xla_env(int(threads)), OMP_NUM_THREADS=threads)
+    devices = Shape(**spec["shape"]).devices if engine == "jaxscale" else 1
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    env = child_env(**xla_env(int(threads)), OMP_NUM_THREADS=threads, XLA_FLAGS=flags)
     return run_session(module_command(WORKER), engine, [spec], tmp=tmp, timeout_s=timeout_s, env=env)[0]
 
 
@@ -299,5 +311,6 @@ def speed_vs(engines: dict) -> dict:
 if __name__ == "__main__":
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 1)  # one CPU device; its intra-op threads come from the environment
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", 1)  # one CPU device; its intra-op threads come from the environment
     sys.exit(worker_main({kind: session(kind) for kind in ENGINES}))

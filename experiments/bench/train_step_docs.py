@@ -1,0 +1,63 @@
+"""Rewrites the generated part of docs/benchmarks.md's training-step section from the recorded JSON.
+
+    python experiments/bench/train_step_docs.py
+
+Reads experiments/results/train_step_breakdown.json (`experiments/bench/train_step_breakdown.py`) and every
+experiments/results/bench_train_step*.json (`python -m jaxscale.bench --parts train_step --out ...`), renders
+them with the renderers that wrote their own Markdown, and replaces what lies between the
+`<!-- train_step:begin -->` and `<!-- train_step:end -->` markers. Nothing in that block is typed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from jaxscale.benchmarks.machine import describe_machine
+from jaxscale.benchmarks.report import render_train_step
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- train_step:begin -->", "<!-- train_step:end -->"
+
+
+def _breakdown_render():
+    spec = importlib.util.spec_from_file_location("breakdown", Path(__file__).with_name("train_step_breakdown.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.render
+
+
+def block() -> str:
+    out = [BEGIN, ""]
+    bd = RESULTS / "train_step_breakdown.json"
+    if bd.exists():
+        out += [_breakdown_render()(json.loads(bd.read_text())).replace("### ", "#### "), ""]
+    for path in sorted(RESULTS.glob("bench_train_step*.json")):
+        res = json.loads(path.read_text())
+        part = res["parts"]["train_step"]
+        lines = render_train_step(part)
+        lines[0] = f"#### `{res['command']}` ({path.name})"
+        m = res["machine"]
+        lines.insert(2, f"Machine: {describe_machine(m)}; load average (1/5/15 min) at start {m['load_average']}.")
+        lines.insert(3, "")
+        out += lines
+    return "\n".join(out + [END])
+
+
+def main() -> int:
+    text = DOCS.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{DOCS} has no {BEGIN} ... {END} block", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOCS.write_text(head + block() + tail)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
