@@ -333,6 +333,7 @@ class Stack:
 
         retries, poison, k = 0, {}, 0
         producer = None
+        self.progress, self.progress_total = 0, table.num_rows
         for start in range(0, table.num_rows, batch):
             part = table.slice(start, batch)
             while True:
@@ -346,6 +347,7 @@ class Stack:
                     producer = None
                     time.sleep(0.1)
             k += 1
+            self.progress += part.num_rows
             if poison_every and k % poison_every == 0:
                 kind = POISON_KINDS[len(poison) % len(POISON_KINDS)]
                 entry = self.redis().xadd(STREAM, poison_fields(kind, part))
@@ -354,7 +356,7 @@ class Stack:
                 time.sleep(pace_s)
         self.produced += table.num_rows
         _ = redis
-        return {"retries": retries, "poison": poison}
+        return {"retries": retries, "poison": poison, "entries": k}
 
     def drained(self, timeout: float) -> bool:
         """Whether the group has read and acknowledged every entry (lag 0, nothing pending) within `timeout`."""
@@ -796,6 +798,7 @@ class Suite:
         def fault():
             before = stack.stored()
             produced0 = stack.produced
+            xlen0 = stack.redis().xlen(STREAM)
             table = stack.events(n)
             box = {}
             batch = 200 if n >= 20_000 else 50
@@ -824,6 +827,8 @@ class Suite:
                     "total_stored": after[0],
                     "total_distinct": after[1],
                     "producer_retries": box["pub"]["retries"],
+                    "entries_published": box["pub"]["entries"] + len(poisoned),
+                    "stream_entries_added": stack.redis().xlen(STREAM) - xlen0,
                     "drained": drained,
                     "poison": len(poisoned),
                     "poison_dead_lettered": sum(1 for p in poisoned if p in dead_ids),
@@ -1016,16 +1021,18 @@ def run(args) -> dict:
         suite.baseline()
 
         def kill_redis(s: Stack):
+            at = {"events_published_before": s.progress, "of": s.progress_total}
             s.procs.kill("redis")
             time.sleep(1.0)
             s.start_redis()
-            return {"redis_down_s": 1.0}
+            return {"redis_down_s": 1.0, **at}
 
         def replace_consumer(s: Stack):
+            at = {"events_published_before": s.progress, "of": s.progress_total}
             s.procs.kill("consumer")
             time.sleep(1.0)
             s.start_consumer("c2" if s.consumer_name != "c2" else "c3")
-            return {"replaced_after_s": 1.0}
+            return {"replaced_after_s": 1.0, **at}
 
         n_poison = 10 if args.quick else 100
         cases = {
@@ -1154,6 +1161,11 @@ def render(result: dict) -> str:
             events = f"{e['produced']:,} / {e['stored']:,} ({e['distinct_stored']:,})"
             if e["producer_retries"]:
                 events += f", {e['producer_retries']} publish retries"
+            if "entries_published" in e:
+                events += f"; entries published {e['entries_published']:,}, in the stream {e['stream_entries_added']:,}"
+            f = c.get("fault") or {}
+            if "events_published_before" in f:
+                events += f"; fault after {f['events_published_before']:,} of {f['of']:,} events"
             if e["poison"]:
                 events += (
                     f"; poison {e['poison']}: {e['poison_dead_lettered']} dead-lettered, "
