@@ -27,6 +27,7 @@ CASES = [
     "leaf_sigstop",
     "leaf_sigkill",
     "redis_kill",
+    "redis_outage",
     "consumer_replaced",
     "poison",
     "state_other_version",
@@ -144,7 +145,7 @@ def test_the_quick_fault_suite_end_to_end(tmp_path):
         assert cases[name]["checks"]["hostile_refused_as_expected"], cases[name]["hostile"]
     assert set(cases["compression_bomb"]["hostile"]["statuses"]) == {"413"}
     assert set(cases["nested_json"]["hostile"]["statuses"]) == {"400"}
-    for name in ("redis_kill", "consumer_replaced", "poison"):
+    for name in ("redis_kill", "redis_outage", "consumer_replaced", "poison"):
         e = cases[name]["events"]
         assert cases[name]["checks"]["every_good_event_stored_once"], (name, e)
         assert e["produced"] == e["stored"] == e["distinct_stored"] > 0

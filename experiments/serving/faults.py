@@ -67,6 +67,7 @@ ROOT_LIMITS = {
 }
 LEAF_LIMITS = {"max_body_bytes": 4 * MIB, "max_decoded_bytes": 32 * MIB, "max_in_flight": 32, "workers": 4}
 HOLD_EVENTS = 16
+OUTAGE_S = 10.0  # the longer broker outage
 SEQUENCE, USERS, ITEMS, CATEGORIES = "s1", 500, 64, 8
 TWO_TOWER = dict(
     item_rows=ITEMS, num_categories=CATEGORIES, item_dim=8, d_model=16, num_layers=1, num_heads=2, mlp_ratio=2,
@@ -205,6 +206,7 @@ class Stack:
         self.produced = 0  # distinct good events published so far
         self.next_seq = 0
         self.notes: list[str] = []
+        self.consumer_restarts = 0
 
     # --- serving
     def start_leaf(self, model: str, version: str, port: int | None = None) -> str:
@@ -370,7 +372,11 @@ class Stack:
                 if g is not None and g["pending"] == 0 and g["last-delivered-id"] == last:
                     return True
             if self.procs.named["consumer"].poll() is not None:
-                self.notes.append(f"the consumer exited ({self.procs.named['consumer'].returncode}); restarted")
+                self.notes.append(
+                    f"the consumer exited (status {self.procs.named['consumer'].returncode}; its log: "
+                    f"{last_error(self.procs.logs / 'consumer.log')}); the suite started it again"
+                )
+                self.consumer_restarts += 1
                 self.start_consumer(self.consumer_name)
             time.sleep(0.1)
         return False
@@ -486,6 +492,12 @@ class Stack:
         time.sleep(1.5)
         t = time.monotonic()
         self.idle_rss = {name: self.procs.peak(name, t - 1.0, t) for name in self.procs.named}
+
+
+def last_error(log: Path) -> str:
+    """The last line of a log that names an error (a traceback's last line), shortened."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if "Error" in x or "error" in x]
+    return lines[-1].strip()[:160] if lines else "no error line"
 
 
 POISON_KINDS = ("foreign", "garbage", "missing_column", "wrong_count")
@@ -789,7 +801,7 @@ class Suite:
             "recovered_within_2s_after": (r["errors_until_s"]["ctr"] or 0) < 2.0,
         })  # fmt: skip
 
-    def streaming(self, name: str, title: str, n: int, fault_at, poison: int = 0):
+    def streaming(self, name: str, title: str, n: int, fault_at, poison: int = 0, survive: bool = False):
         """Publishes `n` events (paced over a few seconds) while `fault_at(stack)` runs in a thread midway;
         then waits for the consumer to drain and checks every good event stored once."""
         stack = self.stack
@@ -798,6 +810,7 @@ class Suite:
         def fault():
             before = stack.stored()
             produced0 = stack.produced
+            restarts0 = stack.consumer_restarts
             xlen0 = stack.redis().xlen(STREAM)
             table = stack.events(n)
             box = {}
@@ -830,6 +843,7 @@ class Suite:
                     "entries_published": box["pub"]["entries"] + len(poisoned),
                     "stream_entries_added": stack.redis().xlen(STREAM) - xlen0,
                     "drained": drained,
+                    "consumer_restarts_by_the_suite": stack.consumer_restarts - restarts0,
                     "poison": len(poisoned),
                     "poison_dead_lettered": sum(1 for p in poisoned if p in dead_ids),
                     "poison_with_reason": sum(1 for d in dead_poison if d.get("dead-reason")),
@@ -845,6 +859,8 @@ class Suite:
             "every_good_event_stored_once": e["drained"] and e["stored"] == e["produced"] == e["distinct_stored"]
             and e["total_stored"] == e["total_distinct"] == e["total_produced"],
         }  # fmt: skip
+        if survive:  # the consumer rides out the outage (a Kafka consumer retries for as long as it takes)
+            checks["consumer_survived_the_outage"] = e["consumer_restarts_by_the_suite"] == 0
         if poison:
             checks["every_poison_entry_dead_lettered_with_reason"] = (
                 e["poison_dead_lettered"] == e["poison_with_reason"] == e["poison"] > 0
@@ -1020,12 +1036,12 @@ def run(args) -> dict:
         suite = Suite(stack, args.quick, args.rate)
         suite.baseline()
 
-        def kill_redis(s: Stack):
+        def kill_redis(s: Stack, down_s: float = 1.0):
             at = {"events_published_before": s.progress, "of": s.progress_total}
             s.procs.kill("redis")
-            time.sleep(1.0)
+            time.sleep(down_s)
             s.start_redis()
-            return {"redis_down_s": 1.0, **at}
+            return {"redis_down_s": down_s, **at}
 
         def replace_consumer(s: Stack):
             at = {"events_published_before": s.progress, "of": s.progress_total}
@@ -1053,6 +1069,13 @@ def run(args) -> dict:
                 "redis-server SIGKILLed mid-stream, restarted 1 s later (AOF, fsync always)",
                 n_stream,
                 kill_redis,
+            ),
+            "redis_outage": lambda: suite.streaming(
+                "redis_outage",
+                f"redis-server SIGKILLed mid-stream, restarted {OUTAGE_S:g} s later (a longer outage)",
+                n_stream,
+                lambda s: kill_redis(s, OUTAGE_S),
+                survive=True,
             ),
             "consumer_replaced": lambda: suite.streaming(
                 "consumer_replaced",
