@@ -422,3 +422,92 @@ def test_producer_refuses_unusable_columns(redis_port):  # noqa: F811
     with pytest.raises(BrokerError, match="published in 2 partitions"):
         Producer(f"redis://127.0.0.1:{redis_port}/ev", partitions=3)
     assert producer.events == 0
+
+
+# ----------------------------------------------------------------------------------- a broker that goes away
+
+
+class _Broker:
+    """A redis-server with an append-only file fsynced at every write, killed and restarted on its port."""
+
+    def __init__(self, folder: Path):
+        import shutil
+
+        self.binary, self.folder, self.port, self.proc = shutil.which("redis-server"), Path(folder), free_port(), None
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
+        args += ["--appendfsync", "always", "--dir", str(self.folder)]
+        self.proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client, deadline = redis.Redis(port=self.port), time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_a_broker_that_goes_away_is_waited_for_and_nothing_is_lost(tmp_path):
+    """redis-server SIGKILLed under a running consumer and back 8 s later (longer than the Redis client's own
+    retries): the consumer waits, re-reads its pending entries and stores every event exactly once (it used to
+    die with a ConnectionError); with --broker-timeout shorter than the outage it ends with an error naming it."""
+    raw, items = random_log(13, tmp_path, files=2, rows=200, days=2)
+    backfill(DEFS, tmp_path / "events", tmp_path / "b", sources={"items": items})
+    first, second = sorted((tmp_path / "events").glob("*.parquet"))
+    broker = _Broker(tmp_path / "redis")
+    broker.start()
+    try:
+        url = f"redis://127.0.0.1:{broker.port}/ev"
+        Producer(url, batch=20).publish_files(first)
+        consumer = StreamConsumer(DEFS, url, "g", tmp_path / "s", micro_batch=50, sources={"items": items}, block_ms=50)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(report=consumer.run(until_idle=1.5)))
+        thread.start()
+        client, deadline = redis.Redis(port=broker.port), time.monotonic() + 60
+        while not client.exists("ev") or (g := client.xinfo_groups("ev")[0])["lag"] or g["pending"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        broker.kill()
+        time.sleep(8)
+        assert thread.is_alive()  # waiting for the broker, not dead
+        broker.start()
+        Producer(url, batch=20).publish_files(second)
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        report = result["report"]
+        assert report.extra["metrics"]["broker_outages"] >= 1
+        assert_same_events(tmp_path / "s", tmp_path / "b")
+        for name in NAMES:
+            ids = stored(tmp_path / "s", name).column("event_id").to_numpy()
+            assert len(np.unique(ids)) == len(ids)
+
+        # a broker that does not come back within --broker-timeout: the run ends with an error naming it
+        quick = StreamConsumer(DEFS, url, "g2", tmp_path / "s2", micro_batch=50, sources={"items": items},
+                               block_ms=50, broker_timeout_s=1.0)  # fmt: skip
+        errors: list = []
+
+        def run_quick():
+            try:
+                quick.run(until_idle=60)
+            except BrokerError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=run_quick)
+        thread.start()
+        time.sleep(1.0)
+        broker.kill()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and len(errors) == 1
+        assert f"127.0.0.1:{broker.port} has not answered for" in str(errors[0]) and "--broker-timeout 1" in str(
+            errors[0]
+        )
+    finally:
+        if broker.proc.poll() is None:
+            broker.kill()

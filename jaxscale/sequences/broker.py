@@ -550,6 +550,9 @@ class StreamMetrics:
         self.claimed = counter(
             "jaxscale_stream_entries_claimed", "Entries claimed (XAUTOCLAIM) from the group's idle pending ones"
         )
+        self.broker_down = counter(
+            "jaxscale_stream_broker_outages", "Times the broker stopped answering mid-run (waited out, then re-read)"
+        )
         self.trimmed = counter(
             "jaxscale_stream_entries_trimmed", "Entries removed from the stream by the retention (XTRIM MINID)"
         )
@@ -564,7 +567,7 @@ class StreamMetrics:
         self._values = dict.fromkeys(
             ("lag_entries", "pending_entries", "latency_seconds", "events_consumed", "events_acked",
              "events_stored", "events_deduplicated", "batches_committed", "entries_dead_lettered",
-             "events_dead_lettered", "entries_failed", "entries_claimed", "entries_trimmed"), 0
+             "events_dead_lettered", "entries_failed", "entries_claimed", "entries_trimmed", "broker_outages"), 0
         )  # fmt: skip
 
     def observe_lag(self, lag: int, pending: int) -> None:
@@ -606,6 +609,10 @@ class StreamMetrics:
         self.claimed.inc(entries)
         self._values["entries_claimed"] += entries
 
+    def observe_broker_down(self) -> None:
+        self.broker_down.inc()
+        self._values["broker_outages"] += 1
+
     def observe_trimmed(self, entries: int) -> None:
         self.trimmed.inc(entries)
         self._values["entries_trimmed"] += entries
@@ -623,6 +630,14 @@ def serve_metrics(metrics: StreamMetrics, port: int, host: str = "127.0.0.1"):
 
 
 # --------------------------------------------------------------------------------------------- consumer
+
+
+def broker_down_errors() -> tuple[type[BaseException], ...]:
+    """The Redis client's errors of a broker that does not answer (refused, reset, timed out): what a run waits
+    out (`StreamConsumer._wait_for_broker`) instead of dying."""
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError)
 
 
 DATA_ERRORS = (BrokerError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException, pl.exceptions.PolarsError)
@@ -671,6 +686,7 @@ class StreamConsumer:
         trim_every_ms: int = 1_000,
         client=None,
         auth: RedisAuth | None = None,
+        broker_timeout_s: float = 300.0,
     ):
         if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
             raise ValueError(f"--micro-batch must be a positive integer, got {micro_batch!r}")
@@ -687,6 +703,9 @@ class StreamConsumer:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not isinstance(trim_every_ms, int) or isinstance(trim_every_ms, bool) or trim_every_ms < 0:
             raise ValueError(f"trim_every_ms must be a non-negative integer, got {trim_every_ms!r}")
+        if not isinstance(broker_timeout_s, (int, float)) or isinstance(broker_timeout_s, bool) or broker_timeout_s < 0:
+            raise ValueError(f"--broker-timeout must be a number of seconds >= 0, got {broker_timeout_s!r}")
+        self.broker_timeout_s = float(broker_timeout_s)
         if not group:
             raise BrokerError("--group must name the consumer group")
         self.source = source if isinstance(source, RedisSource) else RedisSource.parse(source, auth)
@@ -1026,6 +1045,43 @@ class StreamConsumer:
             self._next_trim = time.monotonic() + self.trim_every_ms / 1000
             self.trim()
 
+    def _wait_for_broker(self, error: Exception, stop: threading.Event) -> None:
+        """The broker stopped answering mid-run (restarted, failed over, the network): wait for it with backoff,
+        as a Kafka consumer does, then read again as a restarted consumer would: own pending entries from the
+        start (what was read and not acknowledged, including a batch committed before its ack failed: stored
+        once, by event id), then new ones. After `broker_timeout_s` without an answer, a `BrokerError` naming
+        the broker ends the run (0: wait forever)."""
+        import redis
+
+        down_since, delay = time.monotonic(), 0.1
+        self.metrics.observe_broker_down()
+        log.warning("%s: the broker at %s:%s stopped answering (%s); waiting for it", self.key, self.source.host,
+                    self.source.port, error)  # fmt: skip
+        while not stop.is_set():
+            waited = time.monotonic() - down_since
+            if self.broker_timeout_s and waited >= self.broker_timeout_s:
+                raise BrokerError(
+                    f"the broker at {self.source.host}:{self.source.port} has not answered for {waited:.0f} s "
+                    f"(--broker-timeout {self.broker_timeout_s:g}): {error}"
+                ) from None
+            stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+            try:
+                self.client.ping()
+                self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            except broker_down_errors() as e:
+                error = e
+                continue
+            break
+        self._buffer.clear()
+        self._held.clear()
+        self._phase, self._cursor, self._claim_cursor, self._next_claim = "pending", b"0", b"0-0", 0.0
+        log.warning("%s: the broker answers again after %.1f s; re-reading this consumer's pending entries",
+                    self.key, time.monotonic() - down_since)  # fmt: skip
+
     def update_lag(self) -> None:
         """Lag and pending entries of the group (XINFO GROUPS)."""
         for g in self.client.xinfo_groups(self.key):
@@ -1041,12 +1097,18 @@ class StreamConsumer:
         self._setup()
         self.update_lag()
         idle_since = time.monotonic()
+        broker_down = broker_down_errors()
         while not stop.is_set():
-            entries = self._next_batch()
-            if entries:
-                self.process(entries)
+            try:
+                entries = self._next_batch()
+                if entries:
+                    self.process(entries)
+                    idle_since = time.monotonic()
+                self._maybe_trim()
+            except broker_down as e:
+                self._wait_for_broker(e, stop)
                 idle_since = time.monotonic()
-            self._maybe_trim()
+                continue
             if not entries and until_idle is not None and time.monotonic() - idle_since >= until_idle:
                 break
         self.writer.finish()

@@ -64,6 +64,7 @@ def _consume(defs, args):
         retain_ms=args.retain_ms,
         retain_entries=args.retain_entries,
         auth=_redis_auth(args),
+        broker_timeout_s=args.broker_timeout,
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -132,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--partitions", type=int, default=1, help="partitions the stream is published in")
     b.add_argument("--until-idle", type=float, metavar="SECONDS", help="stop once no entry arrived for SECONDS")
     b.add_argument("--block-ms", type=int, default=200, help="how long one read waits for new entries")
+    b.add_argument(
+        "--broker-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="wait this long for a broker that stopped answering mid-run, then exit with an error (0: forever)",
+    )
     b.add_argument(
         "--claim-idle-ms",
         type=int,
