@@ -220,19 +220,27 @@ def test_full_softmax_loss_is_cross_entropy_over_every_row(last_k, bias):
     assert float(loss) == pytest.approx(np.mean(nll), rel=1e-5)
 
 
+def _two_tower_store(tmp: Path, vocab) -> list[str]:
+    """The contextual two-tower config on the test store: its paths, item rows, history length and batch."""
+    m = "model.contextual_two_tower."
+    return [
+        f"data.sequences.store={tmp / 'store'}",
+        f"data.sequences.defs={tmp / 'defs.json'}",
+        f"{m}item_rows={vocab.num_indices}",
+        f"{m}max_seq_len={L}",
+        "train.batch_size=16",
+    ]
+
+
 def test_contextual_two_tower_ranks_with_the_label_genre_as_context(movielens, tmp_path):
     tmp, rows, vocab = movielens
     m = "model.contextual_two_tower."
     overrides = [
-        f"data.sequences.store={tmp / 'store'}",
-        f"data.sequences.defs={tmp / 'defs.json'}",
-        f"{m}item_rows={vocab.num_indices}",
+        *_two_tower_store(tmp, vocab),
         f"{m}item_dim=8",
         f"{m}d_model=16",
         f"{m}embed_dim=8",
-        f"{m}max_seq_len={L}",
         f"{m}num_layers=1",
-        "train.batch_size=16",
         "train.steps=2",
         "train.eval_every=2",
         "train.early_stopping_patience=0",
@@ -392,14 +400,7 @@ def test_protocol_sets_the_masking_and_refuses_another_history_length(movielens,
 
 def test_genre_hint_ranks_the_context_genre_by_train_count(movielens, tmp_path):
     tmp, rows, vocab = movielens
-    m = "model.contextual_two_tower."
-    overrides = [
-        f"data.sequences.store={tmp / 'store'}",
-        f"data.sequences.defs={tmp / 'defs.json'}",
-        f"{m}item_rows={vocab.num_indices}",
-        f"{m}max_seq_len={L}",
-        "train.batch_size=16",
-    ]
+    overrides = _two_tower_store(tmp, vocab)
     cfg = load_config(str(CONFIGS / "movielens_two_tower.yaml"), overrides)
     out = tmp_path / "hint.json"
     argv = ["--config", str(CONFIGS / "movielens_two_tower.yaml"), "--baseline", "genre_hint", "--split", "test"]
