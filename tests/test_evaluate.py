@@ -174,6 +174,13 @@ def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, t
     agree = (want == got.topk).mean()
     assert agree > 0.98, agree  # float summation order may swap near-ties
     assert ranking.ranking_metrics(want, got.targets, KS)["ndcg@10"] == pytest.approx(got.metrics["ndcg@10"], abs=0.03)
+    # the masked ranking on the mesh (the history mask placed over the batch axes) = the host's with the same exclusion
+    masked = ranking_eval.RankingEvaluator(trainer, KS, mask_history=True).evaluate(state, source)
+    seen = ex.seen_mask(np.arange(len(ex)), vocab.num_indices)
+    want_masked = ranking.topk_from_scores(np.asarray(scores, np.float64), max(KS), exclude=seen)
+    assert not np.take_along_axis(seen, np.maximum(masked.topk, 0), axis=1).any()  # no history item, on any mesh
+    assert (want_masked == masked.topk).mean() > 0.98
+    assert masked.other_metrics == pytest.approx(got.metrics) and got.other_metrics == pytest.approx(masked.metrics)
 
 
 @pytest.mark.parametrize("last_k,bias", [(0, None), (2, None), (0, 0.7)])
