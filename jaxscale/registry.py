@@ -50,6 +50,8 @@ class ModelSpec:
         item, -1 when it has none). Column j is item row j of the model's item table (a dense vocabulary
         index when the data come from a store with a vocabulary). Used by `jaxscale.evaluate` and by the
         trainer's evaluation on a held-out split.
+      encoder_states (optional): ``"<module>:<name>"`` of the kind's `jaxscale.serving.states.EncoderStateParts`
+        (what the state builder needs: current histories, the offline encoder), loaded when first asked for.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class ModelSpec:
     objective: Callable[..., tuple] | None = None
     data_sources: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     score: Callable[..., tuple] | None = None
+    encoder_states: str | None = None
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -766,6 +766,7 @@ SPEC = ModelSpec(
     summarize=two_tower_summarize,
     data_sources={"sequences": _sequence_store},
     score=two_tower_score,
+    encoder_states="jaxscale_models.two_tower_inference:ENCODER_STATES",
 )
 
 __all__ = [

@@ -371,10 +371,79 @@ def sequence_source(cfg, config, split: str, process_index: int, process_count: 
     )
 
 
+def history_source(store, sequence: str, defs, model_cfg, *, vocabulary=None):
+    """The state builder's histories (`jaxscale.serving.states.EncoderStateParts`): the users' current histories
+    in this encoding (`HISTORY_KEYS`), read through one `SequenceReader` of their own (the builder refreshes it).
+    `vocabulary`: the `item_id` vocabulary the model was trained with (`states.training_vocabulary`), when the
+    followed store is another one: a store fed by a stream numbers items in its own arrival order."""
+    from jaxscale.sequences.query import open_reader
+
+    class CurrentHistories(ContextualExamples):
+        """`ContextualExamples` without anchors: only `current(users)` is used (the builder needs no
+        examples, and a store being filled may hold none yet)."""
+
+        @property
+        def reader(self):
+            if self._reader is None:
+                self._reader = open_reader(self.store, self.sequence_name)
+            return self._reader
+
+        def item_vocabulary(self):
+            return super().item_vocabulary() if vocabulary is None else vocabulary
+
+        def _anchors(self, reader):
+            empty = np.zeros(0, np.int64)
+            return empty, empty, [], np.zeros(0, np.int32), empty
+
+        def prune(self) -> None:
+            """Forgets the encoded columns of files the reader dropped (a long-running builder)."""
+            live = {(s.day, s.signature) for p in self.reader.partitions for s in (*p.segments, p)}
+            self._maps = {k: v for k, v in self._maps.items() if (k[0], k[1]) in live}
+
+        def current(self, users) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+            """(history batch [n, max_seq_len] per key, newest event time ms [n], newest ingest time ms [n])
+            of each user's last max_seq_len stored events."""
+            rows, newest, ingest = [], np.full(len(users), -1, np.int64), np.full(len(users), -1, np.int64)
+            for i, u in enumerate(np.asarray(users, np.int64).tolist()):
+                pieces = self.reader.slices(u, None, self.max_seq_len)
+                rows.append(self._fill(pieces))
+                if pieces:
+                    seg, r = pieces[-1]
+                    newest[i] = int(seg.ts[r][-1])
+                    ingest[i] = max(int(s.ingest[rr].max()) for s, rr in pieces if len(s.ingest[rr]))
+            if not rows:
+                return {k: np.zeros((0, self.max_seq_len), v.dtype) for k, v in self._padding().items()}, newest, ingest
+            batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+            cats, rows_in = batch["item_categories"], self.num_categories + int(self.missing_category)
+            bad = np.argwhere(batch["mask"] & ((cats < 0) | (cats >= rows_in)))
+            if len(bad):  # what the training source refuses when it is built (a stream may add it later)
+                i, j = bad[0]
+                raise ValueError(
+                    f"field {self.category_field!r} of sequence {self.sequence_name!r}: user {int(users[i])} has an "
+                    f"event of category {int(cats[i, j])}, outside [0, num_categories={self.num_categories}) "
+                    f"(missing_category={self.missing_category})"
+                )
+            return batch, newest, ingest
+
+    return CurrentHistories(
+        store,
+        sequence,
+        defs,
+        max_seq_len=model_cfg.max_seq_len,
+        num_actions=model_cfg.num_actions,
+        num_surfaces=model_cfg.num_surfaces,
+        num_categories=model_cfg.num_categories,
+        category_field=model_cfg.category_field,
+        missing_category=model_cfg.missing_category,
+        split="eval",
+    )
+
+
 __all__ = [
     "BATCH_KEYS",
     "ContextualExamples",
     "ContextualSequenceBatches",
+    "history_source",
     "pseudo_context_draws",
     "sequence_source",
 ]

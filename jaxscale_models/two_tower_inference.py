@@ -10,131 +10,25 @@ runs offline and is cached per user; a request runs only the context layer and h
 request); the online result equals it to float rounding as long as the user's history has not changed since
 the store was built. `CorpusEncoder` computes every item's vector for exact full-corpus retrieval.
 
-The store (`EncoderStateStore`) is one Arrow IPC file: column `user_id` (int64, sorted, unique) and column
-`state` (fixed-size list of d_model float32), with the format name, the model version and d_model in the
-schema metadata. It is written to a temporary file in the same folder, fsynced and renamed over the target
-(a reader never sees a partial file), and read memory-mapped (opening costs no copy of the states).
+The store is the library's `jaxscale.serving.states.EncoderStateStore` (one Arrow IPC file of user ids and
+states, written atomically, read memory-mapped); `ENCODER_STATES` is what its state builder needs of this model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale import atomic
 from jaxscale.data import to_global
+from jaxscale.serving.states import EncoderStateParts, EncoderStateStore
 from jaxscale_models.contextual_two_tower import ContextualTwoTower, check_context, request_ids
 from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, HISTORY_KEYS
-
-STORE_FORMAT = "jaxscale.two_tower.encoder_states/1"
-
-
-# ------------------------------------------------------------------------------------------ the state store
-
-
-class EncoderStateStore:
-    """User-keyed encoder states, memory-mapped from an Arrow IPC file (see the module docstring)."""
-
-    def __init__(self, path: Path, user_ids: np.ndarray, states: np.ndarray, version: str, mapped=None):
-        self.path, self.user_ids, self.states, self.version = path, user_ids, states, version
-        self._mapped = mapped  # keeps the memory map open while the arrays use it
-
-    @property
-    def dim(self) -> int:
-        return self.states.shape[1]
-
-    def __len__(self) -> int:
-        return self.user_ids.shape[0]
-
-    @staticmethod
-    def write(path, user_ids, states, *, version: str) -> EncoderStateStore:
-        """Writes the states of `user_ids` ([N] integers, unique) atomically; returns the opened store."""
-        import pyarrow as pa
-
-        path = Path(path)
-        user_ids = np.asarray(user_ids)
-        states = np.asarray(states)
-        if not isinstance(version, str) or not version:
-            raise ValueError(
-                f"version must be a non-empty string naming the model the states come from, got {version!r}"
-            )
-        if user_ids.ndim != 1 or not np.issubdtype(user_ids.dtype, np.integer):
-            raise ValueError(f"user_ids must be a 1-D integer array, got shape {user_ids.shape} dtype {user_ids.dtype}")
-        if states.ndim != 2 or states.shape[0] != user_ids.shape[0]:
-            raise ValueError(f"states must be [{user_ids.shape[0]}, d_model] (one per user), got {states.shape}")
-        if not np.all(np.isfinite(states)):
-            row = int(np.argwhere(~np.isfinite(states))[0, 0])
-            raise ValueError(f"the state of user {int(user_ids[row])} is not finite")
-        order = np.argsort(user_ids, kind="stable")
-        ids = user_ids[order].astype(np.int64)
-        dup = np.flatnonzero(ids[1:] == ids[:-1])
-        if dup.size:
-            raise ValueError(f"user id {int(ids[dup[0]])} appears more than once in user_ids")
-        values = np.ascontiguousarray(states[order], np.float32)
-        d = values.shape[1]
-        schema = pa.schema(
-            [("user_id", pa.int64()), ("state", pa.list_(pa.float32(), d))],
-            metadata={"format": STORE_FORMAT, "version": version, "d_model": str(d)},
-        )
-        table = pa.table(
-            [pa.array(ids), pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), d)], schema=schema
-        )
-        with atomic.replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-            w.write_table(table)
-        return EncoderStateStore.open(path, version=version)
-
-    @staticmethod
-    def open(path, *, version: str | None = None) -> EncoderStateStore:
-        """Opens a store (memory-mapped). `version`: refuse a store written for another model version."""
-        import pyarrow as pa
-
-        path = Path(path)
-        try:
-            mapped = pa.memory_map(str(path), "r")
-            table = pa.ipc.open_file(mapped).read_all()
-        except (OSError, pa.ArrowInvalid) as e:
-            raise ValueError(f"{path}: not a readable encoder-state store ({e})") from e
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        if meta.get("format") != STORE_FORMAT:
-            raise ValueError(
-                f"{path}: not an encoder-state store (format {meta.get('format')!r}, want {STORE_FORMAT!r})"
-            )
-        if version is not None and meta.get("version") != version:
-            raise ValueError(
-                f"{path}: states of model version {meta.get('version')!r}, but version {version!r} was asked"
-            )
-        d = int(meta["d_model"])
-        ids_col, state_col = table.column("user_id").combine_chunks(), table.column("state").combine_chunks()
-        ids = ids_col.to_numpy(zero_copy_only=True) if ids_col.null_count == 0 else None
-        if ids is None or state_col.null_count or state_col.type.list_size != d:
-            raise ValueError(f"{path}: corrupt store (nulls, or a state size other than d_model={d})")
-        states = state_col.values.to_numpy(zero_copy_only=True).reshape(len(ids), d)
-        if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
-            raise ValueError(f"{path}: corrupt store (user ids not sorted and unique)")
-        return EncoderStateStore(path, ids, states, meta["version"], mapped)
-
-    def lookup(self, user_ids) -> tuple[np.ndarray, np.ndarray]:
-        """(states [N, d] float32, found [N] bool); rows of users not in the store are zeros."""
-        q = np.asarray(user_ids, np.int64).reshape(-1)
-        pos = np.minimum(np.searchsorted(self.user_ids, q), max(len(self) - 1, 0))
-        found = (self.user_ids[pos] == q) if len(self) else np.zeros(q.shape, bool)
-        states = np.where(found[:, None], self.states[pos], 0.0).astype(np.float32) if len(self) else None
-        return (states if states is not None else np.zeros((q.shape[0], self.dim), np.float32)), found
-
-    def get(self, user_ids) -> np.ndarray:
-        """States [N, d]; KeyError naming the users the store does not have."""
-        states, found = self.lookup(user_ids)
-        if not found.all():
-            missing = np.asarray(user_ids, np.int64).reshape(-1)[~found]
-            raise KeyError(f"{self.path}: no encoder state for users {missing[:10].tolist()} ({missing.size} missing)")
-        return states
-
+from jaxscale_models.contextual_two_tower_sequences import history_source
 
 # ------------------------------------------------------------------------------------------ shared plumbing
 
@@ -200,15 +94,25 @@ class _CollectionRunner:
 
 class OfflineEncoder:
     """History -> encoder state [B, d_model] (lookups through the sharded tables, then the encoder): the
-    offline half of the query tower."""
+    offline half of the query tower. `traces` counts its compilations (a state builder's fixed micro-batch
+    shape keeps it at 1)."""
 
     def __init__(self, model: ContextualTwoTower, ec, emb_state):
-        self._runner = _CollectionRunner(model, ec, emb_state, lambda m, emb, batch: m.user_state(emb, batch))
-        self.cfg, self.ec = model.cfg, ec
+        self.cfg, self.ec, self.traces = model.cfg, ec, 0
+
+        def encode(m, emb, batch):
+            self.traces += 1
+            return m.user_state(emb, batch)
+
+        self._runner = _CollectionRunner(model, ec, emb_state, encode)
 
     def __call__(self, batch: Mapping) -> np.ndarray:
         dense, n = _padded(batch, HISTORY_KEYS, self.ec.mesh.size)
         return self._runner.run(request_ids(self.cfg, dense, context=False), dense, n)
+
+
+ENCODER_STATES = EncoderStateParts(histories=history_source, encoder=OfflineEncoder)
+"""What `python -m jaxscale.serving states` needs of this model (`ModelSpec.encoder_states` names it)."""
 
 
 def build_state_store(

@@ -116,12 +116,14 @@ def items_table(path) -> None:
 
 
 def builder(store, defs_path, out, encoder=None, **kw):
-    """A state builder with the tiny model (`encoder`: a `CountingEncoder` to share its compilation)."""
-    from jaxscale.serving.states import CountingEncoder, StateBuilder, history_source
+    """A state builder with the tiny model (`encoder`: an `OfflineEncoder` to share its compilation)."""
+    from jaxscale.serving.states import StateBuilder
     from jaxscale_models.contextual_two_tower import ContextualTwoTowerConfig
+    from jaxscale_models.contextual_two_tower_sequences import history_source
+    from jaxscale_models.two_tower_inference import OfflineEncoder
 
     histories = history_source(store, "s1", defs_path, ContextualTwoTowerConfig(**TINY))
-    encoder = encoder or CountingEncoder(*tiny_model())
+    encoder = encoder or OfflineEncoder(*tiny_model())
     return StateBuilder(out, histories, encoder, model_version=MODEL_VERSION, **{"batch_size": 16, **kw})
 
 

@@ -20,8 +20,8 @@ from conftest import ROOT, TESTS, subprocess_env
 
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.serving.freshness import run_freshness
-from jaxscale.serving.states import POINTER, CountingEncoder, StateReader, open_version, read_pointer
-from jaxscale_models.two_tower_inference import EncoderStateStore, OfflineEncoder
+from jaxscale.serving.states import POINTER, EncoderStateStore, StateReader, open_version, read_pointer, state_parts
+from jaxscale_models.two_tower_inference import ENCODER_STATES, OfflineEncoder
 
 T0 = 1_767_571_200_000  # 2026-01-05T00:00:00Z
 DAY = 86_400_000
@@ -46,7 +46,7 @@ def world(tmp_path_factory):
         "log": log,
         "parts": (model, ec, emb_state),
         "reference": OfflineEncoder(model, ec, emb_state),  # the brute force's encoder
-        "encoder": CountingEncoder(model, ec, emb_state),  # the builders' (shared: one compilation in this file)
+        "encoder": ENCODER_STATES.encoder(model, ec, emb_state),  # the builders' (shared: one compilation in this file)
     }
 
 
@@ -205,7 +205,7 @@ def test_encoder_is_exact_whatever_the_capacity_factor(world):
     batch, _ = drv.brute_force_histories(world["log"], USERS)
     batch = {k: v[:16] for k, v in batch.items()}
     want = world["reference"](batch)
-    np.testing.assert_allclose(CountingEncoder(model, fixed, emb_state)(batch), want, atol=1e-5)
+    np.testing.assert_allclose(ENCODER_STATES.encoder(model, fixed, emb_state)(batch), want, atol=1e-5)
     np.testing.assert_allclose(OfflineEncoder(model, fixed, emb_state)(batch), want, atol=1e-5)
     # What it avoids: the training collection itself drops ids past its capacity at this batch.
     ids = request_ids(model.cfg, batch, context=False)
@@ -274,13 +274,20 @@ def test_redis_stream_events_reach_the_reader_within_two_seconds(world, tmp_path
     assert result["states_checked_equal"] and result["encoder_traces"] == 1 and result["builder_errors"] == 0
 
 
+def test_state_parts_come_from_the_registered_model():
+    """The builder asks the kind's `ModelSpec` for its encoder-state parts; a kind without them is refused by name."""
+    assert state_parts("contextual_two_tower") is ENCODER_STATES
+    with pytest.raises(ValueError, match=r"'dlrm' has no encoder states.*\['contextual_two_tower'\]"):
+        state_parts("dlrm")
+
+
 SMOKE = ROOT / "jaxscale" / "configs" / "two_tower_smoke.yaml"
 
 
 @pytest.mark.slow  # a short training run, then the CLI in a subprocess (~40 s)
 def test_cli_publishes_a_trained_checkpoints_states(world, tmp_path):
     from jaxscale.config import load_config
-    from jaxscale.serving.states import load_two_tower
+    from jaxscale.serving.states import load_model
     from jaxscale.trainer import Trainer
 
     store = _fresh_store(world, "cli")
@@ -306,7 +313,7 @@ def test_cli_publishes_a_trained_checkpoints_states(world, tmp_path):
     line = json.loads(run.stdout.strip().splitlines()[-1])
     assert (line["version"], line["recomputed"]) == (1, len(USERS))
     reader = StateReader(out)
-    model, ec, emb_state, version = load_two_tower(cfg, tmp_path / "run")
+    model, ec, emb_state, version = load_model(cfg, tmp_path / "run")
     assert reader.model_version == version == "run/step-3"
     batch, newest = drv.brute_force_histories(world["log"], USERS)
     got, found = reader.lookup(np.array(USERS))
@@ -322,8 +329,9 @@ def test_item_ids_are_numbered_by_the_training_stores_vocabulary(tmp_path):
     """A store fed by a stream numbers items in its own arrival order; the builder encodes the histories with the
     vocabulary of the store the model was trained on, so a state equals the training encoding of that history."""
     from jaxscale.sequences import Definitions, Sequence
-    from jaxscale.serving.states import history_source, training_vocabulary
+    from jaxscale.serving.states import training_vocabulary
     from jaxscale_models.contextual_two_tower import ContextualTwoTowerConfig
+    from jaxscale_models.contextual_two_tower_sequences import history_source
 
     base = drv.definitions()
     seq = base.sequences[0]

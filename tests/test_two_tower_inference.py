@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 import jaxscale
+from jaxscale.serving.states import EncoderStateStore
 from jaxscale_models.contextual_two_tower import ContextualTwoTower, ContextualTwoTowerConfig, two_tower_tables
 from jaxscale_models.contextual_two_tower_data import SyntheticContextualData
 from jaxscale_models.two_tower_inference import (
     CorpusEncoder,
-    EncoderStateStore,
     EndToEndQueryTower,
     OfflineEncoder,
     OnlineQueryTower,

@@ -73,17 +73,19 @@ def run_freshness(
     micro_batch: int = 500,
     batch_size: int = 64,
     drain_s: float = 15.0,
+    kind: str = "contextual_two_tower",
 ) -> dict:
-    """Runs the pipeline of the module doc against a redis-server on 127.0.0.1:`port`; returns the result."""
+    """Runs the pipeline of the module doc against a redis-server on 127.0.0.1:`port`; returns the result.
+    `kind`: the model kind whose registered `EncoderStateParts` build the states (`model_parts`, `model_kwargs`)."""
     import pyarrow as pa
 
+    from jaxscale import registry
     from jaxscale.sequences.broker import Producer, StreamConsumer
-    from jaxscale.serving.states import CountingEncoder, StateBuilder, StateReader, history_source
-    from jaxscale_models.contextual_two_tower import ContextualTwoTowerConfig
+    from jaxscale.serving.states import StateBuilder, StateReader, state_parts
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = ContextualTwoTowerConfig(**model_kwargs)
+    parts, cfg = state_parts(kind), registry.get(kind).config(**model_kwargs)
     defs = write_inputs(folder, cfg.item_rows, cfg.num_categories)
     url, store, out = f"redis://127.0.0.1:{port}/events", folder / "store", folder / "states"
 
@@ -114,8 +116,8 @@ def run_freshness(
             raise RuntimeError("the consumer did not create the store")
         time.sleep(0.02)
     model, ec, emb_state = model_parts
-    encoder = CountingEncoder(model, ec, emb_state)
-    histories = history_source(store, "s1", folder / "defs.json", cfg)
+    encoder = parts.encoder(model, ec, emb_state)
+    histories = parts.histories(store, "s1", folder / "defs.json", cfg)
     builder = StateBuilder(out, histories, encoder, model_version="bench", batch_size=batch_size)
     builder.update()
     reader = StateReader(out)

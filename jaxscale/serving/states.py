@@ -1,4 +1,4 @@
-"""Fresh hybrid states: the contextual two-tower's encoder states kept up to date from the sequence store.
+"""Fresh hybrid states: a model's encoder states kept up to date from the sequence store, and their file format.
 
     python -m jaxscale.serving states --config C --checkpoint DIR --store SEQSTORE --out STATEDIR \\
         [--follow] [--interval S] [--metrics-port P]
@@ -11,9 +11,10 @@
    their contribution, files gone subtract it. A user whose (count, hash) differs from the one their
    published state was computed from has changed; a compaction or a re-run backfill of the same events
    changes nobody, so nobody is recomputed. Nothing is rescanned but the new files.
-2. encodes the changed users' current histories (their last `max_seq_len` events, in the training
-   encoding of `jaxscale_models.contextual_two_tower_sequences`) with the offline encoder in micro-batches
-   padded to one fixed shape, so the encoder compiles once for the builder's life (`encoder_traces`).
+2. encodes the changed users' current histories (their last `max_seq_len` events, in the model's training
+   encoding) with its offline encoder in micro-batches padded to one fixed shape, so the encoder compiles once
+   for the builder's life (`encoder_traces`). Both come from the kind's `EncoderStateParts`, which its
+   `ModelSpec.encoder_states` names (`state_parts`); a kind without them has no states to serve.
 3. publishes a new complete version of the state store (below) and removes old versions.
 
 Item ids are numbered as the model was trained: by the `item_id` vocabulary of its training store (the
@@ -34,12 +35,13 @@ A version file holds `user_id` (int64), `state` (fixed-size list of d_model floa
 (int64 epoch ms: the event time of the newest event in the history the state encodes), `ingest_time` (its
 newest ingestion time), `events` and `digest` (what the state was computed from); its schema metadata holds
 the `EncoderStateStore` format name, the model version, d_model, the publication number and the default
-state, so `EncoderStateStore.open` reads it as well. A version is written to a temporary file, fsynced and
-renamed into place, then `CURRENT` is replaced atomically: a reader sees the previous version or the new
-one, whole. A builder killed at any point leaves `CURRENT` naming a complete version. Versions older than
-the newest `keep` are deleted; a reader that has one memory-mapped keeps reading it (an unlinked file lives
-until unmapped) and a reader that lost the race between reading `CURRENT` and opening the file reads
-`CURRENT` again.
+state, so `EncoderStateStore.open` reads it as well (an `EncoderStateStore`, below, is the offline form: one
+Arrow IPC file of `user_id` and `state`, written atomically, read memory-mapped). A version is written to a
+temporary file, fsynced and renamed into place, then `CURRENT` is replaced atomically: a reader sees the
+previous version or the new one, whole. A builder killed at any point leaves `CURRENT` naming a complete
+version. Versions older than the newest `keep` are deleted; a reader that has one memory-mapped keeps reading
+it (an unlinked file lives until unmapped) and a reader that lost the race between reading `CURRENT` and
+opening the file reads `CURRENT` again.
 
 Default state: a user without stored events (unknown, or all events removed) is served the encoder's state
 of an empty history (no events: every position padded), computed by the builder with the model and stored
@@ -66,6 +68,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +81,7 @@ log = logging.getLogger(__name__)
 POINTER = "CURRENT"
 POINTER_FORMAT = "jaxscale.serving.states/1"
 STATE_FORMAT = "jaxscale.two_tower.encoder_states/1"
-"""The `EncoderStateStore` format name (`jaxscale_models.two_tower_inference.STORE_FORMAT`): a version file
-opens as an encoder-state store too."""
+"""The `EncoderStateStore` format name: a version file opens as an encoder-state store too."""
 LOCK = ".lock"
 _VERSION_FILE = re.compile(r"^states-(\d{12})\.arrow$")
 DEFAULT_BATCH = 256
@@ -93,6 +95,104 @@ def version_file(version: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ reading
+
+
+class EncoderStateStore:
+    """User-keyed encoder states, memory-mapped from an Arrow IPC file (see the module docstring)."""
+
+    def __init__(self, path: Path, user_ids: np.ndarray, states: np.ndarray, version: str, mapped=None):
+        self.path, self.user_ids, self.states, self.version = path, user_ids, states, version
+        self._mapped = mapped  # keeps the memory map open while the arrays use it
+
+    @property
+    def dim(self) -> int:
+        return self.states.shape[1]
+
+    def __len__(self) -> int:
+        return self.user_ids.shape[0]
+
+    @staticmethod
+    def write(path, user_ids, states, *, version: str) -> EncoderStateStore:
+        """Writes the states of `user_ids` ([N] integers, unique) atomically; returns the opened store."""
+        import pyarrow as pa
+
+        path = Path(path)
+        user_ids = np.asarray(user_ids)
+        states = np.asarray(states)
+        if not isinstance(version, str) or not version:
+            raise ValueError(
+                f"version must be a non-empty string naming the model the states come from, got {version!r}"
+            )
+        if user_ids.ndim != 1 or not np.issubdtype(user_ids.dtype, np.integer):
+            raise ValueError(f"user_ids must be a 1-D integer array, got shape {user_ids.shape} dtype {user_ids.dtype}")
+        if states.ndim != 2 or states.shape[0] != user_ids.shape[0]:
+            raise ValueError(f"states must be [{user_ids.shape[0]}, d_model] (one per user), got {states.shape}")
+        if not np.all(np.isfinite(states)):
+            row = int(np.argwhere(~np.isfinite(states))[0, 0])
+            raise ValueError(f"the state of user {int(user_ids[row])} is not finite")
+        order = np.argsort(user_ids, kind="stable")
+        ids = user_ids[order].astype(np.int64)
+        dup = np.flatnonzero(ids[1:] == ids[:-1])
+        if dup.size:
+            raise ValueError(f"user id {int(ids[dup[0]])} appears more than once in user_ids")
+        values = np.ascontiguousarray(states[order], np.float32)
+        d = values.shape[1]
+        schema = pa.schema(
+            [("user_id", pa.int64()), ("state", pa.list_(pa.float32(), d))],
+            metadata={"format": STATE_FORMAT, "version": version, "d_model": str(d)},
+        )
+        table = pa.table(
+            [pa.array(ids), pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), d)], schema=schema
+        )
+        with atomic.replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            w.write_table(table)
+        return EncoderStateStore.open(path, version=version)
+
+    @staticmethod
+    def open(path, *, version: str | None = None) -> EncoderStateStore:
+        """Opens a store (memory-mapped). `version`: refuse a store written for another model version."""
+        import pyarrow as pa
+
+        path = Path(path)
+        try:
+            mapped = pa.memory_map(str(path), "r")
+            table = pa.ipc.open_file(mapped).read_all()
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ValueError(f"{path}: not a readable encoder-state store ({e})") from e
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"{path}: not an encoder-state store (format {meta.get('format')!r}, want {STATE_FORMAT!r})"
+            )
+        if version is not None and meta.get("version") != version:
+            raise ValueError(
+                f"{path}: states of model version {meta.get('version')!r}, but version {version!r} was asked"
+            )
+        d = int(meta["d_model"])
+        ids_col, state_col = table.column("user_id").combine_chunks(), table.column("state").combine_chunks()
+        ids = ids_col.to_numpy(zero_copy_only=True) if ids_col.null_count == 0 else None
+        if ids is None or state_col.null_count or state_col.type.list_size != d:
+            raise ValueError(f"{path}: corrupt store (nulls, or a state size other than d_model={d})")
+        states = state_col.values.to_numpy(zero_copy_only=True).reshape(len(ids), d)
+        if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+            raise ValueError(f"{path}: corrupt store (user ids not sorted and unique)")
+        return EncoderStateStore(path, ids, states, meta["version"], mapped)
+
+    def lookup(self, user_ids) -> tuple[np.ndarray, np.ndarray]:
+        """(states [N, d] float32, found [N] bool); rows of users not in the store are zeros."""
+        q = np.asarray(user_ids, np.int64).reshape(-1)
+        pos = np.minimum(np.searchsorted(self.user_ids, q), max(len(self) - 1, 0))
+        found = (self.user_ids[pos] == q) if len(self) else np.zeros(q.shape, bool)
+        states = np.where(found[:, None], self.states[pos], 0.0).astype(np.float32) if len(self) else None
+        return (states if states is not None else np.zeros((q.shape[0], self.dim), np.float32)), found
+
+    def get(self, user_ids) -> np.ndarray:
+        """States [N, d]; KeyError naming the users the store does not have."""
+        states, found = self.lookup(user_ids)
+        if not found.all():
+            missing = np.asarray(user_ids, np.int64).reshape(-1)[~found]
+            raise KeyError(f"{self.path}: no encoder state for users {missing[:10].tolist()} ({missing.size} missing)")
+        return states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,8 +422,6 @@ class StateReader:
 
     def encoder_store(self):
         """The current version as an `EncoderStateStore` (for `OnlineQueryTower(..., store)`)."""
-        from jaxscale_models.two_tower_inference import EncoderStateStore
-
         s = self._snapshot
         return EncoderStateStore(s.path, s.user_ids, s.states, s.model_version, s.mapped)
 
@@ -439,76 +537,37 @@ class _Digests:
         self.hashes = np.concatenate([self.hashes[keep], h])[order][live]
 
 
-# ------------------------------------------------------------------------------------------ histories
+# ------------------------------------------------------------------------------------------ the model's parts
 
 
-def history_source(store, sequence: str, defs, model_cfg, *, vocabulary=None):
-    """The users' current histories in the contextual two-tower's encoding (`HISTORY_KEYS`), read through
-    one `SequenceReader` of its own (the builder refreshes it). `vocabulary`: the `item_id` vocabulary the model
-    was trained with (`training_vocabulary`), when the followed store is another one: a store fed by a stream
-    numbers items in its own arrival order, so its indices are not the model's table rows."""
-    from jaxscale.sequences.query import open_reader
-    from jaxscale_models.contextual_two_tower_sequences import ContextualExamples
+@dataclasses.dataclass(frozen=True)
+class EncoderStateParts:
+    """What the state builder needs from a model kind (its `ModelSpec.encoder_states` names them).
 
-    class CurrentHistories(ContextualExamples):
-        """`ContextualExamples` without anchors: only `current(users)` is used (the builder needs no
-        examples, and a store being filled may hold none yet)."""
+    histories: (store, sequence, defs, model config, *, vocabulary=None) -> the users' current histories, read
+      through one `SequenceReader` of their own (`.reader`, refreshed by the builder; `.store`): `current(users)`
+      -> (history batch [n, L] per key with a bool "mask", newest event time ms [n], newest ingest time ms [n]),
+      `_padding()` -> one empty history row per key, `prune()` forgets files the reader dropped. `vocabulary`:
+      the `item_id` vocabulary the model was trained with (`training_vocabulary`) when the followed store is
+      another one (a stream numbers items in its own arrival order).
+    encoder: (model, ec, emb_state) -> a callable of a history batch -> states [n, d_model] float32 whose rows
+      are independent, exact whatever the training's capacity factor, counting its traces in `.traces`."""
 
-        @property
-        def reader(self):
-            if self._reader is None:
-                self._reader = open_reader(self.store, self.sequence_name)
-            return self._reader
+    histories: Callable
+    encoder: Callable
 
-        def item_vocabulary(self):
-            return super().item_vocabulary() if vocabulary is None else vocabulary
 
-        def _anchors(self, reader):
-            empty = np.zeros(0, np.int64)
-            return empty, empty, [], np.zeros(0, np.int32), empty
+def state_parts(kind: str) -> EncoderStateParts:
+    """The `EncoderStateParts` of a model kind; ValueError naming the kinds that have them otherwise."""
+    import importlib.metadata
 
-        def prune(self) -> None:
-            """Forgets the encoded columns of files the reader dropped (a long-running builder)."""
-            live = {(s.day, s.signature) for p in self.reader.partitions for s in (*p.segments, p)}
-            self._maps = {k: v for k, v in self._maps.items() if (k[0], k[1]) in live}
+    from jaxscale import registry
 
-        def current(self, users) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-            """(history batch [n, max_seq_len] per key, newest event time ms [n], newest ingest time ms [n])
-            of each user's last max_seq_len stored events."""
-            rows, newest, ingest = [], np.full(len(users), -1, np.int64), np.full(len(users), -1, np.int64)
-            for i, u in enumerate(np.asarray(users, np.int64).tolist()):
-                pieces = self.reader.slices(u, None, self.max_seq_len)
-                rows.append(self._fill(pieces))
-                if pieces:
-                    seg, r = pieces[-1]
-                    newest[i] = int(seg.ts[r][-1])
-                    ingest[i] = max(int(s.ingest[rr].max()) for s, rr in pieces if len(s.ingest[rr]))
-            if not rows:
-                return {k: np.zeros((0, self.max_seq_len), v.dtype) for k, v in self._padding().items()}, newest, ingest
-            batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-            cats, rows_in = batch["item_categories"], self.num_categories + int(self.missing_category)
-            bad = np.argwhere(batch["mask"] & ((cats < 0) | (cats >= rows_in)))
-            if len(bad):  # what the training source refuses when it is built (a stream may add it later)
-                i, j = bad[0]
-                raise ValueError(
-                    f"field {self.category_field!r} of sequence {self.sequence_name!r}: user {int(users[i])} has an "
-                    f"event of category {int(cats[i, j])}, outside [0, num_categories={self.num_categories}) "
-                    f"(missing_category={self.missing_category})"
-                )
-            return batch, newest, ingest
-
-    return CurrentHistories(
-        store,
-        sequence,
-        defs,
-        max_seq_len=model_cfg.max_seq_len,
-        num_actions=model_cfg.num_actions,
-        num_surfaces=model_cfg.num_surfaces,
-        num_categories=model_cfg.num_categories,
-        category_field=model_cfg.category_field,
-        missing_category=model_cfg.missing_category,
-        split="eval",
-    )
+    spec = registry.get(kind)
+    if spec.encoder_states is None:
+        have = [k for k in registry.kinds() if registry.get(k).encoder_states]
+        raise ValueError(f"model kind {kind!r} has no encoder states to serve; the kinds that have them: {have}")
+    return importlib.metadata.EntryPoint(kind, spec.encoder_states, registry.ENTRY_POINTS).load()
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -568,9 +627,8 @@ class Update:
 class StateBuilder:
     """Follows a sequence store and publishes the encoder states of its users (see the module doc).
 
-    `encoder`: an `OfflineEncoder`-like callable of a HISTORY_KEYS batch -> [n, d_model] whose rows are
-    independent; `histories`: `history_source(...)`. `batch_size` is the fixed micro-batch (a multiple of
-    the encoder's mesh size)."""
+    `histories`, `encoder`: made by the model kind's `EncoderStateParts` (`state_parts`). `batch_size` is the
+    fixed micro-batch (a multiple of the encoder's mesh size)."""
 
     def __init__(
         self,
@@ -651,7 +709,7 @@ class StateBuilder:
 
     @property
     def encoder_traces(self) -> int | None:
-        """How often the encoder was traced (compiled), when it counts (`CountingEncoder`)."""
+        """How often the encoder was traced (compiled), when it counts (`.traces`)."""
         return getattr(self.encoder, "traces", None)
 
     # -- one update
@@ -825,40 +883,11 @@ def _minus(c, h, pc, ph):
         return c - pc, h - ph
 
 
-class CountingEncoder:
-    """The offline encoder of the contextual two-tower (`OfflineEncoder`'s computation) that counts its traces:
-    each trace is one compilation, so a builder whose batches keep one shape shows `traces == 1`. Lookups are
-    exact whatever the training's capacity factor (`exact_collection`)."""
-
-    def __init__(self, model, ec, emb_state):
-        from jaxscale_models.contextual_two_tower import request_ids
-        from jaxscale_models.two_tower_inference import _CollectionRunner
-
-        self.traces = 0
-
-        def encode(m, emb, batch):
-            self.traces += 1
-            return m.user_state(emb, batch)
-
-        self._runner = _CollectionRunner(model, ec, emb_state, encode)
-        self._request_ids = request_ids
-        self.cfg, self.ec = model.cfg, ec
-
-    def __call__(self, batch) -> np.ndarray:
-        from jaxscale_models.contextual_two_tower_data import HISTORY_KEYS
-
-        n = batch["mask"].shape[0]
-        if n % self.ec.mesh.size:
-            raise ValueError(f"batch of {n} rows: the builder pads to a multiple of the mesh ({self.ec.mesh.size})")
-        dense = {k: batch[k] for k in HISTORY_KEYS}
-        return self._runner.run(self._request_ids(self.cfg, dense, context=False), dense, n)
-
-
 # ------------------------------------------------------------------------------------------ the CLI
 
 
-def load_two_tower(cfg, checkpoint, step: int | None = None):
-    """(model, ec, emb_state, model version): a contextual two-tower restored from a run's checkpoint (the latest
+def load_model(cfg, checkpoint, step: int | None = None):
+    """(model, ec, emb_state, model version): the config's model restored from a run's checkpoint (the latest
     complete one unless `step`), on the config's mesh. The version is named as the retrieval artifact names it
     (`jaxscale.serving.retrieval.model_version`): ``<run dir name>/step-<step>``."""
     from flax import nnx
@@ -866,8 +895,6 @@ def load_two_tower(cfg, checkpoint, step: int | None = None):
     from jaxscale.evaluate import find_checkpoints, restore
     from jaxscale.trainer import Trainer
 
-    if cfg.model.kind != "contextual_two_tower":
-        raise ValueError(f"the state builder serves model.kind contextual_two_tower, the config has {cfg.model.kind!r}")
     checkpoints = find_checkpoints(checkpoint)
     no_data = object()  # the trainer only restores here: it reads no data
     trainer = Trainer(cfg, workdir=str(checkpoints.parent), progress=False, log=False, data=no_data, eval_data=no_data)
@@ -905,13 +932,14 @@ def build_from_config(
         raise ValueError(
             f"the state builder follows a sequence store: data.source must be 'sequences', got {cfg.data.source!r}"
         )
-    model, ec, emb_state, version = load_two_tower(cfg, checkpoint, step)
+    parts = state_parts(cfg.model.kind)
+    model, ec, emb_state, version = load_model(cfg, checkpoint, step)
     if batch_size % ec.mesh.size:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of the mesh's {ec.mesh.size} devices")
     s = cfg.data.sequences
     vocabulary = training_vocabulary(store, vocabulary_store or s.store, s.sequence)
-    histories = history_source(store, s.sequence, s.defs, model.cfg, vocabulary=vocabulary)
-    encoder = CountingEncoder(model, ec, emb_state)
+    histories = parts.histories(store, s.sequence, s.defs, model.cfg, vocabulary=vocabulary)
+    encoder = parts.encoder(model, ec, emb_state)
     return StateBuilder(out, histories, encoder, model_version=version, batch_size=batch_size, keep=keep)
 
 
@@ -921,7 +949,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m jaxscale.serving states",
-        description="Publish the contextual two-tower's encoder states of a sequence store's users, kept fresh.",
+        description="Publish a model's encoder states of a sequence store's users, kept fresh.",
     )
     p.add_argument("--config", required=True, help="the run's YAML config (model, data.sequences)")
     p.add_argument("--checkpoint", required=True, help="run directory, or its checkpoints/ or best/ directory")
