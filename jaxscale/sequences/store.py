@@ -208,10 +208,8 @@ def add_partition_file(seq_dir: Path, day: str, table: pa.Table, name: str) -> N
         fsync_dir(new)
         install_partition(seq_dir, day, new)
         return
-    tmp = target / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-    write_table(tmp, table, DELTA_COMPRESSION)
-    os.replace(tmp, target / name)
-    fsync_dir(target)
+    with atomic.replacing(target / name) as tmp:
+        write_table(tmp, table, DELTA_COMPRESSION, sync=False)  # replacing() fsyncs it
 
 
 def merge_partition_files(seq_dir: Path, day: str, merge: list[Path], merged: pa.Table, name: str) -> None:

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale.atomic import fsync_dir, write_text
+from jaxscale import atomic
 from jaxscale.sequences.store import StoreError
 
 PAD = 0
@@ -176,16 +174,11 @@ def save_vocabulary(seq_dir, vocab: Vocabulary) -> None:
     parquet.parent.mkdir(parents=True, exist_ok=True)
     for stale in parquet.parent.glob(".*.tmp"):  # left by a writer that died (we hold the lock)
         stale.unlink(missing_ok=True)
-    tmp = parquet.with_name(f".{parquet.name}.{uuid.uuid4().hex}.tmp")
     table = pa.table({"id": pa.array(vocab.ids, pa.int64()), "count": pa.array(vocab.counts, pa.int64())})
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, parquet)
-    fsync_dir(parquet.parent)
+    with atomic.replacing(parquet) as tmp:
+        pq.write_table(table, str(tmp), compression="zstd")
     body = {"field": vocab.field, "version": vocab.version, "size": vocab.size, "pad": PAD, "oov": OOV}
-    write_text(meta, json.dumps(body) + "\n")
+    atomic.write_text(meta, json.dumps(body) + "\n")
 
 
 def read_vocabulary_meta(seq_dir, field: str) -> dict | None:
