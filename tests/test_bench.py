@@ -442,9 +442,9 @@ def test_python_m_jaxscale_bench_runs_the_library_suite_from_any_directory(tmp_p
     )
     assert out.returncode == 0 and "--count-every-batch" in out.stdout and "default 6" in out.stdout
     monkeypatch.chdir(tmp_path)
-    assert suite.default_out(quick=True) == Path("bench_suite_quick")  # outside a checkout: the cwd
+    assert suite.default_out(quick=True) == Path("bench_suite_quick")  # the cwd
     (tmp_path / "experiments" / "results").mkdir(parents=True)
-    assert suite.default_out(quick=False) == Path("experiments/results/bench_suite")
+    assert suite.default_out(quick=False) == Path("bench_suite")  # a checkout's results folder only with --out
     assert stages.FOUNDATION_CONFIG.is_file()  # shipped inside the package (package data), not read from a checkout
 
 

@@ -3,8 +3,8 @@
     python -m jaxscale.bench                  # full run (6 rounds); bench_suite.{md,json}
     python -m jaxscale.bench --quick          # small shapes, few configurations, 2 rounds; bench_suite_quick.*
 
-Results go to experiments/results/ under the current directory when it has one (a source checkout), else
-to the current directory (`--out PREFIX` chooses). Nothing here reads the source tree: an installed wheel
+Results go to the current directory (`--out PREFIX` chooses; a checkout's recorded results are written with
+`--out experiments/results/bench_suite`). Nothing here reads or writes the source tree: an installed wheel
 runs the same suite (without TorchRec installed, its and FBGEMM's columns stay empty and say so).
 
 Parts (`--parts`, default all):
@@ -208,10 +208,8 @@ def checks_ok(res: dict) -> bool:
 
 
 def default_out(quick: bool) -> Path:
-    """experiments/results/bench_suite[_quick] in a source checkout (run from its root), else in the cwd."""
-    name = "bench_suite_quick" if quick else "bench_suite"
-    results = Path("experiments") / "results"
-    return results / name if results.is_dir() else Path(name)
+    """bench_suite[_quick] in the current directory, wherever that is (a library writes where its user says)."""
+    return Path("bench_suite_quick" if quick else "bench_suite")
 
 
 def parse(argv):
@@ -243,7 +241,7 @@ def parse(argv):
     ap.add_argument(
         "--out",
         default=None,
-        help="results path without suffix (default: [experiments/results/]bench_suite[_quick] in the cwd)",
+        help="results path without suffix (default: bench_suite[_quick] in the current directory)",
     )
     ap.add_argument("--max-load", type=float, default=cores / 4, help="refuse above this 1-min load average")
     ap.add_argument("--max-busy", type=float, default=0.15, help="mark tables when others use more of the CPU")
