@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import re
 import types
 import typing
@@ -46,6 +47,35 @@ def _err(key: str, message: str) -> ConfigError:
     err = ConfigError(f"{key}: {message}")
     err.key = key
     return err
+
+
+def field_error(owner: str, field: str, message: str) -> ValueError:
+    """A ValueError that names `owner.field` and carries `.field`, so config loading can report the full key."""
+    err = ValueError(f"{owner}.{field} {message}")
+    err.field = field
+    return err
+
+
+def check_int(owner: str, obj, field: str, minimum: int = 1) -> None:
+    """The checks of a model config's `__post_init__`: `obj.field` is valid, else a `field_error`."""
+    value = getattr(obj, field)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise field_error(owner, field, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def check_float(owner: str, obj, field: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    value = getattr(obj, field)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low}, {high}]"
+        raise field_error(owner, field, f"must be a number in {bound}, got {value!r}")
+
+
+def check_choice(owner: str, obj, field: str, choices) -> None:
+    value = getattr(obj, field)
+    if value not in choices:
+        raise field_error(owner, field, f"must be one of {choices}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,7 +161,7 @@ def _protocol(name: str):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequencesConfig:
-    """A sequence store as a data source (`jaxscale_models.foundation_sequences.SequenceBatches`, field for field).
+    """A sequence store as a data source (`jaxscale.sequences.examples.SequenceBatches`, field for field).
 
     `split: day`: examples are (user, ts) anchors whose history is the user's point-in-time sequence (no
     event at or after ts); the store's last `eval_days` days are the held-out split. `split: leave_one_out`:
@@ -154,7 +184,7 @@ class SequencesConfig:
     as_of_mode: Literal["event", "ingest", "visible"] = "event"
     """Which events a day-split history at ts holds: 'event' (event time < ts), 'ingest' (also received by
     the platform before ts) or 'visible' (also committed to the store before ts: what a server could have
-    answered then; see jaxscale_models.foundation_sequences)."""
+    answered then; see jaxscale.sequences.examples)."""
     train_targets: Literal["every", "last"] = "every"
     """Leave-one-out train examples: every train target of each user, or only its last (one example per user:
     with the loss at every position, the user's whole train sequence once per epoch, as SASRec trains)."""

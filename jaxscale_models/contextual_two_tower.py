@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale import ranking
+from jaxscale.config import check_choice, check_float, check_int, field_error
 from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
 from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, CORPUS_KEYS, HISTORY_KEYS, LABEL_KEYS
@@ -58,10 +59,6 @@ from jaxscale_models.foundation import (
     TIME_ENCODINGS,
     FoundationConfig,
     SequenceEncoder,
-    check_choice,
-    check_float,
-    check_int,
-    field_error,
     hash_ids,
 )
 

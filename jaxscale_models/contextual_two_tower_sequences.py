@@ -1,13 +1,13 @@
 """The contextual two-tower model's examples from a `jaxscale.sequences` store (`data.source: sequences`).
 
-An example is an anchor (user, ts) of the store, exactly as in `jaxscale_models.foundation_sequences`: every distinct
+An example is an anchor (user, ts) of the store, exactly as in `jaxscale.sequences.examples`: every distinct
 (user, event time) with at least `min_history` earlier events; the store's last `eval_days` days are the
 eval split, the days before them the train split. For anchor (user, ts):
 
   history   the user's last max_seq_len events with event time strictly before ts (point in time: nothing at
             or after ts, so neither the label nor any later event leaks in), in the foundation model's
             encoding (`item_ids`, `timestamps`, `actions`, `surfaces`, `mask`; see
-            `jaxscale_models.foundation_sequences`)
+            `jaxscale.sequences.examples`)
             plus `item_categories`: each event's value of the category field.
   label     the anchor event itself: `label_item` = its item id (`item_ids_to_int32`, the history's
             mapping), `label_category` = its category. Several events of the user at the same ts: the anchor
@@ -33,7 +33,7 @@ outside [0, num_categories) is a ValueError naming the field and the value, rais
 
 Item ids are not hashed by this model: they must be in [0, item_rows). When the store has an `item_id`
 vocabulary (`Sequence(..., vocabularies=("item_id",))`) the ids are its dense indices (see
-`jaxscale_models.foundation_sequences.model_item_ids`) and item_rows must be >= the vocabulary's num_indices (checked
+`jaxscale.sequences.examples.model_item_ids`) and item_rows must be >= the vocabulary's num_indices (checked
 when the source is built, naming both). An id outside (in a history, a label) is left in the batch, and the
 Trainer's host check applies `data.invalid_ids` to it: 'error' raises naming the feature, the id and this
 source's `provenance` (store, split, step, rows); 'count' counts and pads it.
@@ -58,6 +58,7 @@ import warnings
 import numpy as np
 
 from jaxscale.data import hash64, uniform
+from jaxscale.sequences.examples import PointInTimeExamples, SequenceBatches, check_item_rows
 from jaxscale_models.contextual_two_tower_data import (
     CONTEXT_KEYS,
     HISTORY_KEYS,
@@ -66,7 +67,6 @@ from jaxscale_models.contextual_two_tower_data import (
     corpus_layout,
     derive_pseudo_context,
 )
-from jaxscale_models.foundation_sequences import PointInTimeExamples, SequenceBatches, check_item_rows
 
 MS_PER_HOUR = 3_600_000
 EVAL_CONTEXTS = ("missing", "label")

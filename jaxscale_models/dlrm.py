@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.config import check_choice, check_int, field_error
 from jaxscale.metrics import auc
 from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
-from jaxscale_models.foundation import check_choice, check_int, field_error
 
 INTERACTIONS = ("dot", "dcn")
 

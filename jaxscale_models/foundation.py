@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.config import check_choice, check_float, check_int, field_error
 from jaxscale.metrics import auc
 from jaxscale.registry import ModelSpec
 from jaxscale.tables import TableConfig
@@ -48,34 +49,6 @@ TARGET_KEY = "target_item_ids"
 """Optional batch key: int32 [B], the item that follows the history (a sequence store's example target)."""
 ITEM_COMBINES = ("sum", "concat")
 DTYPES = ("float32", "bfloat16")
-
-
-def field_error(owner: str, field: str, message: str) -> ValueError:
-    """A ValueError that names `owner.field` and carries `.field`, so config loading can report the full key."""
-    err = ValueError(f"{owner}.{field} {message}")
-    err.field = field
-    return err
-
-
-def check_int(owner: str, obj, field: str, minimum: int = 1) -> None:
-    value = getattr(obj, field)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise field_error(owner, field, f"must be an integer >= {minimum}, got {value!r}")
-
-
-def check_float(owner: str, obj, field: str, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    value = getattr(obj, field)
-    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bound = f"{'(' if low_open else '['}{low}, {high}]"
-        raise field_error(owner, field, f"must be a number in {bound}, got {value!r}")
-
-
-def check_choice(owner: str, obj, field: str, choices) -> None:
-    value = getattr(obj, field)
-    if value not in choices:
-        raise field_error(owner, field, f"must be one of {choices}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -828,7 +801,7 @@ def _summarize(cfg: FoundationConfig, batches: list) -> dict:
 
 def _sequence_store(cfg: FoundationConfig, config, split: str, process_index: int, process_count: int):
     """`data.source: sequences`: point-in-time examples from a `jaxscale.sequences` store, through Grain."""
-    from jaxscale_models.foundation_sequences import SequenceBatches, check_item_rows
+    from jaxscale.sequences.examples import SequenceBatches, check_item_rows
 
     batches = SequenceBatches.from_config(cfg, config, split, process_index, process_count)
     check_item_rows(batches.source.reader.vocabulary("item_id"), cfg.item_rows, "model.foundation")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale.sequences.examples import SequenceBatches
 from jaxscale.sequences.store import read_sequence
-from jaxscale_models.foundation_sequences import SequenceBatches
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,10 +20,10 @@ from test_sequences_helpers import (
     store_frame,
 )
 
+from jaxscale.sequences.examples import PointInTimeExamples, SequenceBatches, model_item_ids
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.sequences.store import read_sequence
-from jaxscale_models.foundation_sequences import PointInTimeExamples, SequenceBatches, model_item_ids
 
 
 @pytest.fixture(scope="module")

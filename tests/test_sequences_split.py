@@ -12,14 +12,14 @@ import pytest
 from test_sequences_helpers import MS_PER_DAY, T0, by_user, make_defs, reference_store, write_defs
 
 from jaxscale.config import ConfigError, load_config
-from jaxscale.sequences.runtime import backfill
-from jaxscale_models.foundation_sequences import (
+from jaxscale.sequences.examples import (
     BATCH_KEYS,
     HISTORY_KEYS,
     TARGET_KEYS,
     PointInTimeExamples,
     SequenceBatches,
 )
+from jaxscale.sequences.runtime import backfill
 
 KW = dict(num_actions=4, num_surfaces=4)
 ONE, TWO, THREE = 10**12 + 1, 10**12 + 2, 10**12 + 3  # users with 1, 2 and 3 events of s1

@@ -8,8 +8,7 @@ import pandas as pd
 import pytest
 from test_sequences_helpers import by_user, make_defs, random_log, reference_store, write_defs
 
-from jaxscale.sequences.runtime import backfill
-from jaxscale_models.foundation_sequences import (
+from jaxscale.sequences.examples import (
     INT32_ID_LIMIT,
     TARGET_KEYS,
     PointInTimeExamples,
@@ -17,6 +16,7 @@ from jaxscale_models.foundation_sequences import (
     item_ids_to_int32,
     surface_code,
 )
+from jaxscale.sequences.runtime import backfill
 
 L = 6
 

@@ -19,11 +19,11 @@ import pytest
 from redis_helpers import redis_port  # noqa: F401  (the fixture)
 from test_sequences_helpers import assert_frames_equal, by_user, make_defs, reference_query, reference_store
 
+from jaxscale.sequences.examples import PointInTimeExamples, SequenceBatches
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.sequences.server import serve_in_thread
 from jaxscale.sequences.store import VISIBLE_TS, list_partitions, partition_files, read_sequence
-from jaxscale_models.foundation_sequences import PointInTimeExamples, SequenceBatches
 
 USERS = [10**12 + 7919 * k for k in range(5)]
 

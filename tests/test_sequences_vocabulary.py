@@ -18,6 +18,7 @@ from test_sequences_helpers import make_defs, random_log
 
 from jaxscale.sequences import DefinitionError, Definitions, Enrichment, EventType, Sequence
 from jaxscale.sequences.definitions import definitions_from_json
+from jaxscale.sequences.examples import PointInTimeExamples
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill, stream
 from jaxscale.sequences.server import serve_in_thread
@@ -30,7 +31,6 @@ from jaxscale.sequences.vocabulary import (
     save_vocabulary,
     vocabulary_paths,
 )
-from jaxscale_models.foundation_sequences import PointInTimeExamples
 
 
 def vocab_defs() -> Definitions:

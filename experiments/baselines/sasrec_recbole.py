@@ -47,7 +47,7 @@ RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
 def load_split(store, defs, sequence, split, max_len=MAX_LEN):
     """(history item rows int64 [N, max_len] right-padded with 0, length [N], target rows [N], users [N],
     bool [N, items] every item of the user's whole history before the target: what masking removes)."""
-    from jaxscale_models.foundation_sequences import PointInTimeExamples
+    from jaxscale.sequences.examples import PointInTimeExamples
 
     src = PointInTimeExamples(
         store,

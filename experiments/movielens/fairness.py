@@ -94,7 +94,7 @@ def per_user_ndcg(topk_file: Path, targets: dict) -> np.ndarray:
 
 def test_targets(out: Path) -> dict:
     """user -> raw item id of its test target, read from the store's leave-one-out test split."""
-    from jaxscale_models.foundation_sequences import PointInTimeExamples
+    from jaxscale.sequences.examples import PointInTimeExamples
 
     src = PointInTimeExamples(
         out / "store", "ratings", out / "defs.json", max_seq_len=1, num_actions=16, num_surfaces=16,

@@ -395,7 +395,7 @@ def bench_stream(log: Path, defs: Path, work: Path, n: int, micro_batches: list[
 
 
 def bench_training(store: Path, defs: Path, work: Path) -> dict:
-    from jaxscale_models.foundation_sequences import SequenceBatches
+    from jaxscale.sequences.examples import SequenceBatches
 
     out = {}
     for L in (32, 256):

@@ -118,7 +118,7 @@ class JaxscaleEngine:
         self.info = {"jax": jax.__version__, "threads_set": threads, "mesh": shape.mesh, "devices": nodes * local}
 
     def _batch(self, step: int) -> dict[str, np.ndarray]:
-        """The model's batch format (`jaxscale_models.foundation_sequences`): store indices = item + 1."""
+        """The model's batch format (`jaxscale.sequences.examples`): store indices = item + 1."""
         items, target = histories(self.shape, step)
         b, l = items.shape
         return {

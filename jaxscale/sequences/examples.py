@@ -1,5 +1,5 @@
-"""The foundation model's sequence adapter: point-in-time examples of a `jaxscale.sequences` store as padded
-arrays in the model's batch format, served to the trainer by Grain (`data.source: sequences`).
+"""Point-in-time examples of a `jaxscale.sequences` store as padded arrays in the history encoding below (the
+foundation model's batch format; other models extend it), served to the trainer by Grain (`data.source: sequences`).
 
 Two ways to split the store into examples (`split_mode`, the config's `data.sequences.split`):
 
