@@ -52,6 +52,46 @@ def test_the_house_has_no_import_loop_and_its_picture_is_regenerated(tmp_path):
     )
 
 
+# ------------------------------------------------------------------------ the library imports no model
+
+STUDIES = {"jaxscale/scaling_model.py", "jaxscale/scaling_counts.py"}
+"""The studies of the foundation model: the only library modules that may import it."""
+
+
+def model_imports(path: Path) -> list[str]:
+    """'file:line module' for each import of `jaxscale_models` in one file, function-level ones included
+    (`import jaxscale_models.x`, `from jaxscale_models.x import y`, `from jaxscale_models import x`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            top = node.module == "jaxscale_models"
+            names = [f"{node.module}.{a.name}" for a in node.names] if top else [node.module]
+        found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "jaxscale_models"]
+    return found
+
+
+def test_the_library_imports_no_model_module(tmp_path):
+    offenders = [
+        hit
+        for p in sorted((ROOT / "jaxscale").rglob("*.py"))
+        if str(p.relative_to(ROOT)) not in STUDIES
+        for hit in model_imports(p)
+    ]
+    assert not offenders, f"library modules import model code (reach it through the registry): {offenders}"
+    probe = tmp_path / "probe.py"  # the check sees every form, at any depth
+    probe.write_text(
+        "import jaxscale_models.dlrm\nimport os\ndef f():\n    from jaxscale_models import foundation\n"
+        "    from jaxscale_models.dlrm import SPEC\n    from jaxscale import registry\n"
+    )
+    hits = model_imports(probe)
+    assert [h.split()[1] for h in hits] == [
+        "jaxscale_models.dlrm",
+        "jaxscale_models.foundation",
+        "jaxscale_models.dlrm",
+    ]
+
+
 # ------------------------------------------------------------------------ tests import no experiment module
 
 EXPERIMENTS = ROOT / "experiments"
