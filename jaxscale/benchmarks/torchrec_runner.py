@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import reference
+from jaxscale import atomic, reference
 from jaxscale.tables import TableConfig
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
@@ -911,8 +911,7 @@ def main(argv=None):
         summary["reference_mismatches"] = compare(res, ref, a.rtol, a.atol)
     print(json.dumps(summary, indent=1))
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(summary, fh, indent=1)
+        atomic.write_json(a.json, summary, indent=1)
     return 1 if a.check and summary["reference_mismatches"] else 0
 
 

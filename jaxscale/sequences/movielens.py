@@ -86,6 +86,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from jaxscale import atomic
 from jaxscale.atomic import fsync_dir
 from jaxscale.sequences.protocols import Protocol, filter_steps, get_protocol
 from jaxscale.sequences.store import _renameat2_exchange, write_table
@@ -790,11 +791,7 @@ def import_movielens(
             write_table(tmp / ID_MAP_USERS, maps[0])
             write_table(tmp / ID_MAP_ITEMS, maps[1])
             fsync_dir(tmp / ID_MAP_USERS.rpartition("/")[0])
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        atomic.write_json(tmp / MANIFEST, manifest)
         fsync_dir(tmp / EVENTS_FILE.rpartition("/")[0])
         fsync_dir(tmp)
         _check_out(out)
