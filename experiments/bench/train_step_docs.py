@@ -10,6 +10,7 @@ them with the renderers that wrote their own Markdown, and replaces what lies be
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -36,7 +37,9 @@ def block() -> str:
     bd = RESULTS / "train_step_breakdown.json"
     if bd.exists():
         out += [_breakdown_render()(json.loads(bd.read_text())).replace("### ", "#### "), ""]
-    for path in sorted(RESULTS.glob("bench_train_step*.json")):
+    runs = sorted(RESULTS.glob("bench_train_step*.json"))
+    out += summary(runs)
+    for path in runs:
         res = json.loads(path.read_text())
         part = res["parts"]["train_step"]
         lines = render_train_step(part)
@@ -46,6 +49,34 @@ def block() -> str:
         lines.insert(3, "")
         out += lines
     return "\n".join(out + [END])
+
+
+def _speed(speeds: dict, peer: str) -> str:
+    s = speeds.get(peer)
+    return f"{s['speed']:.2f}x; {s['worst_round']:.2f}x" if s else "not run"
+
+
+def summary(paths) -> list[str]:
+    """One row per recorded run: its load, whether the load gate passed, and jaxscale's speed per peer."""
+    rows = [
+        "#### Every recorded run at a glance",
+        "",
+        "| run | mesh | load average at start | timings valid | vs torch (median; worst round) "
+        "| vs torch.compile (median; worst round) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        res = json.loads(path.read_text())
+        part = res["parts"]["train_step"]
+        ratio = functools.partial(_speed, part["speed"])
+
+        valid = "yes" if not part["problems"] else "no (" + "; ".join(part["problems"]) + ")"
+        load = res["machine"]["load_average"][0]
+        rows.append(
+            f"| {path.name} | {part['shape'].get('mesh', '1x1')} | {load:.2f} | {valid} | {ratio('torch')} "
+            f"| {ratio('torch_compile')} |"
+        )
+    return rows + [""]
 
 
 def main() -> int:

@@ -102,6 +102,7 @@ score_baseline() {  # name config model-section
 }
 
 FOUNDATION="$ROOT/jaxscale/configs/movielens_foundation.yaml"
+[[ $DATASET == ml-1m ]] && FOUNDATION="$ROOT/jaxscale/configs/movielens1m_foundation.yaml"  # SASRec's layout
 TWO_TOWER="$ROOT/jaxscale/configs/movielens_two_tower.yaml"
 mkdir -p "$OUT/runs" "$OUT/eval"
 train_and_score foundation "$FOUNDATION" foundation
