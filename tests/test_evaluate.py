@@ -405,6 +405,21 @@ def test_protocol_sets_the_masking_and_refuses_another_history_length(movielens,
     assert not ranking_eval.history_masks(load_config(str(CONFIGS / "movielens_foundation.yaml"), overrides))
 
 
+def test_the_ml1m_config_is_the_literature_protocols(tmp_path):
+    """run.sh --dataset ml-1m trains this file under `literature` (200 events, history masked): it loads there,
+    is refused under a protocol of another history length, and trains SASRec's way (one example per user, the
+    loss at every position)."""
+    from jaxscale.config import ConfigError
+
+    path = str(CONFIGS / "movielens1m_foundation.yaml")
+    cfg = load_config(path, ["data.sequences.protocol=literature"])
+    assert cfg.model.params.max_seq_len == 200 and ranking_eval.history_masks(cfg)
+    assert cfg.data.sequences.train_targets == "last" and cfg.model.params.loss_last_positions == 0
+    with pytest.raises(ConfigError, match=r"max_seq_len.*recbole.*50"):
+        load_config(path, ["data.sequences.protocol=recbole"])
+    assert "movielens1m_foundation.yaml" in (ROOT / "experiments" / "movielens" / "run.sh").read_text()
+
+
 def test_genre_hint_ranks_the_context_genre_by_train_count(movielens, tmp_path):
     tmp, rows, vocab = movielens
     overrides = _two_tower_store(tmp, vocab)
