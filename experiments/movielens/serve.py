@@ -49,15 +49,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale.benchmarks.sessions import free_port
+
 MODEL = "movielens"
 LEAF_BYTES = "jaxscale_root_leaf_request_bytes"
 K = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Services:

@@ -40,19 +40,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 from jaxscale.benchmarks.machine import machine
+from jaxscale.benchmarks.sessions import free_port
 from jaxscale.sequences.broker import Producer, StreamConsumer, publish_columns
 from jaxscale.sequences.definitions import compile_definitions
 from jaxscale.sequences.events import find_event_files
 
 TARGET_EVENTS_PER_SECOND = 100_000
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(folder: Path) -> tuple[subprocess.Popen, int]:
