@@ -16,9 +16,10 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 from pathlib import Path
+
+from jaxscale.benchmarks.machine import machine
 
 TEST_KEYS = ("recall@10", "ndcg@10", "recall@20", "ndcg@20", "mrr@10")
 TRAINED = ("foundation", "two_tower_context", "two_tower_no_context")
@@ -73,16 +74,6 @@ def baseline(out: Path, name: str) -> dict:
     return _scored(_json(out / "eval" / f"{name}_valid.json"), _json(out / "eval" / f"{name}_test.json"))
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def collect(out: Path, seconds: float | None = None, commit: str = "unknown") -> dict:
     manifest = _json(out / "events" / "movielens.json")
     models = {name: trained_model(out, name) for name in TRAINED}
@@ -127,7 +118,7 @@ def collect(out: Path, seconds: float | None = None, commit: str = "unknown") ->
         "run": {
             "seconds": seconds,
             "cores": os.cpu_count(),
-            "cpu": cpu_model(),
+            "cpu": machine()["cpu_model"],
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit,
         },

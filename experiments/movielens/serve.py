@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -50,15 +49,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale.benchmarks.sessions import free_port
+
 MODEL = "movielens"
 LEAF_BYTES = "jaxscale_root_leaf_request_bytes"
 K = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Services:
@@ -410,11 +405,14 @@ def run(args) -> dict:
         result["load"] = loads
     finally:
         svc.stop()
+    from jaxscale.benchmarks.machine import machine
+
+    m = machine()
     result["machine"] = {
-        "cpu_model": cpu_model(),
-        "nproc": os.cpu_count(),
+        "cpu_model": m["cpu_model"],
+        "nproc": m["nproc"],
         "loadavg_at_end": list(os.getloadavg()),
-        "python": platform.python_version(),
+        "python": m["python"],
     }
     return result
 
@@ -446,14 +444,6 @@ def percentiles(values) -> dict:
     if v.size == 0:
         return {}
     return {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "max": float(v.max())}
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def render(r: dict) -> str:

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from jaxscale import planner
 from jaxscale import scaling_counts as C
 from jaxscale import scaling_model as M
 from jaxscale.atomic import write_json
+from jaxscale.benchmarks.machine import machine
 from jaxscale.plan import ShardingPlan, TableShards
 from jaxscale.techniques import STAGES, stage
 
@@ -352,18 +352,6 @@ def bytes_table(sc: M.Scenario, cal: M.Calibration) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------- output
-
-
-def machine() -> dict:
-    import numpy
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
 
 
 def fmt_bytes(x: float) -> str:

@@ -21,14 +21,15 @@ import argparse
 import importlib.util
 import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_sequences import splice_docs  # this folder's one docs splice (run as a script: its folder is on sys.path)
+
+from jaxscale.benchmarks.machine import recorded_machine
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -180,7 +181,7 @@ def summarize(samples: list[dict], events: int, micro_batch: int, start_rss: flo
         "events": events,
         "micro_batch": micro_batch,
         "micro_batches": len(samples),
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()},
+        "machine": recorded_machine(),
         "rss_before_reader_mb": round(start_rss, 1),
         "rss_first_mb": samples[0]["rss_mb"],
         "rss_last_mb": samples[-1]["rss_mb"],
@@ -227,13 +228,7 @@ def markdown(res: dict) -> list[str]:
 
 def update_docs(res: dict) -> None:
     """Copies the summary table into docs/sequences.md between the memory markers (if present)."""
-    if not DOCS.exists():
-        return
-    text = DOCS.read_text()
-    if START not in text or END not in text:
-        return
-    head, rest = text.split(START, 1)
-    DOCS.write_text(f"{head}{START}\n" + "\n".join(markdown(res)) + f"\n{END}{rest.split(END, 1)[1]}")
+    splice_docs(DOCS, START, END, "\n".join(markdown(res)))
 
 
 def main(argv=None) -> dict:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxscale import atomic
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -423,28 +425,17 @@ def bench_training(store: Path, defs: Path, work: Path) -> dict:
 # ------------------------------------------------------------------------------------------ report
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the machine type where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def machine() -> dict:
+    """The library's machine description (`jaxscale.benchmarks.machine`) plus the engines' versions."""
     import duckdb
     import polars
     import pyarrow
 
+    from jaxscale.benchmarks.machine import recorded_machine
+
     return {
+        **recorded_machine(),
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "load_average": os.getloadavg(),
         "pyarrow": pyarrow.__version__,
         "polars": polars.__version__,
         "duckdb": duckdb.__version__,
@@ -594,17 +585,21 @@ DOCS = REPO / "docs" / "sequences.md"
 START, END = "<!-- bench:start (written by bench_sequences.py) -->", "<!-- bench:end -->"
 
 
+def splice_docs(doc: Path, start: str, end: str, body: str) -> None:
+    """Replaces what lies between the markers `start` and `end` of `doc` with `body` (nothing happens where
+    `doc` or a marker is absent). The one home of this folder's docs splicing: bench_memory.py and
+    bench_serving.py import it."""
+    text = doc.read_text() if doc.exists() else ""
+    if start not in text or end not in text:
+        return
+    head, rest = text.split(start, 1)
+    atomic.write_text(doc, f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}")
+
+
 def update_docs(lines: list[str]) -> None:
     """Copies the result tables into docs/sequences.md between the bench markers."""
-    if not DOCS.exists():
-        return
-    text = DOCS.read_text()
-    if START not in text or END not in text:
-        return
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
     body = "\n".join(line.replace("## ", "### ", 1) if line.startswith("## ") else line for line in lines)
-    DOCS.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+    splice_docs(DOCS, START, END, body)
 
 
 def generate_log(work: Path, n: int) -> Path:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -41,33 +40,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_sequences import splice_docs  # this folder's one docs splice (run as a script: its folder is on sys.path)
 
+from jaxscale.benchmarks.machine import machine
 from jaxscale.http_load import P99_TARGET_MS, load
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MS_PER_DAY = 86_400_000
 DEFAULT_RATES = (200, 500, 1000)
-
-
-def machine() -> dict:
-    def first(path: str, key: str) -> str | None:
-        try:
-            for line in Path(path).read_text().splitlines():
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-        except OSError:
-            return None
-        return None
-
-    return {
-        "cpu_model": first("/proc/cpuinfo", "model name") or platform.processor(),
-        "nproc": os.cpu_count(),
-        "memory": first("/proc/meminfo", "MemTotal"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
 
 
 def env() -> dict:
@@ -332,12 +313,8 @@ DOCS_START, DOCS_END = "<!-- bench-serving:start (written by bench_serving.py) -
 
 def update_docs(markdown: str) -> None:
     """Copy the recorded tables into docs/serving.md between the bench-serving markers (if present)."""
-    text = DOCS.read_text()
-    if DOCS_START not in text or DOCS_END not in text:
-        return
     body = markdown.split("\n", 2)[2].strip().replace("\n## ", "\n#### ")  # drop the title, nest the headings
-    head, rest = text.split(DOCS_START, 1)
-    DOCS.write_text(head + DOCS_START + "\n" + body + "\n" + DOCS_END + rest.split(DOCS_END, 1)[1])
+    splice_docs(DOCS, DOCS_START, DOCS_END, body)
 
 
 def main(argv=None) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -40,33 +39,13 @@ import pyarrow as pa
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
+from jaxscale.benchmarks.machine import machine
+from jaxscale.benchmarks.sessions import free_port
 from jaxscale.sequences.broker import Producer, StreamConsumer, publish_columns
 from jaxscale.sequences.definitions import compile_definitions
 from jaxscale.sequences.events import find_event_files
 
 TARGET_EVENTS_PER_SECOND = 100_000
-
-
-def machine() -> dict:
-    model = None
-    try:
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    return {
-        "cpu_model": model or platform.processor(),
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(folder: Path) -> tuple[subprocess.Popen, int]:

@@ -52,6 +52,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from jaxscale.benchmarks.sessions import free_port
+
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 MIB = 1 << 20
 STREAM, GROUP = "ev", "g"
@@ -79,12 +81,6 @@ MODELS = ("ctr", "save")
 
 
 # ------------------------------------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int | None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -26,15 +24,10 @@ CONFIG = "foundation_smoke.yaml"
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}"
+    from jaxscale.benchmarks.machine import describe_machine, recorded_machine
+
+    m = recorded_machine()
+    return f"{describe_machine(m)}; load average {m['load_average'][0]:.2f}"
 
 
 def run_one(name: str, overrides: list[str], steps: int, workdir: Path) -> dict:

@@ -127,7 +127,7 @@ def measure(online, e2e, histories, user_ids, batch: int, requests: int, warmup:
 
 
 def render(args, result) -> str:
-    from results import machine_lines
+    from jaxscale.benchmarks.machine import machine_lines
 
     info = result["setup"]
     lines = [

@@ -164,7 +164,7 @@ def run(args) -> dict:
 
 
 def render(args, result, machine, load_at_end) -> str:
-    from results import machine_lines
+    from jaxscale.benchmarks.machine import machine_lines
 
     t = result["table"]
     lines = [

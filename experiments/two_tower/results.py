@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxscale import atomic
-from jaxscale.benchmarks.machine import machine_lines  # noqa: F401 -- the scripts import it from here
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
