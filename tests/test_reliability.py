@@ -586,7 +586,7 @@ def test_dead_peer_ends_the_survivor_with_an_error_then_both_resume(cli_env, tmp
     assert re.search(r"Task 1 heartbeat timeout|tasks are unhealthy \(stopped sending heartbeats\):\s*1", log), log[
         -6000:
     ]
-    # What listens (README "On N hosts"): the explicit coordinator port, on process 0 only; besides it only
+    # What listens (docs/training.md, "On N hosts"): the explicit coordinator port, on process 0 only; besides it only
     # the CPU collectives' transport (gloo), on ports the kernel picks from its ephemeral range.
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert port in ports and port not in peer_ports, (port, ports, peer_ports)
