@@ -54,6 +54,15 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
+def replace_between(path: str | os.PathLike, start: str, end: str, body: str) -> None:
+    """The text strictly between the first marker `start` and the next `end` in `path` becomes "\n" + body + "\n"."""
+    text = Path(path).read_bytes().decode() if Path(path).exists() else ""  # keeps \r\n
+    b = text.find(end, a + len(start)) if (a := text.find(start)) >= 0 else -1
+    if b < 0:
+        raise ValueError(f"{path} lacks the marker {end if a >= 0 else start!r}")
+    write_text(path, f"{text[: a + len(start)]}\n{body}\n{text[b:]}")
+
+
 def write_json(path: str | os.PathLike, obj, **kwargs) -> None:
     """`obj` as JSON (indent 2 unless told otherwise), with a final newline."""
     write_text(path, json.dumps(obj, **({"indent": 2} | kwargs)) + "\n")

@@ -102,7 +102,7 @@ def test_the_renderer_computes_the_table_from_the_json(tmp_path):
     assert doc.read_text() == f"# head\n\n{BEGIN}\n{table}{END}\n\ntail\n"
     doc.write_text("no markers\n")
     bad = script("--render", str(path), "--docs", str(doc))
-    assert bad.returncode != 0 and "markers" in bad.stderr + bad.stdout
+    assert bad.returncode != 0 and f"{doc} lacks the marker" in bad.stderr
 
 
 def test_the_docs_table_is_the_recorded_json_rendered():

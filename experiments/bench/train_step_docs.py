@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxscale import atomic
 from jaxscale.benchmarks.machine import describe_machine
 from jaxscale.benchmarks.report import render_train_step
 
@@ -33,7 +34,7 @@ def _breakdown_render():
 
 
 def block() -> str:
-    out = [BEGIN, ""]
+    out = [""]
     bd = RESULTS / "train_step_breakdown.json"
     if bd.exists():
         out += [_breakdown_render()(json.loads(bd.read_text())).replace("### ", "#### "), ""]
@@ -48,7 +49,7 @@ def block() -> str:
         lines.insert(2, f"Machine: {describe_machine(m)}; load average (1/5/15 min) at start {m['load_average']}.")
         lines.insert(3, "")
         out += lines
-    return "\n".join(out + [END])
+    return "\n".join(out)
 
 
 def _speed(speeds: dict, peer: str) -> str:
@@ -80,13 +81,7 @@ def summary(paths) -> list[str]:
 
 
 def main() -> int:
-    text = DOCS.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{DOCS} has no {BEGIN} ... {END} block", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOCS.write_text(head + block() + tail)
+    atomic.replace_between(DOCS, BEGIN, END, block())
     return 0
 
 

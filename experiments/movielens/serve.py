@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.benchmarks.sessions import free_port
+from jaxscale.benchmarks.sessions import free_port, stop_processes
 
 MODEL = "movielens"
 LEAF_BYTES = "jaxscale_root_leaf_request_bytes"
@@ -57,7 +55,7 @@ K = 10
 
 
 class Services:
-    """The processes of one run: started with their logs in `logs`, all stopped (SIGTERM, then SIGKILL) at exit."""
+    """The processes of one run: started with their logs in `logs`, all stopped (`stop_processes`) at exit."""
 
     def __init__(self, logs: Path):
         self.logs, self.procs = logs, []
@@ -78,17 +76,7 @@ class Services:
         return out.stdout
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_processes(self.procs, timeout=20)
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from jaxscale import atomic
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 START, END = "<!-- results:start (written by experiments/movielens/write_up.py) -->", "<!-- results:end -->"
@@ -150,7 +152,7 @@ def curve_png(m: dict, path: Path) -> None:
 
 
 def render(metrics: dict, tuning: dict | None) -> str:
-    lines = [START, ""]
+    lines = [""]
     run = metrics.get("run", {})
     lines.append(
         f"Recorded {run.get('date', '(date not recorded)')} on {run.get('cores', '?')} cores "
@@ -163,14 +165,14 @@ def render(metrics: dict, tuning: dict | None) -> str:
     if tuning:
         lines += ["", "Tuning runs (validation split only; the test split was read once, by run.sh):", ""]
         lines += tuning_table(tuning)
-    lines += ["", END]
+    lines += [""]
     return "\n".join(lines)
 
 
 def ml1m_section(records: dict, tuning: dict | None = None) -> list[str]:
     """The ML-1M results: each protocol's run beside its published rows, and what the numbers say; the
     validation-only tuning runs (`movielens_ml1m_tuning.json`) when recorded."""
-    lines = [ML1M_START, ""]
+    lines = [""]
     if not records:
         lines += ["No ML-1M run is recorded yet: `bash experiments/movielens/run.sh OUT --dataset ml-1m`.", ""]
     if tuning:
@@ -231,7 +233,6 @@ def ml1m_section(records: dict, tuning: dict | None = None) -> list[str]:
             "![ML-1M validation NDCG@10 against wall-clock time](../experiments/results/movielens_ml1m_curve.png)"
         ]
         lines.append("")
-    lines.append(ML1M_END)
     return lines
 
 
@@ -258,13 +259,6 @@ def ml1m_curve_png(records: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _replace(text: str, start: str, end: str, body: str, where) -> str:
-    if start not in text or end not in text:
-        raise SystemExit(f"{where} lacks the markers {start!r} / {end!r}")
-    a, b = text.index(start), text.index(end) + len(end)
-    return text[:a] + body + text[b:]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--metrics", default=str(RESULTS / "movielens_metrics.json"))
@@ -275,7 +269,7 @@ def main(argv=None) -> int:
     metrics = json.loads(Path(args.metrics).read_text())
     tuning = json.loads(Path(args.tuning).read_text()) if Path(args.tuning).exists() else None
     doc = Path(args.doc)
-    text = _replace(doc.read_text(), START, END, render(metrics, tuning), doc)
+    atomic.replace_between(doc, START, END, render(metrics, tuning))
     records = {
         p: json.loads((RESULTS / f"movielens_ml1m_{p}.json").read_text())
         for p in ML1M_PROTOCOLS
@@ -283,8 +277,7 @@ def main(argv=None) -> int:
     }
     ml1m_tuning = RESULTS / "movielens_ml1m_tuning.json"
     ml1m_tuning = json.loads(ml1m_tuning.read_text()) if ml1m_tuning.exists() else None
-    text = _replace(text, ML1M_START, ML1M_END, "\n".join(ml1m_section(records, ml1m_tuning)), doc)
-    doc.write_text(text)
+    atomic.replace_between(doc, ML1M_START, ML1M_END, "\n".join(ml1m_section(records, ml1m_tuning)))
     curve_png(metrics, Path(args.png))
     if records:
         ml1m_curve_png(records, RESULTS / "movielens_ml1m_curve.png")

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_sequences import splice_docs  # this folder's one docs splice (run as a script: its folder is on sys.path)
 
+from jaxscale import atomic
 from jaxscale.benchmarks.machine import recorded_machine
 
 HERE = Path(__file__).resolve().parent
@@ -228,7 +228,8 @@ def markdown(res: dict) -> list[str]:
 
 def update_docs(res: dict) -> None:
     """Copies the summary table into docs/sequences.md between the memory markers (if present)."""
-    splice_docs(DOCS, START, END, "\n".join(markdown(res)))
+    if DOCS.exists():  # not in an installed wheel
+        atomic.replace_between(DOCS, START, END, "\n".join(markdown(res)))
 
 
 def main(argv=None) -> dict:

@@ -585,21 +585,11 @@ DOCS = REPO / "docs" / "sequences.md"
 START, END = "<!-- bench:start (written by bench_sequences.py) -->", "<!-- bench:end -->"
 
 
-def splice_docs(doc: Path, start: str, end: str, body: str) -> None:
-    """Replaces what lies between the markers `start` and `end` of `doc` with `body` (nothing happens where
-    `doc` or a marker is absent). The one home of this folder's docs splicing: bench_memory.py and
-    bench_serving.py import it."""
-    text = doc.read_text() if doc.exists() else ""
-    if start not in text or end not in text:
-        return
-    head, rest = text.split(start, 1)
-    atomic.write_text(doc, f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}")
-
-
 def update_docs(lines: list[str]) -> None:
     """Copies the result tables into docs/sequences.md between the bench markers."""
     body = "\n".join(line.replace("## ", "### ", 1) if line.startswith("## ") else line for line in lines)
-    splice_docs(DOCS, START, END, body)
+    if DOCS.exists():  # not in an installed wheel
+        atomic.replace_between(DOCS, START, END, body)
 
 
 def generate_log(work: Path, n: int) -> Path:

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_sequences import splice_docs  # this folder's one docs splice (run as a script: its folder is on sys.path)
 
+from jaxscale import atomic
 from jaxscale.benchmarks.machine import machine
 from jaxscale.http_load import P99_TARGET_MS, load
 
@@ -312,9 +312,10 @@ DOCS_START, DOCS_END = "<!-- bench-serving:start (written by bench_serving.py) -
 
 
 def update_docs(markdown: str) -> None:
-    """Copy the recorded tables into docs/serving.md between the bench-serving markers (if present)."""
+    """Copy the recorded tables into docs/serving.md between the bench-serving markers (where docs/ is there)."""
     body = markdown.split("\n", 2)[2].strip().replace("\n## ", "\n#### ")  # drop the title, nest the headings
-    splice_docs(DOCS, DOCS_START, DOCS_END, body)
+    if DOCS.exists():  # not in an installed wheel
+        atomic.replace_between(DOCS, DOCS_START, DOCS_END, body)
 
 
 def main(argv=None) -> None:

@@ -52,7 +52,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from jaxscale.benchmarks.sessions import free_port
+from jaxscale import atomic
+from jaxscale.benchmarks.sessions import free_port, stop_processes
 
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 MIB = 1 << 20
@@ -137,18 +138,7 @@ class Processes:
 
     def stop(self) -> None:
         self._stop.set()
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGCONT)
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_processes(self.procs, timeout=15)
 
 
 def http(url: str, body: bytes | None = None, headers=None, timeout: float = 10) -> tuple[int, dict, bytes]:
@@ -1200,15 +1190,6 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_into(doc: Path, table: str) -> None:
-    text = doc.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{doc} has no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
-
-
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--load-worker":
         url, rate, seconds, out = sys.argv[2:6]
@@ -1226,7 +1207,7 @@ def main(argv=None) -> int:
     if args.render:
         table = render(json.loads(Path(args.render).read_text()))
         if args.docs:
-            render_into(Path(args.docs), table)
+            atomic.replace_between(args.docs, BEGIN, END, table.removesuffix("\n"))
         else:
             print(table, end="")
         return 0

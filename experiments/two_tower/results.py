@@ -27,11 +27,7 @@ def write_section(name: str, markdown: str, path: Path = RESULTS) -> Path:
     """Replaces section `name` of `path` (created if absent) with `markdown`; other sections are kept."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else TITLE
-    block = f"{begin}\n{markdown.rstrip()}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    atomic.write_text(path, text)
+    if begin not in text or end not in text:
+        atomic.write_text(path, f"{text.rstrip()}\n\n{begin}\n{end}\n")
+    atomic.replace_between(path, begin, end, markdown.rstrip())
     return path

@@ -78,7 +78,6 @@ TORCHREC_MATCH = {
 }
 # TorchRec always runs these too at W > 1, so every row also has TorchRec's fastest configuration beside it.
 TORCHREC_ALWAYS = ("fp32", "fp16")
-CAPACITIES = ("reuse", "count")  # reuse_capacities=True / counted on the host every batch
 # Bytes targets vs TorchRec: 1.0x; fp8 0.5x (TorchRec's fp8 does not run on CPU, its int64 ids are never
 # compressed); fp8/bf16 0.75x: its fp8 forward held to 0.5x and its bf16 backward to 1.0x of TorchRec's fp16,
 # two payloads of the same size.

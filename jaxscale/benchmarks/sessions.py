@@ -18,8 +18,10 @@ by step instead (timing_probe.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +53,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """Stops each process's group, last started first: SIGCONT and SIGTERM, then SIGKILL after `timeout` s."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)  # a paused process would never see the SIGTERM
+                os.killpg(proc.pid, signal.SIGTERM)
+    for proc in reversed(procs):
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def child_env(**extra: str) -> dict:

@@ -122,20 +122,6 @@ def numpy_reference(tables, weights, batches, grads=None, optimizer="sgd", lr=0.
 
 
 # ------------------------------------------------------------------------------- collective accounting
-_COLLECTIVES = (
-    "all_to_all_single",
-    "all_to_all",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-    "all_gather_into_tensor",
-    "all_gather",
-    "all_reduce",
-    "allreduce_coalesced",
-    "all_reduce_coalesced",
-    "broadcast",
-)
-
-
 def _tensor_bytes(x) -> int:
     import torch
 

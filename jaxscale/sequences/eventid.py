@@ -92,7 +92,6 @@ def _kind(typ: pa.DataType) -> str:
 
 
 _BYTES_SEED = np.uint64(0xBB67AE8584CAA73B)  # part of the id's definition, never change it
-_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _splitmix_int(x: int) -> int:

@@ -60,11 +60,6 @@ class StoreError(RuntimeError):
 # ---------------------------------------------------------------------------------------------- days
 
 
-def day_of_ms(ts_ms: int) -> str:
-    """'YYYY-MM-DD' (UTC) of an epoch-millisecond timestamp."""
-    return (_dt.date(1970, 1, 1) + _dt.timedelta(days=int(ts_ms) // MS_PER_DAY)).isoformat()
-
-
 def day_number(day: str) -> int:
     """Days since 1970-01-01 of 'YYYY-MM-DD' (ValueError naming the value if malformed)."""
     try:
@@ -341,12 +336,6 @@ def with_visible_ts(table: pa.Table, path: Path) -> pa.Table:
     if VISIBLE_TS in table.column_names:
         return table
     return table.append_column(VISIBLE_TS, pa.array([file_visible_ms(path)] * table.num_rows, pa.int64()))
-
-
-def partition_signature(part: Path) -> tuple:
-    """Changes whenever the partition is replaced or gains a file (inode of the directory + its files)."""
-    st = os.stat(part)
-    return (st.st_ino, st.st_mtime_ns, tuple(f.name for f in partition_files(part)))
 
 
 def read_partition(part: Path, columns: list[str] | None = None) -> pa.Table:
