@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.metrics import auc
-from jaxscale.registry import ModelSpec
-from jaxscale.tables import TableConfig
+from jaxscale.engine.tables import TableConfig
+from jaxscale.training.metrics import auc
+from jaxscale.training.registry import ModelSpec
 from jaxscale_models.foundation import check_choice, check_int, field_error
 
 INTERACTIONS = ("dot", "dcn")

@@ -162,7 +162,7 @@ def test_the_experiment_import_check_finds_every_form(tmp_path):
         "import importlib.util, runpy, sys\n"
         "from pathlib import Path\n"
         "import json\n"
-        "from jaxscale import atomic\n"
+        "from jaxscale.infra import atomic\n"
         "import experiments.scaling.model\n"
         "SCRIPT = Path(__file__).parents[1] / 'experiments' / 'serving' / 'bench_trimmer.py'\n"
         "def test_x():\n"

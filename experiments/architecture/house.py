@@ -129,7 +129,11 @@ def draw(g: dict[str, set[str]], out: Path) -> None:
         for d in deps:
             (x0, y0), (x1, y1) = pos[m], pos[d]
             ax.annotate("", (x1, y1 + 0.18), (x0, y0 - 0.18), arrowprops=dict(arrowstyle="->", color="#99a", lw=0.4))
-    colours = {"jaxscale_models": "#fde2c8", "jaxscale.embedding": "#d6e8fa", "jaxscale.planner": "#e4f4d9"}
+    colours = {
+        "jaxscale_models": "#fde2c8",
+        "jaxscale.engine.embedding": "#d6e8fa",
+        "jaxscale.engine.planner": "#e4f4d9",
+    }
     for m, (x, y) in pos.items():
         package = next((p for p in colours if m == p or m.startswith(p + ".")), None)
         label = m.removeprefix("jaxscale.") if m != "jaxscale" else m

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxscale import atomic
 from jaxscale.benchmarks.machine import machine_lines  # noqa: F401 -- the scripts import it from here
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -19,7 +19,7 @@ TITLE = (
 def machine() -> dict:
     import jax
 
-    from jaxscale.bench import machine as suite_machine
+    from jaxscale.benchmarks.machine import machine as suite_machine
 
     return {**suite_machine(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:1]}
 

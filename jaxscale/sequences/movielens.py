@@ -86,7 +86,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from jaxscale.atomic import fsync_dir
+from jaxscale.infra.atomic import fsync_dir
 from jaxscale.sequences.protocols import Protocol, filter_steps, get_protocol
 from jaxscale.sequences.store import _renameat2_exchange, write_table
 

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale.atomic import fsync_dir, write_text
+from jaxscale.infra.atomic import fsync_dir, write_text
 from jaxscale.sequences.store import StoreError
 
 PAD = 0

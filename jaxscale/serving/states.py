@@ -70,8 +70,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
-from jaxscale.periodic import PeriodicTask
+from jaxscale.infra import atomic
+from jaxscale.infra.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -863,8 +863,8 @@ def load_two_tower(cfg, checkpoint, step: int | None = None):
     (`jaxscale.serving.retrieval.model_version`): ``<run dir name>/step-<step>``."""
     from flax import nnx
 
-    from jaxscale.evaluate import find_checkpoints, restore
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.evaluate import find_checkpoints, restore
+    from jaxscale.training.trainer import Trainer
 
     if cfg.model.kind != "contextual_two_tower":
         raise ValueError(f"the state builder serves model.kind contextual_two_tower, the config has {cfg.model.kind!r}")
@@ -940,7 +940,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
     args = p.parse_intermixed_args(argv)
-    from jaxscale.config import ConfigError, load_config
+    from jaxscale.training.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -952,7 +952,7 @@ def main(argv=None) -> int:
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():  # a fresh process: the config's simulated CPU devices
-        from jaxscale import distributed
+        from jaxscale.infra import distributed
 
         distributed.initialize(None, None, None, local_devices=cfg.mesh.nodes * cfg.mesh.local)
     try:
