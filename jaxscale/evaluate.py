@@ -1,5 +1,3 @@
-"""`python -m jaxscale.evaluate`: its logic is jaxscale/training/evaluate.py."""
-
 from jaxscale.training.evaluate import main
 
 if __name__ == "__main__":

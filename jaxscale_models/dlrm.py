@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.engine.tables import TableConfig
-from jaxscale.training.metrics import auc
+from jaxscale.training.ranking import auc
 from jaxscale.training.registry import ModelSpec
 from jaxscale_models.foundation import check_choice, check_int, field_error
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.engine.tables import TableConfig
-from jaxscale.training.metrics import auc
+from jaxscale.training.ranking import auc
 from jaxscale.training.registry import ModelSpec
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxscale import comm_report as cr
 from jaxscale.engine.comm_inspect import Collective
+from jaxscale.training import comm_report as cr
 from jaxscale.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,12 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from movielens_helpers import MOVIES, USERS, loo_targets, write_ml100k
 
-from jaxscale import evaluate
 from jaxscale.sequences import compile_definitions
 from jaxscale.sequences.movielens import import_movielens
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill
-from jaxscale.training import ranking, ranking_eval
+from jaxscale.training import evaluate, ranking, ranking_eval
 from jaxscale.training.config import load_config
 from jaxscale.training.trainer import Trainer
 

@@ -230,7 +230,7 @@ MOVED = [
             "bench",
             "comm_report",
             "evaluate",
-            "native",
+            "engine.native",  # the native kernels' check moved with the engine (was `python -m jaxscale.native`)
             "train",
             "sequences backfill",
             "sequences compile",

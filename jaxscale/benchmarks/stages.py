@@ -88,8 +88,8 @@ def stage_bytes(stage: Stage) -> dict:
     import jax
 
     import jaxscale
-    from jaxscale import comm_report
     from jaxscale.engine import comm_inspect
+    from jaxscale.training import comm_report
 
     cfg, tables, host_ids = _foundation_workload(stage.half_dim)
     mesh = jaxscale.make_mesh(*MESH, devices=jax.devices()[: MESH[0] * MESH[1]])

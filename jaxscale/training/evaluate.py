@@ -46,14 +46,7 @@ import numpy as np
 
 from jaxscale.infra import atomic
 from jaxscale.training import ranking
-from jaxscale.training.ranking_eval import (
-    DEFAULT_KS,
-    RankingEvaluator,
-    RankingResult,
-    can_mask,
-    examples_of,
-    history_masks,
-)
+from jaxscale.training.ranking_eval import DEFAULT_KS, RankingResult, can_mask, examples_of, history_masks
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -306,6 +299,7 @@ def evaluate_checkpoint(
 ) -> dict:
     """Restores a run's checkpoint and ranks the whole corpus for every example of `split`: the JSON dict."""
     from jaxscale.training.data import make_data
+    from jaxscale.training.ranking_eval import RankingEvaluator
     from jaxscale.training.trainer import Trainer
 
     checkpoints = find_checkpoints(checkpoint)

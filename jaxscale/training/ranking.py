@@ -1,5 +1,5 @@
-"""Ranking metrics of next-item recommendation: top-K lists from scores, Recall / NDCG / MRR at k, and the
-popularity baseline. Pure NumPy (no JAX), so an evaluator can run it on any host.
+"""Ranking metrics of next-item recommendation: top-K lists from scores, Recall / NDCG / MRR at k, the
+popularity baseline, and a classifier's ROC AUC. Pure NumPy (no JAX), so an evaluator can run it on any host.
 
 The protocol is full ranking with one held-out target per user (leave-one-out): every item of the corpus is
 a candidate, and the items of the user's history are NOT masked (a user's already-seen items stay
@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "auc",
     "item_counts",
     "paired_bootstrap",
     "popularity_scores",
@@ -216,3 +217,23 @@ def paired_bootstrap(a, b, *, rounds: int = 10_000, level: float = 0.95, seed: i
         "rounds": int(rounds),
         "users": len(diff),
     }
+
+
+def auc(labels, scores) -> float:
+    """ROC AUC via the Mann-Whitney rank statistic (ties get average ranks). NaN if a class is missing."""
+    labels = np.asarray(labels).reshape(-1) > 0.5
+    scores = np.asarray(scores, np.float64).reshape(-1)
+    if labels.shape != scores.shape:
+        raise ValueError(f"labels and scores differ in size: {labels.shape} vs {scores.shape}")
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(scores.size, np.float64)
+    # average 1-based ranks over runs of equal scores
+    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    avg = first + (counts + 1) / 2.0
+    ranks[order] = np.repeat(avg, counts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))

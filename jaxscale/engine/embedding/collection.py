@@ -61,9 +61,7 @@ class EmbeddingCollection:
         if not isinstance(settings, EmbeddingSettings):
             raise TypeError(f"settings must be a jaxscale.EmbeddingSettings, got {type(settings).__name__}")
         if settings.topology == AUTO_TOPOLOGY:
-            raise ValueError(
-                "topology 'auto' is chosen by the planner (jaxscale.engine.planner.resolve) before a collection"
-            )
+            raise ValueError("topology 'auto' is chosen by the planner (engine.planner.resolve) before a collection")
         self.settings = settings
         self.tables = check_tables(tables)
         self.mesh = mesh
