@@ -230,7 +230,7 @@ MOVED = [
             "bench",
             "comm_report",
             "evaluate",
-            "engine.native",  # the native kernels' check moved with the engine (was `python -m jaxscale.native`)
+            "engine.native",  # the native kernels' check moved into the engine wing
             "train",
             "sequences backfill",
             "sequences compile",
