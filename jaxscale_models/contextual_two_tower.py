@@ -30,9 +30,9 @@ Training (`two_tower_loss`): each example's candidates are the batch's positive 
     context) + p * loss(context missing), so the missing-context mode learns from every example.
 
 Evaluation: exact full-corpus retrieval: every item's vector, scores = queries @ items.T, top-K over all
-items and Recall@10/50/100 (`full_corpus_recall`, by `jaxscale.ranking`). In the trainer the eval batches carry the
-corpus ids (`corpus_items`), the eval step returns the query vectors and the corpus item vectors, and
-`summarize` ranks the whole corpus.
+items and Recall@10/50/100 (`full_corpus_recall`, by `jaxscale.training.ranking`). In the trainer the eval
+batches carry the corpus ids (`corpus_items`), the eval step returns the query vectors and the corpus item
+vectors, and `summarize` ranks the whole corpus.
 
 Batch keys: see `jaxscale_models.contextual_two_tower_data`.
 """
@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale import ranking
-from jaxscale.config import check_choice, check_float, check_int, field_error
-from jaxscale.registry import ModelSpec
-from jaxscale.tables import TableConfig
+from jaxscale.engine.tables import TableConfig
+from jaxscale.training import ranking
+from jaxscale.training.config import check_choice, check_float, check_int, field_error
+from jaxscale.training.registry import ModelSpec
 from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, CORPUS_KEYS, HISTORY_KEYS, LABEL_KEYS
 from jaxscale_models.foundation import (
     DTYPES,
@@ -660,7 +660,7 @@ def full_corpus_recall(
 ) -> dict[str, float]:
     """Exact full-corpus Recall@K: labels index the rows of `items` (the whole corpus). Scores = queries @
     items.T over EVERY item, `chunk` queries at a time; the top-K and the recall are the library's
-    (`jaxscale.ranking.topk_from_scores`: ties by the lower item index; `ranking_metrics`)."""
+    (`jaxscale.training.ranking.topk_from_scores`: ties by the lower item index; `ranking_metrics`)."""
     queries = np.asarray(queries, np.float32)
     items = np.asarray(items, np.float32)
     labels = np.asarray(labels)

@@ -57,8 +57,8 @@ import warnings
 
 import numpy as np
 
-from jaxscale.data import hash64, uniform
 from jaxscale.sequences.examples import PointInTimeExamples, SequenceBatches, check_item_rows
+from jaxscale.training.data import hash64, uniform
 from jaxscale_models.contextual_two_tower_data import (
     CONTEXT_KEYS,
     HISTORY_KEYS,

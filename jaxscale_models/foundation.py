@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.config import check_choice, check_float, check_int, field_error
-from jaxscale.metrics import auc
-from jaxscale.registry import ModelSpec
-from jaxscale.tables import TableConfig
+from jaxscale.engine.tables import TableConfig
+from jaxscale.training.config import check_choice, check_float, check_int, field_error
+from jaxscale.training.ranking import auc
+from jaxscale.training.registry import ModelSpec
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
 RETRIEVAL_LOSSES = ("in_batch", "full_softmax")

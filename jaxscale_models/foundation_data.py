@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxscale.data import (
+from jaxscale.training.data import (
     Column,
     ZipfSampler,
     check_batch,

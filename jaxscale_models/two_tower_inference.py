@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.data import to_global
 from jaxscale.serving.states import EncoderStateParts, EncoderStateStore
+from jaxscale.training.data import to_global
 from jaxscale_models.contextual_two_tower import ContextualTwoTower, check_context, request_ids
 from jaxscale_models.contextual_two_tower_data import CONTEXT_KEYS, HISTORY_KEYS
 from jaxscale_models.contextual_two_tower_sequences import history_source
@@ -61,7 +61,7 @@ def exact_collection(ec):
     tables are reused as they are."""
     if ec.settings.capacity_factor is None:
         return ec
-    from jaxscale.embedding.collection import EmbeddingCollection
+    from jaxscale.engine.embedding.collection import EmbeddingCollection
 
     exact = EmbeddingCollection(ec.tables, ec.mesh, dataclasses.replace(ec.settings, capacity_factor=None), ec.plan)
     if exact.layout_signature() != ec.layout_signature():

@@ -5,7 +5,7 @@ Prints "serving on URL" once bound; exits 0 after SIGTERM once in-flight request
 import sys
 import time
 
-from jaxscale.http_server import Response, Route, ServerConfig, Service, serve_until_signal
+from jaxscale.infra.http_server import Response, Route, ServerConfig, Service, serve_until_signal
 
 
 def slow(request):

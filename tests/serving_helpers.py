@@ -77,7 +77,7 @@ class StubLeaf:
     ("status", code, headers). Records each call's headers and cancellations; ``/readyz`` is the layer's own."""
 
     def __init__(self, label: str = "stub"):
-        from jaxscale.http_server import BackgroundServer, Route, ServerConfig, Service
+        from jaxscale.infra.http_server import BackgroundServer, Route, ServerConfig, Service
 
         self.label, self.behave = label, ("ok",)
         self.calls, self.cancelled = [], []
@@ -90,7 +90,7 @@ class StubLeaf:
         import asyncio
         import time
 
-        from jaxscale.http_server import Response
+        from jaxscale.infra.http_server import Response
 
         kind, *args = self.behave
         if kind == "sleep":
@@ -106,7 +106,7 @@ class StubLeaf:
     async def _predict(self, request):
         import numpy as np
 
-        from jaxscale.http_server import Response
+        from jaxscale.infra.http_server import Response
         from jaxscale.serving import wire
 
         self.calls.append(request.headers)
@@ -117,7 +117,7 @@ class StubLeaf:
         return Response(200, wire.encode({"score": np.full(rows, 0.5, np.float32)}), wire.MEDIA_TYPE)
 
     async def _retrieve(self, request):
-        from jaxscale.http_server import Response
+        from jaxscale.infra.http_server import Response
 
         self.calls.append(request.headers)
         answer = await self._misbehave()

@@ -135,7 +135,7 @@ KILLED_SAVE = textwrap.dedent(
     """
     import os, signal, sys
     import numpy as np
-    from jaxscale import atomic
+    from jaxscale.infra import atomic
     from jaxscale.serving.ann import AnnIndex
 
     path = sys.argv[1]

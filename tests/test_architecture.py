@@ -44,7 +44,10 @@ def test_the_house_has_no_import_loop_and_its_picture_is_regenerated(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 0 and "import loops: none" in out.stdout, out.stdout + out.stderr
+    assert "import loops: none" in out.stdout, out.stdout + out.stderr
+    wings = re.search(r"wings, bottom to top: ([\w, ]+); imports that climb to a higher wing: (.*)", out.stdout)
+    assert wings and wings[1].split(", ") == list(WINGS), "house.py draws the wings this test enforces, in order"
+    assert wings[2] == "none" and out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "house.png").stat().st_size > 10_000
     recorded = (ROOT / "docs" / "house.txt").read_text()
     assert recorded == (tmp_path / "house.txt").read_text(), (
@@ -52,44 +55,86 @@ def test_the_house_has_no_import_loop_and_its_picture_is_regenerated(tmp_path):
     )
 
 
-# ------------------------------------------------------------------------ the library imports no model
+# ------------------------------------------------------------------------------------------------ the wings
 
-STUDIES = {"jaxscale/scaling_model.py", "jaxscale/scaling_counts.py"}
-"""The studies of the foundation model: the only library modules that may import it."""
-
-
-def model_imports(path: Path) -> list[str]:
-    """'file:line module' for each import of `jaxscale_models` in one file, function-level ones included
-    (`import jaxscale_models.x`, `from jaxscale_models.x import y`, `from jaxscale_models import x`)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            top = node.module == "jaxscale_models"
-            names = [f"{node.module}.{a.name}" for a in node.names] if top else [node.module]
-        found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "jaxscale_models"]
-    return found
+WINGS = ("infra", "engine", "sequences", "training", "serving", "models", "studies", "benchmarks", "commands")
+"""The wings bottom to top (docs/architecture.md): a module imports only from its own wing and the ones below.
+`models` is `jaxscale_models`; `commands` the thin faces of `python -m jaxscale.<face>`."""
+FACES = {"train", "evaluate", "bench", "comm_report"}
 
 
-def test_the_library_imports_no_model_module(tmp_path):
-    offenders = [
-        hit
-        for p in sorted((ROOT / "jaxscale").rglob("*.py"))
-        if str(p.relative_to(ROOT)) not in STUDIES
-        for hit in model_imports(p)
-    ]
-    assert not offenders, f"library modules import model code (reach it through the registry): {offenders}"
-    probe = tmp_path / "probe.py"  # the check sees every form, at any depth
-    probe.write_text(
-        "import jaxscale_models.dlrm\nimport os\ndef f():\n    from jaxscale_models import foundation\n"
-        "    from jaxscale_models.dlrm import SPEC\n    from jaxscale import registry\n"
+def project_imports() -> dict[str, set[str]]:
+    """{module of jaxscale or jaxscale_models: the project modules it imports}, read with `ast` at any depth of
+    the code (a function-level import is still a dependency); `from pkg import sub` depends on pkg.sub."""
+    files = {}
+    for package in ("jaxscale", "jaxscale_models"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    out = {}
+    for module, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's own package, level - 1 packages up
+                    parts = module.split(".")
+                    package = parts[: len(parts) - (path.name != "__init__.py") - node.level + 1]
+                    base = ".".join([*package, *([node.module] if node.module else [])])
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    found.add(name)
+        out[module] = found
+    return out
+
+
+def wing(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "jaxscale_models":
+        return "models"
+    if module == "jaxscale":
+        return "engine"  # the package face: it hands on engine names (checked below)
+    return "commands" if len(parts) == 2 and parts[1] in FACES else parts[1]
+
+
+def test_the_wings_import_only_downwards():
+    imports = project_imports()
+    unknown = sorted(m for m in imports if wing(m) not in WINGS)
+    assert not unknown, f"modules outside every wing: {unknown}"
+    climbs = sorted(
+        f"{m} -> {d}" for m, deps in imports.items() for d in deps if WINGS.index(wing(d)) > WINGS.index(wing(m))
     )
-    hits = model_imports(probe)
-    assert [h.split()[1] for h in hits] == [
-        "jaxscale_models.dlrm",
-        "jaxscale_models.foundation",
-        "jaxscale_models.dlrm",
-    ]
+    assert not climbs, f"imports that climb to a higher wing (order {' < '.join(WINGS)}): {climbs}"
+
+
+def test_nothing_in_the_library_below_the_studies_imports_a_model():
+    imports = project_imports()
+    below = [m for m in imports if WINGS.index(wing(m)) < WINGS.index("studies") and wing(m) != "models"]
+    offenders = sorted(m for m in below if any(wing(d) == "models" for d in imports[m]))
+    assert not offenders, f"library modules importing jaxscale_models (reach it through the registry): {offenders}"
+
+
+def test_the_top_level_holds_only_the_package_face_and_thin_command_faces():
+    top = ROOT / "jaxscale"
+    assert {p.name for p in top.glob("*.py")} == {"__init__.py"} | {f"{f}.py" for f in FACES}
+    folders = {p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(WINGS) - {"models", "commands"} | {"configs", "presets"}, folders
+    for face in sorted(FACES):
+        body = ast.parse((top / f"{face}.py").read_text()).body
+        body = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+        assert len(body) == 2, f"jaxscale/{face}.py: only `from ... import main` and the main guard"
+        first, guard = body
+        assert isinstance(first, ast.ImportFrom) and [a.name for a in first.names] == ["main"], face
+        assert isinstance(guard, ast.If) and "__main__" in ast.unparse(guard.test) and len(guard.body) == 1, face
+    exports = ast.literal_eval(re.search(r"_EXPORTS = (\{.*?\})", (top / "__init__.py").read_text(), re.S)[1])
+    assert {wing(m) for m in exports.values()} == {"engine"}, "the package face hands on engine names only"
 
 
 # ------------------------------------------------------------------------ tests import no experiment module
@@ -202,7 +247,7 @@ def test_the_experiment_import_check_finds_every_form(tmp_path):
         "import importlib.util, runpy, sys\n"
         "from pathlib import Path\n"
         "import json\n"
-        "from jaxscale import atomic\n"
+        "from jaxscale.infra import atomic\n"
         "import experiments.scaling.model\n"
         "SCRIPT = Path(__file__).parents[1] / 'experiments' / 'serving' / 'bench_trimmer.py'\n"
         "def test_x():\n"

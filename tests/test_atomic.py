@@ -1,8 +1,8 @@
-"""jaxscale.atomic.replace_between: the generated block of a Markdown file, replaced between its markers."""
+"""jaxscale.infra.atomic.replace_between: the generated block of a Markdown file, replaced between its markers."""
 
 import pytest
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 START, END = "<!-- x:begin -->", "<!-- x:end -->"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale import bench as entry
+import jaxscale.bench as entry
 from jaxscale.benchmarks import equal_devices, machine, one_device, report, sessions, stages, stats, suite, threads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -434,9 +434,7 @@ def test_one_device_reports_per_round_speeds_and_the_worst_round():
 
 
 def test_python_m_jaxscale_bench_runs_the_library_suite_from_any_directory(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(suite, "main", lambda argv=None: calls.append(argv) or 7)
-    assert entry.main(["--quick"]) == 7 and calls == [["--quick"]]
+    assert entry.main is suite.main  # the thin face hands on the suite's own main
     out = subprocess.run(
         [sys.executable, "-m", "jaxscale.bench", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

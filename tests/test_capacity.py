@@ -11,11 +11,11 @@ from capacity_reference import dropped, remote_unique_ids, requests_per_owner
 from conftest import MESH_IDS, MESH_SHAPES
 
 import jaxscale
-from jaxscale.comm_inspect import list_collectives
-from jaxscale.comm_model import round_up_capacity
-from jaxscale.comm_report import split_bytes
-from jaxscale.embedding import capacity
-from jaxscale.mesh import Topology
+from jaxscale.engine.comm_inspect import list_collectives
+from jaxscale.engine.comm_model import round_up_capacity
+from jaxscale.engine.embedding import capacity
+from jaxscale.engine.mesh import Topology
+from jaxscale.training.comm_report import split_bytes
 
 LAYOUTS = [((1, 8), "1d"), ((2, 4), "2d_a2a"), ((4, 2), "2d_a2a"), ((2, 4), "2d_ar")]
 LAYOUT_IDS = [f"{n}x{l}-{t}" for (n, l), t in LAYOUTS]
@@ -260,8 +260,8 @@ def test_capacity_cache_reuses_a_covering_executable():
 def test_pair_counts_without_building_pairs_equal_the_request_path(shape, topology, sharding):
     """The host counts the (row, bag) pairs a device sends each owner straight from the ids; the same
     maximum as building the pair requests and counting (device, owner) keys; invalid ids send nothing."""
-    from jaxscale.embedding import capacity as C
-    from jaxscale.embedding import routing
+    from jaxscale.engine.embedding import capacity as C
+    from jaxscale.engine.embedding import routing
 
     rng = np.random.default_rng(zlib.crc32(f"{shape}{topology}{sharding}".encode()))
     tables = [

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from jaxscale.cluster import ClusterSpec, known_clusters
-from jaxscale.mesh import Topology
+from jaxscale.engine.cluster import ClusterSpec, known_clusters
+from jaxscale.engine.mesh import Topology
 
 
 def test_every_preset_loads_with_its_shape_and_sourced_links():

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale
-from jaxscale import collectives
-from jaxscale.comm_inspect import list_collectives
-from jaxscale.mesh import BATCH_AXES, LOCAL, NODE
+from jaxscale.engine import collectives
+from jaxscale.engine.comm_inspect import list_collectives
+from jaxscale.engine.mesh import BATCH_AXES, LOCAL, NODE
 
 AXES = [pytest.param(NODE, id="node"), pytest.param(LOCAL, id="local"), pytest.param(BATCH_AXES, id="both")]
 
@@ -43,7 +43,7 @@ def test_gather_small_is_an_all_gather_both_ways(shape, axis):
 def test_the_capacity_exchange_executable_is_one_all_to_all_on_cpu():
     """The (process, device) gather the multi-process capacity exchange runs (one process here: its
     'process' axis has size 1, and the compiled module still says which collective it is)."""
-    from jaxscale.embedding import collection
+    from jaxscale.engine.embedding import collection
 
     mesh, gather = collection._process_gather_executable()
     assert mesh.axis_names == ("process", "device") and mesh.shape["process"] == jax.process_count()

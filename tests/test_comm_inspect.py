@@ -8,9 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxscale
-from jaxscale import collectives
-from jaxscale.comm_inspect import Collective, format_table, list_collectives, parse_hlo, summarize
-from jaxscale.mesh import LOCAL, NODE
+from jaxscale.engine import collectives
+from jaxscale.engine.comm_inspect import Collective, format_table, list_collectives, parse_hlo, summarize
+from jaxscale.engine.mesh import LOCAL, NODE
 
 SPEC = P((NODE, LOCAL))
 

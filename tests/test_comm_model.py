@@ -4,11 +4,11 @@ brute-force references (device pairs of the mesh; the HLO byte split of comm_rep
 import numpy as np
 import pytest
 
-from jaxscale import comm_model as cm
-from jaxscale.cluster import ClusterSpec
-from jaxscale.comm_inspect import Collective
-from jaxscale.comm_report import split_bytes
-from jaxscale.mesh import TOPOLOGIES, Topology, node_of_position
+from jaxscale.engine import comm_model as cm
+from jaxscale.engine.cluster import ClusterSpec
+from jaxscale.engine.comm_inspect import Collective
+from jaxscale.engine.mesh import TOPOLOGIES, Topology, node_of_position
+from jaxscale.training.comm_report import split_bytes
 
 # A toy cluster with round numbers: 100 B/s per device inside a node, 800 B/s per node (200 B/s per device
 # across nodes with 4 devices per node), 1 s / 2 s per message.
@@ -124,7 +124,7 @@ def test_partial_sum_counts():
 
 
 def test_pair_id_bytes_match_the_engines_narrow_limit():
-    from jaxscale.embedding import routing
+    from jaxscale.engine.embedding import routing
 
     assert cm.NARROW_SPAN == routing.NARROW_SPAN
 

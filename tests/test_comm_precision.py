@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale import comm_inspect
+from jaxscale.engine import comm_inspect
 
 TABLES = [
     jaxscale.TableConfig("seq", rows=400, dim=32, pooling=None),
@@ -135,8 +135,8 @@ def test_half_dim_table_indexes_the_doubled_rows():
 
 
 def _train_losses(tmp_path, name, *overrides):
-    from jaxscale.config import load_config
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.config import load_config
+    from jaxscale.training.trainer import Trainer
 
     cfg = load_config(
         "jaxscale/configs/foundation_tiny.yaml",

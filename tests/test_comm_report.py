@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from jaxscale import comm_report as cr
-from jaxscale.comm_inspect import Collective
-from jaxscale.config import load_config
+from jaxscale.engine.comm_inspect import Collective
+from jaxscale.training import comm_report as cr
+from jaxscale.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "jaxscale", "configs", "dlrm_smoke.yaml")

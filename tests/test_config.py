@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxscale.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config
+from jaxscale.training.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config
 from jaxscale_models.foundation import FoundationConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "jaxscale" / "configs"

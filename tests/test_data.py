@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from jaxscale.data import (
+from jaxscale.training.data import (
     ParquetData,
     ZipfSampler,
     to_global,
@@ -180,8 +180,8 @@ def test_parquet_dlrm_round_trip(tmp_path):
 
 
 def test_make_data_follows_the_config(tmp_path):
-    from jaxscale.config import load_config
-    from jaxscale.data import make_data
+    from jaxscale.training.config import load_config
+    from jaxscale.training.data import make_data
 
     cfg = load_config(None, ["train.batch_size=16", "model.foundation.max_seq_len=8"])
     src = make_data(cfg, process_index=1, process_count=2)

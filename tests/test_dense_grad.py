@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.comm_inspect import list_collectives
-from jaxscale.config import load_config
-from jaxscale.trainer import Trainer, make_train_step
+from jaxscale.engine.comm_inspect import list_collectives
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer, make_train_step
 
 DLRM = [
     "model.kind=dlrm",
@@ -69,7 +69,7 @@ def test_bf16_dense_gradients_travel_in_bf16_and_train_alike(tmp_path):
 
 
 def test_bf16_dense_gradients_need_the_forward_objective_split():
-    from jaxscale import registry
+    from jaxscale.training import registry
 
     spec = registry.get("dlrm")
     import dataclasses

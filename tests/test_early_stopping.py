@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.config import ConfigError, load_config
-from jaxscale.trainer import Trainer, _progress
+from jaxscale.training.config import ConfigError, load_config
+from jaxscale.training.trainer import Trainer, _progress
 
 TINY = Path(__file__).resolve().parent.parent / "jaxscale" / "configs" / "foundation_tiny.yaml"
 BASE = ["train.steps=12", "train.eval_every=2", "train.checkpoint_every=0", "train.log_every=100"]

@@ -330,7 +330,7 @@ def test_sparse_periodic_sync_equals_dense_periodic_and_sends_less(shape):
     """'periodic_sparse' averages only rows some replica touched since the last sync: the result equals the
     dense periodic average (untouched rows are equal everywhere already), with a compacted all-reduce; a sync
     with more touched rows than its buffer averages every row, still equal."""
-    from jaxscale.comm_inspect import list_collectives
+    from jaxscale.engine.comm_inspect import list_collectives
 
     mesh = jaxscale.make_mesh(*shape)
     rng = np.random.default_rng(7)

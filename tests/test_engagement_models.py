@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale.config import load_config
 from jaxscale.sequences import compile_definitions
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill
 from jaxscale.sequences.store import read_sequence
-from jaxscale.trainer import Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "jaxscale" / "configs"

@@ -1,7 +1,7 @@
 """What the engine's compiled lookup+update step communicates and allocates, read from XLA.
 
 Deterministic checks (no wall clock): the collectives of the compiled HLO, classified intra- or
-cross-node by `jaxscale.comm_inspect`, and `compiled.memory_analysis()` (per-device sizes).
+cross-node by `jaxscale.engine.comm_inspect`, and `compiled.memory_analysis()` (per-device sizes).
 """
 
 import functools
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxscale
-from jaxscale.comm_inspect import format_table, list_collectives
+from jaxscale.engine.comm_inspect import format_table, list_collectives
 
 DIM = 64
 B, L = 64, 8  # global batch: 8 examples x 8 ids per device
@@ -245,7 +245,7 @@ def test_1d_step_counters_ride_the_ids_all_to_all(shape, sharding):
     ids made invalid inside jit are counted. With replicas (2d_a2a) the all-reduce stays."""
     import numpy as np
 
-    from jaxscale.embedding import ids as ids_lib
+    from jaxscale.engine.embedding import ids as ids_lib
 
     mesh = jaxscale.make_mesh(*shape)
     tables = [jaxscale.TableConfig("a", rows=300, dim=8), jaxscale.TableConfig("s", rows=200, dim=8, pooling=None)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.embedding.ids import ShardedIds
+from jaxscale.engine.embedding.ids import ShardedIds
 
 T = [
     jaxscale.TableConfig("items", rows=100, dim=8, pooling="sum", features=("a", "b")),

@@ -14,13 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 from movielens_helpers import MOVIES, USERS, loo_targets, write_ml100k
 
-from jaxscale import evaluate, ranking, ranking_eval
-from jaxscale.config import load_config
 from jaxscale.sequences import compile_definitions
 from jaxscale.sequences.movielens import import_movielens
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill
-from jaxscale.trainer import Trainer
+from jaxscale.training import evaluate, ranking, ranking_eval
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "jaxscale" / "configs"
@@ -145,10 +145,10 @@ def test_cli_errors_name_the_problem(movielens, trained, tmp_path, capsys):
 )
 def test_sharded_scores_equal_an_unsharded_reference(movielens, trained, mesh, topology, tmp_path):
     """The evaluator's top-K (corpus looked up through the sharded engine, scored and ranked on the mesh)
-    equals scoring on the host with the dense table and ranking with `jaxscale.ranking`."""
+    equals scoring on the host with the dense table and ranking with `jaxscale.training.ranking`."""
     from flax import nnx
 
-    from jaxscale.data import make_data
+    from jaxscale.training.data import make_data
     from jaxscale_models.foundation import foundation_ids
 
     tmp, _, vocab = movielens
@@ -326,7 +326,7 @@ def _metrics_of(lists: dict, targets: dict, k: int) -> tuple[float, float]:
 def test_seen_mask_is_every_item_before_the_target(movielens, trained):
     tmp, rows, vocab = movielens
     cfg, _, _ = trained
-    from jaxscale.data import make_data
+    from jaxscale.training.data import make_data
 
     for split in ("valid", "test"):
         ex = ranking_eval.examples_of(make_data(cfg, split=split))
@@ -380,7 +380,7 @@ def test_masked_cli_lists_hold_no_history_item_and_both_maskings_are_reported(mo
 def test_protocol_sets_the_masking_and_refuses_another_history_length(movielens, trained, tmp_path):
     tmp, _, vocab = movielens
     _, work, _ = trained
-    from jaxscale.config import ConfigError
+    from jaxscale.training.config import ConfigError
 
     overrides = _foundation_overrides(tmp, vocab.num_indices, work)
     with pytest.raises(ConfigError, match=r"max_seq_len.*literature.*200"):
@@ -409,7 +409,7 @@ def test_the_ml1m_config_is_the_literature_protocols(tmp_path):
     """run.sh --dataset ml-1m trains this file under `literature` (200 events, history masked): it loads there,
     is refused under a protocol of another history length, and trains SASRec's way (one example per user, the
     loss at every position)."""
-    from jaxscale.config import ConfigError
+    from jaxscale.training.config import ConfigError
 
     path = str(CONFIGS / "movielens1m_foundation.yaml")
     cfg = load_config(path, ["data.sequences.protocol=literature"])

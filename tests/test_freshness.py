@@ -5,7 +5,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.serving import freshness
 
 

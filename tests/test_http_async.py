@@ -1,4 +1,4 @@
-"""The HTTP layer's fast path (`jaxscale.http_server`): async handlers on the event loop (in the in-flight bound,
+"""The HTTP layer's fast path (`jaxscale.infra.http_server`): async handlers on the event loop (in the in-flight bound,
 errors as JSON), `AsyncClient` (keep-alive, one retry on a connection the server dropped, clear errors), `Offload`
 (short calls inline, long ones in threads) and uvloop; the leaf's predictions are the same inline and in threads."""
 
@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port
 from test_http_server import connection, get
 
-from jaxscale.http_server import (
+from jaxscale.infra.http_server import (
     AsyncClient,
     BackgroundServer,
     HTTPError,

@@ -1,4 +1,4 @@
-"""The shared HTTP layer (`jaxscale.http_server`) with real clients on 127.0.0.1: no per-request stall on a
+"""The shared HTTP layer (`jaxscale.infra.http_server`) with real clients on 127.0.0.1: no per-request stall on a
 keep-alive connection, 503 + Retry-After over the in-flight bound, bearer tokens, TLS, graceful SIGTERM, the
 sequence server's batchGet and Prometheus /metrics."""
 
@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import healthz_during
 from test_sequences_helpers import make_defs, random_log
 
-from jaxscale import http_load
-from jaxscale.http_server import BackgroundServer, Client, Response, Route, ServerConfig, Service, load_tokens
+from jaxscale.benchmarks import http_load
+from jaxscale.infra.http_server import BackgroundServer, Client, Response, Route, ServerConfig, Service, load_tokens
 from jaxscale.sequences.query import SequenceReader
 from jaxscale.sequences.runtime import backfill
 from jaxscale.sequences.server import MAX_BATCH_USERS, serve_in_thread

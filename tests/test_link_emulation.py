@@ -1,4 +1,4 @@
-"""The emulated cluster's pure parts (jaxscale.link_emulation): the user-space delay line that stands in for
+"""The emulated cluster's pure parts (jaxscale.studies.link_emulation): the user-space delay line that stands in for
 netem, the latency fit, the a-priori step prediction from the recorded collectives, and the non-additive
 all-to-all latency it feeds into `comm_model` (`ClusterSpec.a2a_extra_message_cost`)."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from jaxscale import comm_model as cm
-from jaxscale import link_emulation as E
-from jaxscale.cluster import ClusterSpec
+from jaxscale.engine import comm_model as cm
+from jaxscale.engine.cluster import ClusterSpec
+from jaxscale.studies import link_emulation as E
 
 
 def ipv4(dst: str, payload: bytes = b"x") -> bytes:

@@ -1,4 +1,4 @@
-"""jaxscale.native: the native CPU kernels and the pure-JAX kernels against brute-force NumPy references.
+"""jaxscale.engine.native: the native CPU kernels and the pure-JAX kernels against brute-force NumPy references.
 
 Every op runs under both implementations (JAXSCALE_NATIVE=1 and =0) inside jax.jit, on random shapes
 (widths 1..129), duplicate-heavy and Zipf ids, padding and out-of-range ids, empty inputs, both
@@ -22,8 +22,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import native
-from jaxscale.native import build, runtime
+from jaxscale.engine import native
+from jaxscale.engine.native import build, runtime
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL, ATOL = 1e-5, 1e-6
@@ -645,7 +645,7 @@ _DETERMINISM_SCRIPT = textwrap.dedent(
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     os.environ["JAXSCALE_NATIVE"] = "1"
     import numpy as np, jax, jax.numpy as jnp
-    from jaxscale import native
+    from jaxscale.engine import native
     rng = np.random.default_rng(5)
     R, w = 20000, 48
     table = rng.normal(size=(R, w)).astype(np.float32)
@@ -700,7 +700,7 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_the_library_is_written_whole_through_a_temporary_file(tmp_path, monkeypatch):
     """compile_library has the compiler write a temporary file beside the library and renames it into place
-    (jaxscale.atomic): a failed compile leaves neither a library nor a temporary file behind."""
+    (jaxscale.infra.atomic): a failed compile leaves neither a library nor a temporary file behind."""
     fake = tmp_path / "fake-c++"  # writes its -o argument like a compiler, or fails when told to
     fake.write_text('#!/bin/sh\n[ -n "$FAIL" ] && { echo boom >&2; exit 1; }\nwhile [ "$1" != -o ]; do shift; done\n'
                     'printf lib > "$2"\n')  # fmt: skip
@@ -725,7 +725,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import json, sys, warnings
     import numpy as np, jax
-    from jaxscale import native
+    from jaxscale.engine import native
     out = {"available": native.available(), "reason": native.unavailable_reason()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -776,7 +776,7 @@ def test_native_0_never_builds(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-_CONCURRENT_SCRIPT = "from jaxscale.native import build; print('LIB', build.build())"
+_CONCURRENT_SCRIPT = "from jaxscale.engine.native import build; print('LIB', build.build())"
 
 
 @pytest.mark.slow  # compiles the library from scratch (~15 s of CPU)

@@ -26,7 +26,7 @@ def test_the_built_in_model_kinds_are_entry_points_of_their_modules():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["entry-points"]["jaxscale.models"]
     assert declared == {k: f"jaxscale_models.{k}:SPEC" for k in ("foundation", "dlrm", "contextual_two_tower")}
-    from jaxscale import registry
+    from jaxscale.training import registry
 
     assert set(declared) <= set(registry.kinds())
     assert all(registry.get(k).kind == k for k in declared)
@@ -38,6 +38,6 @@ def test_the_default_configs_ship_inside_the_package_and_meshes_link_to_the_repo
     assert "configs/*.yaml" in _setuptools()["package-data"]["jaxscale"]
     link = ROOT / "jaxscale" / "presets" / "meshes"
     assert link.is_symlink() and link.resolve() == (ROOT / "meshes").resolve() and any(link.glob("*.yaml"))
-    from jaxscale.train import DEFAULT_CONFIG
+    from jaxscale.training.run import DEFAULT_CONFIG
 
     assert Path(DEFAULT_CONFIG) == configs / "foundation_smoke.yaml" and Path(DEFAULT_CONFIG).exists()

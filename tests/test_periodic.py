@@ -1,4 +1,4 @@
-"""`jaxscale.periodic.PeriodicTask`: calls on a schedule, survives a failing call (logged), starts once,
+"""`jaxscale.infra.periodic.PeriodicTask`: calls on a schedule, survives a failing call (logged), starts once,
 closes promptly, and refuses a non-positive interval."""
 
 import logging
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxscale.periodic import PeriodicTask
+from jaxscale.infra.periodic import PeriodicTask
 
 
 def test_calls_repeatedly_until_closed():
@@ -38,7 +38,7 @@ def test_a_failing_call_is_logged_and_the_next_tick_retries(caplog):
         done.set()
 
     task = PeriodicTask(fn, "reload-x")
-    with caplog.at_level(logging.ERROR, logger="jaxscale.periodic"):
+    with caplog.at_level(logging.ERROR, logger="jaxscale.infra.periodic"):
         task.start(0.01)
         assert done.wait(10)
         task.close()

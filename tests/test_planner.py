@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale import comm_model, planner
-from jaxscale.cluster import ClusterSpec
-from jaxscale.plan import ShardingPlan, TableShards, num_shards, resolve_plan
-from jaxscale.planner import (
+from jaxscale.engine import comm_model, planner
+from jaxscale.engine.cluster import ClusterSpec
+from jaxscale.engine.plan import ShardingPlan, TableShards, num_shards, resolve_plan
+from jaxscale.engine.planner import (
     CostParams,
     FeatureStats,
     ShardingOption,
@@ -21,7 +21,7 @@ from jaxscale.planner import (
     plan_sharding,
     report,
 )
-from jaxscale.tables import TableConfig
+from jaxscale.engine.tables import TableConfig
 
 GB = 1e9
 BATCH = 512
@@ -322,8 +322,9 @@ def test_planner_does_not_import_jax():
     stages = sorted(p.stem for p in Path(planner.__file__).parent.glob("*.py") if p.stem != "__init__")
     assert {"id_stats", "costs", "placement", "report", "step_counts", "topology", "resolve"} <= set(stages)
     code = (
-        "import sys, jaxscale.planner, jaxscale.techniques, jaxscale.cluster, jaxscale.comm_model\n"
-        + "".join(f"import jaxscale.planner.{m}\n" for m in stages)
+        "import sys, jaxscale.engine.planner, jaxscale.engine.techniques, jaxscale.engine.cluster\n"
+        + "import jaxscale.engine.comm_model\n"
+        + "".join(f"import jaxscale.engine.planner.{m}\n" for m in stages)
         + "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax', 'optax'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import collectives, quantization
-from jaxscale.mesh import LOCAL, NODE
-from jaxscale.quantization import CommConfig, decode, dequantize, encode, quantize
+from jaxscale.engine import collectives, quantization
+from jaxscale.engine.mesh import LOCAL, NODE
+from jaxscale.engine.quantization import CommConfig, decode, dequantize, encode, quantize
 
 # (precision, fp8_format) -> (upper bound, lower bound) of the per-row relative L2 error. The lower bound
 # proves the payload really was quantized (a silent fp32 path would pass any upper bound).

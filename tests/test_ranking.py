@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxscale import ranking
-from jaxscale.ranking import (
+from jaxscale.training import ranking
+from jaxscale.training.ranking import (
     item_counts,
     popularity_scores,
     popularity_topk,

@@ -230,7 +230,7 @@ MOVED = [
             "bench",
             "comm_report",
             "evaluate",
-            "native",
+            "engine.native",  # the native kernels' check moved into the engine wing
             "train",
             "sequences backfill",
             "sequences compile",

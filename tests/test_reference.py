@@ -1,4 +1,4 @@
-"""jaxscale.reference (the one NumPy reference of FBGEMM TBE semantics) against brute-force loops.
+"""jaxscale.engine.reference (the one NumPy reference of FBGEMM TBE semantics) against brute-force loops.
 
 The loops below walk every (example, position) one at a time and apply the formulas literally; the
 reference is vectorised (sort + reduceat). Random shapes, padding anywhere, empty bags, duplicate ids,
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxscale import reference
-from jaxscale.tables import TableConfig
+from jaxscale.engine import reference
+from jaxscale.engine.tables import TableConfig
 
 
 def _tables(dim_seq=8, dim_sum=8, dim_mean=12):

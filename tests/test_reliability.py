@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 from conftest import free_port, subprocess_env
 
-from jaxscale.config import load_config
-from jaxscale.data import to_global
-from jaxscale.trainer import CapacityOverflowError, Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.data import to_global
+from jaxscale.training.trainer import CapacityOverflowError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,7 +257,7 @@ def _expected_overflow(tr, host_batch) -> int:
     """Unique rows that do not fit the trainer's fixed capacities, counted by brute force from the plan."""
     from capacity_reference import dropped
 
-    from jaxscale.embedding import capacity
+    from jaxscale.engine.embedding import capacity
 
     ids = tr.spec.ids(tr.model_cfg, host_batch)
     devices = tr.mesh.size
@@ -651,7 +651,7 @@ def test_mesh_that_does_not_fit_the_processes(monkeypatch):
 
 
 def test_incomplete_or_impossible_launch_is_refused(monkeypatch):
-    from jaxscale import distributed
+    from jaxscale.infra import distributed
 
     for k in list(os.environ):
         if k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXSCALE_", "SLURM_")):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.embedding import reshard
+from jaxscale.engine.embedding import reshard
 
 TABLES = [
     jaxscale.TableConfig("a", rows=37, dim=16, pooling=None),

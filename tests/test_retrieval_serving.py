@@ -186,7 +186,7 @@ def publish_states(root, reader: DictStates, publication: int, model_version="ti
     then the CURRENT pointer, so the leaf reads it with the real `StateReader`."""
     import pyarrow as pa
 
-    from jaxscale import atomic
+    from jaxscale.infra import atomic
     from jaxscale.serving import states as states_lib
 
     ids = np.array(sorted(reader.rows), np.int64)
@@ -357,7 +357,7 @@ def test_retrieve_routes_refuse_compression_bombs_and_deep_json(world):
     traceback); a JSON body with more rows than max_rows is 413 (passed on by the root)."""
     import pyarrow as pa
 
-    from jaxscale.http_server import ServerConfig
+    from jaxscale.infra.http_server import ServerConfig
     from jaxscale.serving import Leaf, LeafAddress, LeafConfig, Root, RootConfig
 
     bomb = wire.encode({"user_id": np.zeros(64_000_000, np.int64)}, "zstd")  # 8 KB -> 512 MB

@@ -13,10 +13,10 @@ from embedding_reference import adagrad_step
 from embedding_reference import lookup as ref_lookup
 
 import jaxscale
-from jaxscale import native
-from jaxscale.comm_inspect import list_collectives
-from jaxscale.embedding import routing
-from jaxscale.native import jax_kernels
+from jaxscale.engine import native
+from jaxscale.engine.comm_inspect import list_collectives
+from jaxscale.engine.embedding import routing
+from jaxscale.engine.native import jax_kernels
 
 
 def _collection(shape, topology, sharding, tables):

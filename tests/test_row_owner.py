@@ -1,10 +1,10 @@
-"""The one rule for which row part a stored row goes to (jaxscale.embedding.row_owner)."""
+"""The one rule for which row part a stored row goes to (jaxscale.engine.embedding.row_owner)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale.embedding.row_owner import ROW_ASSIGNMENTS, part_rows, row_part
+from jaxscale.engine.embedding.row_owner import ROW_ASSIGNMENTS, part_rows, row_part
 
 
 @pytest.mark.parametrize("assignment", ROW_ASSIGNMENTS)

@@ -1,6 +1,6 @@
-"""The scaling model (jaxscale.scaling_model): the technique ladder, the byte formulas (== compiled HLO), the
-Monte Carlo counts (jaxscale.scaling_counts == jaxscale.planner.measure_step_counts), the checks against the
-published figures on the cached counts, and the experiments/scaling scripts run as subprocesses."""
+"""The scaling model (jaxscale.studies.scaling_model): the technique ladder, the byte formulas (== compiled HLO), the
+Monte Carlo counts (jaxscale.studies.scaling_counts == jaxscale.engine.planner.measure_step_counts), the checks
+against the published figures on the cached counts, and the experiments/scaling scripts run as subprocesses."""
 
 import dataclasses
 import json
@@ -11,17 +11,17 @@ import sys
 import numpy as np
 import pytest
 
-from jaxscale import comm_model as cm
-from jaxscale import link_emulation as E
-from jaxscale import scaling_counts as C
-from jaxscale import scaling_model as M
-from jaxscale.cluster import ClusterSpec
-from jaxscale.embedding.settings import EmbeddingSettings, ReplicaSync
-from jaxscale.mesh import Topology
-from jaxscale.plan import ShardingPlan, TableShards
-from jaxscale.quantization import CommConfig
-from jaxscale.tables import TableConfig
-from jaxscale.techniques import STAGE_NAMES, STAGES, Stage, stage
+from jaxscale.engine import comm_model as cm
+from jaxscale.engine.cluster import ClusterSpec
+from jaxscale.engine.embedding.settings import EmbeddingSettings, ReplicaSync
+from jaxscale.engine.mesh import Topology
+from jaxscale.engine.plan import ShardingPlan, TableShards
+from jaxscale.engine.quantization import CommConfig
+from jaxscale.engine.tables import TableConfig
+from jaxscale.engine.techniques import STAGE_NAMES, STAGES, Stage, stage
+from jaxscale.studies import link_emulation as E
+from jaxscale.studies import scaling_counts as C
+from jaxscale.studies import scaling_model as M
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALING = os.path.join(ROOT, "experiments", "scaling")
@@ -68,7 +68,7 @@ def test_ladder_adds_one_technique_per_stage():
 
 
 def test_stage_config_overrides_load():
-    from jaxscale.config import load_config
+    from jaxscale.training.config import load_config
 
     unbalanced = stage("+fp8").config_overrides()
     assert "embedding.comm.forward=fp8" in unbalanced and "embedding.sharding=row_wise" in unbalanced
@@ -149,8 +149,8 @@ def test_compiled_cache_agrees_with_the_formulas():
 
 def test_live_compile_equals_formula_2x4_half_dim_2d_a2a():
     """The closed-form bytes equal the compiled HLO's for the real half_dim path (item_up) on 2x4."""
-    from jaxscale.comm_report import comm_report
-    from jaxscale.config import load_config
+    from jaxscale.training.comm_report import comm_report
+    from jaxscale.training.config import load_config
 
     st = stage("2d_a2a")
     rep = comm_report(load_config(M.CONFIG, M.compiled_overrides(st, 2, 4)))
@@ -170,7 +170,7 @@ def test_live_compile_equals_formula_2x4_half_dim_2d_a2a():
 
 
 def test_exact_batch_counts_of_a_compiled_config_fit_under_the_padded_worst_case():
-    from jaxscale.config import load_config
+    from jaxscale.training.config import load_config
 
     for name, (nodes, local) in (("2d_a2a", (2, 4)), ("+fp8", (4, 2))):
         st = stage(name)

@@ -200,7 +200,7 @@ def test_batches_take_the_mode(late_store):
 
 
 def test_config_as_of_mode_reaches_the_source(late_store):
-    from jaxscale.config import ConfigError, load_config
+    from jaxscale.training.config import ConfigError, load_config
 
     store, defs = late_store[0], late_store[1]
     defs_path = store.parent / "defs.json"

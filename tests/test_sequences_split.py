@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 from test_sequences_helpers import MS_PER_DAY, T0, by_user, make_defs, reference_store, write_defs
 
-from jaxscale.config import ConfigError, load_config
 from jaxscale.sequences.examples import (
     BATCH_KEYS,
     HISTORY_KEYS,
@@ -20,6 +19,7 @@ from jaxscale.sequences.examples import (
     SequenceBatches,
 )
 from jaxscale.sequences.runtime import backfill
+from jaxscale.training.config import ConfigError, load_config
 
 KW = dict(num_actions=4, num_surfaces=4)
 ONE, TWO, THREE = 10**12 + 1, 10**12 + 2, 10**12 + 3  # users with 1, 2 and 3 events of s1
@@ -295,7 +295,7 @@ def test_last_train_target_is_one_example_per_user(built, L, min_history):
         PointInTimeExamples(store, "s1", defs_path, max_seq_len=L, train_targets="last", **KW)  # day split
     with pytest.raises(ValueError, match="train_targets"):
         PointInTimeExamples(store, "s1", defs_path, max_seq_len=L, split_mode="leave_one_out", train_targets="x", **KW)
-    from jaxscale.config import ConfigError, load_config
+    from jaxscale.training.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="train_targets.*leave_one_out"):
         load_config(None, ["data.sequences.train_targets=last"])

@@ -187,8 +187,8 @@ def test_id_mapping_and_errors(built):
 def test_the_trainer_reads_the_store_through_the_config(built, tmp_path):
     """`data.source: sequences` (jaxscale/configs/foundation_sequences.yaml's shape): the foundation model
     trains from the store; the checkpoint keeps Grain's data position and a resumed run continues it."""
-    from jaxscale.config import load_config
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.config import load_config
+    from jaxscale.training.trainer import Trainer
 
     store, defs_path, _, _ = built
     overrides = [
@@ -209,7 +209,7 @@ def test_the_trainer_reads_the_store_through_the_config(built, tmp_path):
     ]
     from pathlib import Path
 
-    from jaxscale.train import DEFAULT_CONFIG
+    from jaxscale.training.run import DEFAULT_CONFIG
 
     config = Path(DEFAULT_CONFIG).with_name("foundation_sequences.yaml")
     cfg = load_config(str(config), overrides + ["train.steps=4"])

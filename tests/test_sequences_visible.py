@@ -178,7 +178,7 @@ def test_training_history_in_visible_mode_equals_brute_force(streamed):
 
 
 def test_config_takes_visible(streamed):
-    from jaxscale.config import ConfigError, load_config
+    from jaxscale.training.config import ConfigError, load_config
 
     store, defs = streamed[0], streamed[1]
     defs_path = store.parent / "defs.json"

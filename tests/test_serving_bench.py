@@ -108,7 +108,7 @@ def test_render_states_the_verdicts(bench):
 
 
 def test_machine_description_has_what_the_reports_print(bench):
-    """The trimmer and two-tower reports describe the machine through `jaxscale.bench.machine`."""
+    """The trimmer and two-tower reports describe the machine through `jaxscale.benchmarks.machine.machine`."""
     m = bench.machine()
     for key in ("cpu_model", "nproc", "memory", "loadavg_at_start", "python", "platform", "numpy", "jax", "pyarrow"):
         assert key in m, key

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 from serving_helpers import demo_store
 
-from jaxscale.http_server import BackgroundServer, Response, Route, ServerConfig, Service, json_depth, parse_json
+from jaxscale.infra.http_server import BackgroundServer, Response, Route, ServerConfig, Service, json_depth, parse_json
 from jaxscale.serving import demo, wire
 from jaxscale.serving.leaf import Leaf, LeafConfig
 from jaxscale.serving.root import LeafAddress, Root, RootConfig
@@ -239,7 +239,7 @@ def test_a_500_carries_a_request_id_never_the_exception_text(caplog):
     try:
         host, port = server.url.split("//")[1].split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
-        with caplog.at_level(logging.ERROR, logger="jaxscale.http_server"):
+        with caplog.at_level(logging.ERROR, logger="jaxscale.infra.http_server"):
             conn.request("GET", "/broken", headers={"X-Request-Id": "client-id-42"})
             resp = conn.getresponse()
             body = resp.read()
@@ -302,7 +302,7 @@ def test_every_limit_is_settable_from_every_server_cli(store, tmp_path):
     root = root_config(["--store", str(store), "--leaf", "ctr/1=http://127.0.0.1:1", "--leaf-timeout", "3", *flags])
     leaf = leaf_config(["--store", str(store), "--model", "ctr", "--version", "1", *flags])
     assert root.leaf_timeout_s == 3.0
-    from jaxscale.http_server import server_options
+    from jaxscale.infra.http_server import server_options
 
     args = build_parser().parse_args(["serve", "--store", str(tmp_path), "--port", "0", *flags])
     sequences = ServerConfig(**server_options(args))

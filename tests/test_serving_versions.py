@@ -12,7 +12,7 @@ import json
 import pytest
 from serving_helpers import StubLeaf, demo_store
 
-from jaxscale.http_server import Request, Response, Route, ServerConfig, Service
+from jaxscale.infra.http_server import Request, Response, Route, ServerConfig, Service
 from jaxscale.serving import demo, wire
 from jaxscale.serving.root import VERSIONS_HEADER, Root, RootConfig, parse_config
 from jaxscale.serving.versions import ConfigFileError, VersionPolicy, parse_root_file, read_root_file

@@ -8,14 +8,17 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.config import ConfigError, config_to_dict, load_config
-from jaxscale.embedding.settings import EmbeddingSettings, ReplicaSync, SettingError
-from jaxscale.mesh import AXES, LOCAL, NODE, TOPOLOGIES, TOPOLOGY_AXES, Topology
-from jaxscale.techniques import STAGES
+from jaxscale.engine.embedding.settings import EmbeddingSettings, ReplicaSync, SettingError
+from jaxscale.engine.mesh import AXES, LOCAL, NODE, TOPOLOGIES, TOPOLOGY_AXES, Topology
+from jaxscale.engine.techniques import STAGES
+from jaxscale.training.config import ConfigError, config_to_dict, load_config
 
 
 def test_importing_the_settings_and_the_config_imports_no_jax():
-    code = "import sys, jaxscale.config, jaxscale.embedding.settings, jaxscale.techniques; print('jax' in sys.modules)"
+    code = (
+        "import sys, jaxscale.training.config, jaxscale.engine.embedding.settings, jaxscale.engine.techniques; "
+        "print('jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -88,7 +91,7 @@ def test_config_round_trip_keeps_every_setting():
     assert e.replica_sync == ReplicaSync("periodic", "sparse", 4) and e.comm == jaxscale.CommConfig("fp8", "bf16")
     tree = config_to_dict(cfg)
     assert tree["embedding"]["optimizer"] == {"kind": "sgd", "learning_rate": 0.5}
-    from jaxscale.config import config_from_dict
+    from jaxscale.training.config import config_from_dict
 
     assert config_from_dict(tree) == cfg
     assert EmbeddingSettings.from_tree(e.to_tree()) == e

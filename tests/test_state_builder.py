@@ -286,9 +286,9 @@ SMOKE = ROOT / "jaxscale" / "configs" / "two_tower_smoke.yaml"
 
 @pytest.mark.slow  # a short training run, then the CLI in a subprocess (~40 s)
 def test_cli_publishes_a_trained_checkpoints_states(world, tmp_path):
-    from jaxscale.config import load_config
     from jaxscale.serving.states import load_model
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.config import load_config
+    from jaxscale.training.trainer import Trainer
 
     store = _fresh_store(world, "cli")
     m = "model.contextual_two_tower"

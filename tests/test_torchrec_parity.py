@@ -2,7 +2,7 @@
 
 The TorchRec side runs in a fresh interpreter (`jaxscale.benchmarks.torchrec_runner`: DMP over gloo on
 127.0.0.1, FBGEMM fused TBE optimizers), never in this JAX process. One subprocess runs every TorchRec
-configuration, so torch/torchrec are imported once. The reference is `jaxscale.reference` (the one NumPy
+configuration, so torch/torchrec are imported once. The reference is `jaxscale.engine.reference` (the one NumPy
 reference of FBGEMM semantics).
 
 Checked, float32, rtol=1e-5 / atol=1e-6:
@@ -25,9 +25,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from jaxscale import reference
 from jaxscale.benchmarks import torchrec_runner as runner  # NumPy at import time; torch only in its subprocess
-from jaxscale.tables import TableConfig
+from jaxscale.engine import reference
+from jaxscale.engine.tables import TableConfig
 
 
 def _torchrec_importable() -> bool:

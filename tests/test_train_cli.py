@@ -94,8 +94,8 @@ def ckpt_steps(workdir) -> list[int]:
 def restore_final(workdir, *overrides):
     """The latest checkpoint of a tiny run, restored in this (8-device) process."""
     import jaxscale
-    from jaxscale.config import load_config
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.config import load_config
+    from jaxscale.training.trainer import Trainer
 
     cfg = load_config(TINY, list(overrides))
     tr = Trainer(

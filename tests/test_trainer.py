@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.config import load_config
-from jaxscale.trainer import CheckpointError, Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import CheckpointError, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "jaxscale" / "configs" / "foundation_tiny.yaml"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import jaxscale
-from jaxscale.config import load_config
-from jaxscale.data import ParquetData, write_parquet_sample
-from jaxscale.trainer import Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.data import ParquetData, write_parquet_sample
+from jaxscale.training.trainer import Trainer
 from jaxscale_models.dlrm_data import SyntheticDLRMData
 from jaxscale_models.foundation_data import SyntheticFoundationData
 
@@ -130,10 +130,11 @@ def test_topology_auto_follows_the_cluster_and_the_trainer_runs_the_scored_plan(
     """embedding.topology=auto: the planner's choice for the cluster's links and a data sample, made before the
     trainer is built. Over a slow inter-node link (1 Gbit/s) an all-to-all that crosses nodes (1d, 2d_ar)
     never wins: 2d_a2a does; the trainer then runs exactly the plan that was scored for it."""
-    from jaxscale import planner, registry
-    from jaxscale.comm_report import comm_report
-    from jaxscale.data import planning_sample
-    from jaxscale.train import plan_run
+    from jaxscale.engine import planner
+    from jaxscale.training import registry
+    from jaxscale.training.comm_report import comm_report
+    from jaxscale.training.data import planning_sample
+    from jaxscale.training.run import plan_run
 
     slow = tmp_path / "slow.yaml"
     slow.write_text(

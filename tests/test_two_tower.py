@@ -375,7 +375,7 @@ def test_marginal_context_dropout_averages_the_losses_with_and_without_context()
 
 
 def test_parquet_round_trip_of_the_synthetic_requests(tmp_path):
-    from jaxscale.data import ParquetData, write_parquet_sample
+    from jaxscale.training.data import ParquetData, write_parquet_sample
     from jaxscale_models.contextual_two_tower import SPEC
 
     cfg = ContextualTwoTowerConfig(**TINY)

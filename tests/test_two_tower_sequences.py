@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jaxscale.config import load_config
 from jaxscale.sequences import Definitions, Enrichment, EventType, Sequence
 from jaxscale.sequences.runtime import backfill
-from jaxscale.trainer import Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer
 from jaxscale_models.contextual_two_tower_data import derive_pseudo_context
 from jaxscale_models.contextual_two_tower_sequences import (
     BATCH_KEYS,

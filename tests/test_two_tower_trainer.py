@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxscale import registry
-from jaxscale.config import load_config
-from jaxscale.trainer import Trainer
+from jaxscale.training import registry
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "jaxscale" / "configs" / "two_tower_smoke.yaml"

@@ -1,5 +1,6 @@
 """Draws the house: every module of `jaxscale` and `jaxscale_models` as a room, imports as arrows, each room on
-the floor above everything it imports (floor 1: imports nothing of the project).
+the floor above everything it imports (floor 1: imports nothing of the project), the rooms grouped in their
+wings, one band per wing, the wings stacked in their order (`WINGS`, bottom first).
 
     python experiments/architecture/house.py        # writes docs/house.png and docs/house.txt
 
@@ -17,6 +18,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxscale", "jaxscale_models")
+WINGS = {  # wing -> its package, bottom to top: a wing imports only wings below it
+    "infra": "jaxscale.infra",
+    "engine": "jaxscale.engine",
+    "sequences": "jaxscale.sequences",
+    "training": "jaxscale.training",
+    "serving": "jaxscale.serving",
+    "models": "jaxscale_models",
+    "studies": "jaxscale.studies",
+    "benchmarks": "jaxscale.benchmarks",
+    "commands": "jaxscale",  # the thin faces of `python -m jaxscale.train|evaluate|bench|comm_report`
+}
+
+
+def wing(module: str) -> str:
+    """The wing a module stands in; the package face `jaxscale` (it hands on engine names) in the engine."""
+    if module == "jaxscale":
+        return "engine"
+    return next(w for w, p in WINGS.items() if module == p or module.startswith(p + "."))
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -103,50 +122,70 @@ def floors(g: dict[str, set[str]]) -> dict[str, int]:
     return {m: floor(m) for m in g}
 
 
+def climbs(g: dict[str, set[str]]) -> list[str]:
+    """Imports from a wing to a higher one ('importer -> imported')."""
+    order = list(WINGS)
+    return sorted(f"{m} -> {d}" for m in g for d in g[m] if order.index(wing(d)) > order.index(wing(m)))
+
+
+def wing_floors(g: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor inside its wing (1 + the highest it imports from its own wing)."""
+    return floors({m: {d for d in deps if wing(d) == wing(m)} for m, deps in g.items()})
+
+
 def describe(g: dict[str, set[str]]) -> str:
-    fl = floors(g)
-    lines = [f"{len(g)} modules; import loops: {cycles(g) or 'none'}"]
-    for level in sorted(set(fl.values()), reverse=True):
-        lines.append(f"floor {level}: " + ", ".join(sorted(m for m in fl if fl[m] == level)))
+    fl = wing_floors(g)
+    lines = [
+        f"{len(g)} modules; import loops: {cycles(g) or 'none'}",
+        f"wings, bottom to top: {', '.join(WINGS)}; imports that climb to a higher wing: {climbs(g) or 'none'}",
+    ]
+    for w in reversed(WINGS):
+        rooms = [m for m in fl if wing(m) == w]
+        for level in sorted({fl[m] for m in rooms}, reverse=True):
+            lines.append(f"{w} floor {level}: " + ", ".join(sorted(m for m in rooms if fl[m] == level)))
     return "\n".join(lines)
 
 
 def draw(g: dict[str, set[str]], out: Path) -> None:
-    """Rooms by floor (bottom = floor 1), grouped by package left to right; arrows from importer to imported."""
+    """Wings as bands (bottom = the first of `WINGS`), the rooms of a wing on its own floors; arrows from importer
+    to imported, red where one climbs to a higher wing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fl = floors(g)
-    rows: dict[int, list[str]] = defaultdict(list)
-    for m in sorted(fl, key=lambda m: (m.rpartition(".")[0], m)):
-        rows[fl[m]].append(m)
+    fl, order = wing_floors(g), list(WINGS)
+    base, y = {}, 0
+    for w in order:  # each wing's band starts above the one below it
+        base[w] = y
+        y += max((fl[m] for m in fl if wing(m) == w), default=0) + 0.6
+    rows: dict[float, list[str]] = defaultdict(list)
+    for m in sorted(fl):
+        rows[base[wing(m)] + fl[m]].append(m)
     width = max(len(r) for r in rows.values())
     pos = {m: ((i + 0.5) * width / len(r), level) for level, r in rows.items() for i, m in enumerate(r)}
-    fig, ax = plt.subplots(figsize=(max(16, width * 1.9), len(rows) * 1.4 + 1))
+    fig, ax = plt.subplots(figsize=(max(16, width * 1.9), y * 1.1 + 1))
+    palette = ["#eeeeee", "#d6e8fa", "#e4f4d9", "#fdf3c8", "#f6dcec", "#fde2c8", "#e2dcf6", "#d9f2f0", "#ffffff"]
+    for i, w in enumerate(order):
+        top = (base[order[i + 1]] if i + 1 < len(order) else y) + 0.4
+        ax.axhspan(base[w] + 0.4, top, color=palette[i], alpha=0.5, lw=0)
+        ax.text(-0.4, base[w] + 0.55, w, fontsize=11, weight="bold", va="bottom")
     for m, deps in g.items():
         for d in deps:
             (x0, y0), (x1, y1) = pos[m], pos[d]
-            ax.annotate("", (x1, y1 + 0.18), (x0, y0 - 0.18), arrowprops=dict(arrowstyle="->", color="#99a", lw=0.4))
-    colours = {"jaxscale_models": "#fde2c8", "jaxscale.embedding": "#d6e8fa", "jaxscale.planner": "#e4f4d9"}
-    for m, (x, y) in pos.items():
-        package = next((p for p in colours if m == p or m.startswith(p + ".")), None)
-        label = m.removeprefix("jaxscale.") if m != "jaxscale" else m
-        ax.text(
-            x,
-            y,
-            label,
-            ha="center",
-            va="center",
-            fontsize=6.5,
-            bbox=dict(boxstyle="round,pad=0.3", fc=colours.get(package, "#eeeeee"), ec="#555", lw=0.5),
-        )
+            up = order.index(wing(d)) > order.index(wing(m))
+            style = dict(arrowstyle="->", color="#d22" if up else "#99a", lw=1.2 if up else 0.4)
+            ax.annotate("", (x1, y1 + 0.18), (x0, y0 - 0.18), arrowprops=style)
+    for m, (x, yy) in pos.items():
+        label = "__init__" if m == WINGS[wing(m)] else m.removeprefix(WINGS[wing(m)] + ".")
+        label = "jaxscale (package face)" if m == "jaxscale" else label
+        ax.text(x, yy, label, ha="center", va="center", fontsize=6.5,
+                bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#555", lw=0.5))  # fmt: skip
     ax.set_xlim(-0.5, width + 0.5)
-    ax.set_ylim(0.4, max(rows) + 0.6)
-    ax.set_yticks(sorted(rows), [f"floor {r}" for r in sorted(rows)])
+    ax.set_ylim(0.4, y + 0.4)
     ax.set_xticks([])
-    ax.set_title("jaxscale: modules as rooms, each above what it imports (arrows: imports)")
+    ax.set_yticks([])
+    ax.set_title("jaxscale: its wings bottom to top, modules as rooms above what they import (arrows: imports)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -161,7 +200,7 @@ def main(argv=None) -> int:
     draw(g, Path(args.out))
     Path(args.out).with_suffix(".txt").write_text(text + "\n")
     print(text)
-    return 1 if cycles(g) else 0
+    return 1 if cycles(g) or climbs(g) else 0
 
 
 if __name__ == "__main__":

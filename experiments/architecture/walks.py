@@ -5,11 +5,11 @@
 
 A run of the smoke DLRM on 8 simulated CPU devices (2 nodes x 4), from a YAML file that sets
 `embedding.topology: 2d_a2a` and `embedding.replica_sync: {mode: periodic, strategy: sparse, every: 2}`:
-`load_config`, the planning stage (`jaxscale.train.plan_run`), the `Trainer`, and the first step traced and
+`load_config`, the planning stage (`jaxscale.training.run.plan_run`), the `Trainer`, and the first step traced and
 compiled (that is where the collectives are called). A profiler hook records every call of a project
 function (and every `jax.lax` collective) that receives the setting, in one of its forms, as an argument:
 the YAML mapping, the `EmbeddingSettings` (or the `Config` whose `embedding` section it is), the value itself
-(the topology's name, the `ReplicaSync`), the `Topology` derived from it (`jaxscale.mesh.TOPOLOGY_AXES`), a
+(the topology's name, the `ReplicaSync`), the `Topology` derived from it (`jaxscale.engine.mesh.TOPOLOGY_AXES`), a
 `ShardingPlan` made for it, or, at the collective, the mesh axes it chose. Each hand-off is printed once, in
 the order of the run, with the floor of the caller's and the callee's module in the house
 (`experiments/architecture/house.py`: a module stands above everything it imports).
@@ -58,10 +58,10 @@ the YAML text, unless it is an object of another type with the setting as a fiel
 
 def forms(setting: str):
     """value -> the name of the form in which it carries `setting`, or None."""
-    from jaxscale.config import Config
-    from jaxscale.embedding.settings import EmbeddingSettings, ReplicaSync
-    from jaxscale.mesh import TOPOLOGY_AXES, Topology
-    from jaxscale.plan import ShardingPlan
+    from jaxscale.engine.embedding.settings import EmbeddingSettings, ReplicaSync
+    from jaxscale.engine.mesh import TOPOLOGY_AXES, Topology
+    from jaxscale.engine.plan import ShardingPlan
+    from jaxscale.training.config import Config
 
     sync = ReplicaSync("periodic", "sparse", 2)
     value = TOPOLOGY if setting == "topology" else sync
@@ -181,9 +181,9 @@ class Walker:
 
 def run_once() -> None:
     """YAML -> config -> planning stage -> Trainer -> the first step traced and compiled."""
-    from jaxscale.config import load_config
-    from jaxscale.train import plan_run
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.config import load_config
+    from jaxscale.training.run import plan_run
+    from jaxscale.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="walks_") as tmp:
         path = Path(tmp) / "walk.yaml"

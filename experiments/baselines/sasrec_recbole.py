@@ -13,7 +13,7 @@ test (the test metrics are taken when validation improves: the same weights).
 
 Data: the examples come from the same store and the same reader as the foundation model
 (`PointInTimeExamples(split_mode='leave_one_out')`), so split, tie order and targets are identical; the
-metrics are computed by `jaxscale.ranking` (full ranking; the padding and out-of-vocabulary rows are never
+metrics are computed by `jaxscale.training.ranking` (full ranking; the padding and out-of-vocabulary rows are never
 candidates, as RecBole never ranks its [PAD] item). Both maskings are scored from the same scores: `valid` /
 `test` under the run's choice (`--mask-history`: every item of the user's history removed, as the
 foundation model's protocol does; default not masked, RecBole's), `test_other_masking` the other way, and
@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 MAX_LEN = 50
 RESERVED = 2  # the vocabulary's PAD (0) and OOV (1) rows
@@ -164,9 +164,9 @@ def build_model(n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offse
 
 
 def evaluate(model, data, torch, ks=(10, 20), batch=1024, mask_history=False):
-    """Full ranking of every item row except PAD/OOV (`jaxscale.ranking`), in eval mode, both ways: (metrics and
-    top-K under `mask_history`, the metrics and top-K of the other masking)."""
-    from jaxscale import ranking
+    """Full ranking of every item row except PAD/OOV (`jaxscale.training.ranking`), in eval mode, both ways:
+    (metrics and top-K under `mask_history`, the metrics and top-K of the other masking)."""
+    from jaxscale.training import ranking
 
     hist, length, target, _, seen = data
     model.eval()
@@ -303,9 +303,9 @@ def main(argv=None) -> int:
         mask_history=args.mask_history,
         seen_item_offset=args.seen_item_offset,
     )
-    from jaxscale.evaluate import write_topk
-    from jaxscale.ranking_eval import RankingResult
     from jaxscale.sequences.query import SequenceReader
+    from jaxscale.training.evaluate import write_topk
+    from jaxscale.training.ranking_eval import RankingResult
 
     decode = SequenceReader(args.store, args.sequence).vocabulary("item_id").decode
     for path, lists in ((args.topk, topk), (args.topk_other, topk_other)):

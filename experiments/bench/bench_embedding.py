@@ -9,7 +9,7 @@
     one step each per round (order alternating); medians. A dense update would cost x100 from 1e5 to 1e7
     rows; the sparse one should not grow.
 (b) Where the one-device step goes: the same jitted lookup alone vs lookup + update, and what the 8-device
-    step sends, per collective, from its compiled HLO (`jaxscale.comm_inspect`).
+    step sends, per collective, from its compiled HLO (`jaxscale.engine.comm_inspect`).
 (c) Rows gathered per second on one device: `ec.lookup` beside a plain `jnp.take(mode='clip')` + sum of the
     same ids and NumPy's `table[ids].sum(1)`, interleaved. The NumPy variant runs in this JAX process:
     XLA's threads that are still busy after a JAX call can slow it (see timing_probe.py).
@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from jaxscale.atomic import write_text as write_atomic
 from jaxscale.benchmarks.machine import describe_machine, load_average
 from jaxscale.benchmarks.machine import recorded_machine as machine
 from jaxscale.benchmarks.sessions import log
 from jaxscale.benchmarks.stats import spread, zipf_ids
+from jaxscale.infra.atomic import write_text as write_atomic
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -103,7 +103,7 @@ def bench_steps(args, rng):
     import jax
 
     import jaxscale
-    from jaxscale import comm_inspect
+    from jaxscale.engine import comm_inspect
 
     devs = jax.devices()
     meshes = (

@@ -8,7 +8,7 @@ Zipf(1.1) ids per step (fresh ids and output gradients every step), pooled sum l
 row-wise AdaGrad (lr 0.01, eps 1e-8), every engine starting from the same table.
 
 Engines, each in its OWN process, never two engine processes alive while one is timed:
-  jaxscale-native  `jaxscale.native.gather_pool` + `update_pooled(..., after=out)` in one jitted step with
+  jaxscale-native  `jaxscale.engine.native.gather_pool` + `update_pooled(..., after=out)` in one jitted step with
                    the table and accumulator donated (updated in place), JAXSCALE_NATIVE=1;
   fbgemm           `SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM):
                    forward, then `backward` (the fused optimizer updates the table);
@@ -84,7 +84,7 @@ def _jax_engine(spec: dict, native_mode: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxscale import native
+    from jaxscale.engine import native
 
     table, ids, grads = _data(spec)
     state = {"t": jnp.asarray(table), "a": jnp.zeros((table.shape[0],), jnp.float32)}
@@ -617,7 +617,7 @@ def main(argv=None) -> int:
         p.error(f"--engines must include fbgemm and name only {ENGINES}; got {engines}")
 
     build = subprocess.run(
-        [sys.executable, "-m", "jaxscale.native", "--json"], env=_child_env(), capture_output=True, text=True
+        [sys.executable, "-m", "jaxscale.engine.native", "--json"], env=_child_env(), capture_output=True, text=True
     )
     try:
         native_build = json.loads(build.stdout.strip().splitlines()[-1])

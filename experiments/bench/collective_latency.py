@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.atomic import write_text as write_atomic
 from jaxscale.benchmarks.machine import describe_machine, load_average
 from jaxscale.benchmarks.machine import recorded_machine as machine
 from jaxscale.benchmarks.sessions import free_port, run_session, script_command, worker_main
+from jaxscale.infra.atomic import write_text as write_atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
@@ -42,15 +42,15 @@ KINDS = ("all_reduce", "all_gather", "all_to_all", "exchange")
 
 def _worker(spec: dict) -> dict:
     nproc, pid = spec["num_processes"], spec["process_id"]
-    from jaxscale import distributed
+    from jaxscale.infra import distributed
 
     distributed.initialize(spec["coordinator"], nproc, pid, local_devices=1)
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale import collectives
-    from jaxscale.embedding import collection
+    from jaxscale.engine import collectives
+    from jaxscale.engine.embedding import collection
 
     devices = np.array(sorted(jax.devices(), key=lambda d: d.process_index))
     mesh = Mesh(devices, ("p",))

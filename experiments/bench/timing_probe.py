@@ -29,13 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxscale.atomic import write_text as write_atomic
 from jaxscale.benchmarks import one_device
 from jaxscale.benchmarks.machine import describe_machine, load_average
 from jaxscale.benchmarks.machine import recorded_machine as machine
 from jaxscale.benchmarks.sessions import Worker, log, reply, serve
 from jaxscale.benchmarks.stats import spread
 from jaxscale.benchmarks.threads import usable_cores
+from jaxscale.infra.atomic import write_text as write_atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"

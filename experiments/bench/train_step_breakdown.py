@@ -51,12 +51,12 @@ def worker(args) -> dict:
     import numpy as np
 
     from jaxscale.benchmarks.threads import xla_intra_op_threads
-    from jaxscale.checkpoint import host as _host
-    from jaxscale.config import load_config
-    from jaxscale.data import to_global
-    from jaxscale.embedding.ids import check_ids
+    from jaxscale.engine.embedding.ids import check_ids
     from jaxscale.sequences.query import SequenceReader
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.checkpoint import host as _host
+    from jaxscale.training.config import load_config
+    from jaxscale.training.data import to_global
+    from jaxscale.training.trainer import Trainer
 
     run = Path(args.run)
     rows = SequenceReader(str(run / "store"), "ratings").vocabulary("item_id").num_indices
@@ -92,7 +92,7 @@ def worker(args) -> dict:
         t3 = time.perf_counter()
         sharded = tr.ec.shard_batch(ids)
         t4 = time.perf_counter()
-        from jaxscale.trainer import Batch
+        from jaxscale.training.trainer import Batch
 
         batch = Batch(data, sharded, 0, {})
         if compile_s is None:

@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from jaxscale import atomic
 from jaxscale.benchmarks.machine import describe_machine
 from jaxscale.benchmarks.report import render_train_step
+from jaxscale.infra import atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"

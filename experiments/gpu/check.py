@@ -110,7 +110,7 @@ def part_lookup(quick: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxscale import native
+    from jaxscale.engine import native
 
     info = device_info()
     R, w, B, L = (20_000, 64, 256, 8) if quick else (10_000_000, 128, 16384, 64)

@@ -5,7 +5,7 @@
 #   bash experiments/gpu/check.sh --quick    # small shapes, any backend (CPU: how the script itself is tested)
 #
 # Prints:
-#   (a) lookup + update throughput (jaxscale.native ops; on GPU they lower to the pure-JAX kernels) against
+#   (a) lookup + update throughput (jaxscale.engine.native ops; on GPU they lower to the pure-JAX kernels) against
 #       the HBM limit: the data-sheet peak and a measured on-device copy;
 #   (b) a duplicate-heavy f32 scatter-add / segment-sum timed without and with the LLVM option
 #       -nvptx-allow-ftz-atomics (XLA_FLAGS=--xla_backend_extra_options=-nvptx-allow-ftz-atomics, read once

@@ -10,7 +10,7 @@ OUT/fairness/:
 Each variant's test top-20 is written under both maskings (history kept; every history item removed); the
 record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
 each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
-(per-user NDCG averaged over seeds, `jaxscale.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
+(per-user NDCG averaged over seeds, `jaxscale.training.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
 not CI.
 
     python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from jaxscale import atomic, ranking
+from jaxscale.infra import atomic
+from jaxscale.training import ranking
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "jaxscale" / "configs" / "movielens_foundation.yaml"

@@ -249,9 +249,9 @@ def recall(answers: dict, targets: dict) -> float:
 def run(args) -> dict:
     import pyarrow.parquet as pq
 
-    from jaxscale.config import dump_config
-    from jaxscale.evaluate import find_checkpoints
     from jaxscale.serving.retrieval import saved_config
+    from jaxscale.training.config import dump_config
+    from jaxscale.training.evaluate import find_checkpoints
 
     run_dir = Path(args.run).resolve()
     checkpoint = run_dir / "runs" / args.model / "best"

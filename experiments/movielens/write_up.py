@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"

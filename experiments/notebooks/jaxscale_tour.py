@@ -40,8 +40,8 @@ import numpy as np
 from IPython.display import Image, display
 
 import jaxscale
-from jaxscale import comm_inspect, planner
-from jaxscale.cluster import ClusterSpec
+from jaxscale.engine import comm_inspect, planner
+from jaxscale.engine.cluster import ClusterSpec
 
 REPO = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "jaxscale" / "configs").is_dir())
 print(jax.device_count(), "devices")
@@ -121,8 +121,8 @@ assert losses[-1] < losses[0]
 # minute); metrics and a checkpoint go to a temporary work directory.
 
 # %%
-from jaxscale.config import load_config
-from jaxscale.trainer import Trainer
+from jaxscale.training.config import load_config
+from jaxscale.training.trainer import Trainer
 
 workdir = tempfile.mkdtemp(prefix="jaxscale_tour_")
 cfg = load_config(

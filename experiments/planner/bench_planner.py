@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
 from jaxscale.benchmarks.machine import machine
-from jaxscale.cluster import ClusterSpec
-from jaxscale.plan import ShardingPlan, TableShards
-from jaxscale.planner import CostParams, FeatureStats, plan_sharding, recommend_topology, report
-from jaxscale.quantization import CommConfig
-from jaxscale.tables import TableConfig
+from jaxscale.engine.cluster import ClusterSpec
+from jaxscale.engine.plan import ShardingPlan, TableShards
+from jaxscale.engine.planner import CostParams, FeatureStats, plan_sharding, recommend_topology, report
+from jaxscale.engine.quantization import CommConfig
+from jaxscale.engine.tables import TableConfig
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 ZIPF_EXPONENT = 1.1
@@ -173,9 +173,9 @@ def results_markdown(rows, recs, mach, seconds, args) -> str:
         f"{BATCH_SIZE_PER_DEVICE} per device, {cl.device_memory_bytes / 1e9:.0f} GB per device. Clusters are the "
         f"meshes/ presets: NVLink {cl.intra_node_bandwidth / 1e9:.0f} GB/s per device, "
         f"{cl.inter_node_bandwidth * 8 / 1e9:.0f} Gbit/s per node. Every row is scored by the same cost model "
-        "(`jaxscale.planner.report`): per shard, distinct ids per source batch slice landing on it x sources; "
+        "(`jaxscale.engine.planner.report`): per shard, distinct ids per source batch slice landing on it x sources; "
         f"bytes = distinct rows x wire bytes of a row forward ({cost.comm_forward}) and backward "
-        f"({cost.comm_backward}) (`jaxscale.quantization.wire_bytes`); time = HBM reads (TorchRec's small-dim "
+        f"({cost.comm_backward}) (`jaxscale.engine.quantization.wire_bytes`); time = HBM reads (TorchRec's small-dim "
         f"penalties, {cost.backward_compute_multiplier:.0f}x backward) + bytes / link bandwidth + "
         f"{cost.piece_overhead_s * 1e6:.0f} us per piece.",
         "",

@@ -10,7 +10,7 @@ Times, on tiny payloads (--bytes per peer), so that only latency counts:
   all_reduce, all_gather  over every device, for comparison (the model: 2(k-1) and k-1 ring steps);
   all_reduce_8_operands   one all-reduce of a tuple of 8 arrays (XLA combines a step's all-reduces so):
                           one ring, or one per operand?
-The alpha-beta model (`jaxscale.comm_model`) charges a grouped all-to-all (G-1) x alpha: its messages'
+The alpha-beta model (`jaxscale.engine.comm_model`) charges a grouped all-to-all (G-1) x alpha: its messages'
 latencies add up. If the transport posts every message at once, the all-to-all costs about one message's
 latency whatever G, and the model's latency term is wrong by a factor G-1. Process 0 prints one JSON
 line with the medians and every repeat's time.
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--delay-ms", type=float, default=None, help="recorded only: the link's one-way delay")
     a = p.parse_args(argv)
 
-    from jaxscale import distributed
+    from jaxscale.infra import distributed
 
     distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
     import jax

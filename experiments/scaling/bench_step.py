@@ -4,7 +4,7 @@ Run by emulate.sh inside a network namespace, one process per namespace:
     python experiments/scaling/bench_step.py --stage 2d_a2a --nodes 4 --local 2 --process-id I \
         --coordinator 10.200.0.1:23456 --dev vethI --rate 4mbit --steps 32
 
-`--stage` is a stage of `jaxscale.techniques` or a periodic-sync variant '<stage>@periodic:<strategy>:<k>'
+`--stage` is a stage of `jaxscale.engine.techniques` or a periodic-sync variant '<stage>@periodic:<strategy>:<k>'
 (e.g. '2d_a2a@periodic:dense:4'). Balanced stages get the planner's plan for the emulated tables, made from
 the same synthetic global batch on every process. Phase A removes any qdisc from this namespace's veth
 (unlimited); phase B installs `tc tbf` at --rate on it (each node limits its own egress, so every
@@ -28,8 +28,8 @@ import sys
 import tempfile
 import time
 
-from jaxscale.link_emulation import bytes_by_category, predicted_delta, tbf_burst
-from jaxscale.scaling_model import stage_from_spec as parse_stage
+from jaxscale.studies.link_emulation import bytes_by_category, predicted_delta, tbf_burst
+from jaxscale.studies.scaling_model import stage_from_spec as parse_stage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -81,8 +81,8 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
     makes the same one), written to a temp file."""
     if not st.balanced:
         return None
-    from jaxscale import planner
-    from jaxscale.cluster import ClusterSpec
+    from jaxscale.engine import planner
+    from jaxscale.engine.cluster import ClusterSpec
     from jaxscale_models.foundation import foundation_ids, foundation_tables
     from jaxscale_models.foundation_data import SyntheticFoundationData
 
@@ -100,9 +100,9 @@ def plan_file_for(st, cfg, nodes: int, local: int) -> str | None:
 
 
 def build_config(st, nodes: int, local: int, batch_per_device: int):
-    from jaxscale.config import load_config
-    from jaxscale.scaling_model import CONFIG
-    from jaxscale.scaling_model import compiled_overrides as overrides
+    from jaxscale.studies.scaling_model import CONFIG
+    from jaxscale.studies.scaling_model import compiled_overrides as overrides
+    from jaxscale.training.config import load_config
 
     base = overrides(dataclasses.replace(st, balanced=False), nodes, local, EMU_MODEL, batch_per_device * nodes * local)
     # capacity_factor null: every exchange and the exact replica sync are sized for the batch they carry,
@@ -119,7 +119,7 @@ def step_collectives(trainer, st) -> list[dict]:
     """Every collective of the compiled step: kind, device group ('node': one device per node, 'all',
     'local': inside a node), category, bytes per device (intra, inter) and how often it runs per step
     (a periodic sync: 1/k)."""
-    from jaxscale.comm_report import categorize, group_layout, replica_groups, split_bytes
+    from jaxscale.training.comm_report import categorize, group_layout, replica_groups, split_bytes
 
     shape = tuple(trainer.mesh.devices.shape)
     reps = replica_groups(trainer.ec.topology)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         p.error(f"{', '.join(missing)} required (one process per emulated node)")
     steps = timed_steps(st, a.steps)
 
-    from jaxscale import distributed
+    from jaxscale.infra import distributed
 
     if single:
         distributed.initialize(local_devices=a.local)
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     import jax
     from jax.experimental import multihost_utils
 
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.trainer import Trainer
 
     cfg, plan = build_config(st, a.nodes, a.local, a.batch_per_device)
     trainer = Trainer(cfg, progress=False, log=False)

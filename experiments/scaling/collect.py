@@ -5,7 +5,7 @@
 
 Writes experiments/scaling/compiled_bytes.json: {key: {"overrides": [...], "report": comm_report output}}
 with key "<nodes>x<local>|<topology>|<fwd>|<bwd>|<half_dim>". An entry is stale when the overrides that
-produced it differ from the current ones (`jaxscale.scaling_model.compiled_overrides`). run_ablation.py and
+produced it differ from the current ones (`jaxscale.studies.scaling_model.compiled_overrides`). run_ablation.py and
 tests/test_scaling_model.py compare these compiled bytes with the model's formulas (`scaling_model.cross_check`).
 """
 
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxscale import scaling_model as M
-    from jaxscale.comm_report import comm_report
-    from jaxscale.config import load_config
+    from jaxscale.studies import scaling_model as M
+    from jaxscale.training.comm_report import comm_report
+    from jaxscale.training.config import load_config
 
     results = {} if args.force else load()
     for nodes, local in M.COMPILED_MESHES:

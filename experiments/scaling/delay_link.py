@@ -5,7 +5,7 @@ Run by emulate.sh (as root) when DELAY is set, after the namespaces js0..js<N-1>
 
 These kernels have no netem qdisc, so the delay cannot be a `tc` setting. Instead each namespace js<i> gets
 a TUN device `jtun<i>` with address 10.200.0.<i+1>/24, its only route to the other nodes; this process
-reads every IPv4 packet a node sends, holds it --delay-ms (`jaxscale.link_emulation.run_delay_line`) and
+reads every IPv4 packet a node sends, holds it --delay-ms (`jaxscale.studies.link_emulation.run_delay_line`) and
 writes it into the destination node's device, as if received. The rate limit stays in the kernel: tc tbf
 on jtun<i>'s egress (bench_step.py / gloo_duplex.py install it), ahead of the delay. Writes --ready when
 the devices are up; runs until SIGTERM/SIGINT, then prints its packet counts as one JSON line on stderr.
@@ -24,7 +24,7 @@ import struct
 import subprocess
 import sys
 
-from jaxscale.link_emulation import run_delay_line
+from jaxscale.studies.link_emulation import run_delay_line
 
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000

@@ -5,7 +5,7 @@
 #   MODE=duplex bash experiments/scaling/emulate.sh [NODES] [RATE]        # gloo_duplex.py instead of stages
 #   MODE=latency DELAY=5 LOCAL=1 bash experiments/scaling/emulate.sh [NODES]  # a2a_latency.py (no rate limit)
 #
-# STAGES: space-separated names of jaxscale.techniques stages or '<stage>@periodic:<strategy>:<k>'
+# STAGES: space-separated names of jaxscale.engine.techniques stages or '<stage>@periodic:<strategy>:<k>'
 # variants; 'all' = every stage plus 2d_a2a with periodic dense averaging every 4 steps. OUT: a file the
 # JSON lines are appended to ('-': stdout only). LOCAL (default 2) devices per node, PORT (23456) base port.
 # DELAY (ms, default 0): one-way delay on every cross-node packet. These kernels have no netem, so with
@@ -31,7 +31,7 @@ PORT=${PORT:-23456}
 TIMEOUT=${TIMEOUT:-1800}
 LOGDIR=${LOGDIR:-/tmp/jaxscale_emulate}
 if [ "$STAGES" = all ]; then
-  STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
+  STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.engine.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
 fi
 [ "$NODES" -ge 2 ] || { echo "NODES must be >= 2" >&2; exit 2; }
 [ "$NODES" -le 250 ] || { echo "NODES must be <= 250 (one /24)" >&2; exit 2; }

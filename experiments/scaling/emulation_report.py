@@ -16,9 +16,9 @@ import os
 import statistics
 import sys
 
-from jaxscale import atomic
-from jaxscale.comm_model import BACKWARD_FRACTION, DDP_BUCKET_BYTES
-from jaxscale.link_emulation import compute_for, emulated_cluster, fit_latency, predicted_step
+from jaxscale.engine.comm_model import BACKWARD_FRACTION, DDP_BUCKET_BYTES
+from jaxscale.infra import atomic
+from jaxscale.studies.link_emulation import compute_for, emulated_cluster, fit_latency, predicted_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 0.20  # measured delta within 20% of the predicted one

@@ -12,7 +12,7 @@ all-reduce):
   exchange@node    collective-permute 0 <-> 1: each sends and receives the same bytes at once;
   all_to_all, all_reduce, all_gather @node and @all.
 For each it reports `factor` = (limited - unlimited) / (cross-node bytes a node sends / rate), with the
-bytes of the compiled HLO split as `jaxscale.comm_report.split_bytes` splits them (what the scaling model
+bytes of the compiled HLO split as `jaxscale.training.comm_report.split_bytes` splits them (what the scaling model
 counts), and `wire_ratio` = bytes the node's veth really sent / those bytes. The egress limit caps only what
 a node sends, so a transport that overlaps the two directions gives factor ~1 on an exchange; one that
 sends, then receives, gives ~2. bench_step.py's predicted deltas use these factors.
@@ -28,7 +28,7 @@ import time
 
 from bench_step import tc, wire_bytes_counters
 
-from jaxscale.link_emulation import rate_bytes
+from jaxscale.studies.link_emulation import rate_bytes
 
 KINDS = (
     "one_way@node",
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
 
-    from jaxscale import distributed
+    from jaxscale.infra import distributed
 
     distributed.initialize(a.coordinator, a.nodes, a.process_id, local_devices=a.local)
     import jax
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxscale import comm_inspect
-    from jaxscale.comm_report import split_bytes
-    from jaxscale.mesh import AXES, NODE, make_mesh
+    from jaxscale.engine import comm_inspect
+    from jaxscale.engine.mesh import AXES, NODE, make_mesh
+    from jaxscale.training.comm_report import split_bytes
 
     mesh = make_mesh(a.nodes, a.local)
     G = a.nodes * a.local

@@ -4,10 +4,10 @@
 
 1. Compiled bytes (collect.py -> compiled_bytes.json): every distinct stage's train step compiled on the
    2x4 and 4x2 CPU meshes with a tiny foundation model; the closed-form bytes
-   (`jaxscale.scaling_model`, today's padded engine) must equal them.
+   (`jaxscale.studies.scaling_model`, today's padded engine) must equal them.
 2. Per-step counts of the large preset (foundation_large: 32 sequences x 2048 events per GPU, 2 hashed
    tables of 100M x 64) at 1-64 nodes x 8 GPUs, by Monte Carlo over the model's own ids
-   (`jaxscale.scaling_counts`), with the planner's plans; cached in mc_counts.json (--recount recomputes).
+   (`jaxscale.studies.scaling_counts`), with the planner's plans; cached in mc_counts.json (--recount recomputes).
 3. Parameters from outside the checked points: compute per step assumed, the published 490k examples/s at
    8 nodes read as pure compute at the assumed per-GPU batch (so that throughput is not a check); the EFA
    and TCP link efficiencies from the published collective benchmarks in link_benchmarks.json. Every other
@@ -19,7 +19,7 @@
    planner's topology recommendation; the periodic-sync study (from --k-study FILE when given).
 5. Latency: the 16-64-node ranking under the additive all-to-all latency (every message's latency adds
    up) and under the extra-message cost measured on the emulated cluster (the newest
-   emulation/latency_*.jsonl, `jaxscale.link_emulation.fit_latency`).
+   emulation/latency_*.jsonl, `jaxscale.studies.link_emulation.fit_latency`).
 `--json OUT` writes {"calibration": {...}, "checks": [...], "fragility": {...}, ...}.
 """
 
@@ -35,14 +35,14 @@ import time
 
 import numpy as np
 
-from jaxscale import comm_model as cm
-from jaxscale import planner
-from jaxscale import scaling_counts as C
-from jaxscale import scaling_model as M
-from jaxscale.atomic import write_json
 from jaxscale.benchmarks.machine import machine
-from jaxscale.plan import ShardingPlan, TableShards
-from jaxscale.techniques import STAGES, stage
+from jaxscale.engine import comm_model as cm
+from jaxscale.engine import planner
+from jaxscale.engine.plan import ShardingPlan, TableShards
+from jaxscale.engine.techniques import STAGES, stage
+from jaxscale.infra.atomic import write_json
+from jaxscale.studies import scaling_counts as C
+from jaxscale.studies import scaling_model as M
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -292,7 +292,7 @@ def measured_latency() -> dict | None:
     """The fit of the newest emulated latency run (None when there is none)."""
     import glob
 
-    from jaxscale.link_emulation import fit_latency
+    from jaxscale.studies.link_emulation import fit_latency
 
     runs = sorted(glob.glob(os.path.join(LATENCY_RUNS, "latency_*.jsonl")))
     if not runs:

@@ -45,7 +45,7 @@ OUT="$RAW/run_$STAMP.jsonl"
 machine > "$OUT"
 echo "{\"run\": \"calibration\", \"latency\": \"$(basename "$LAT")\", \"transport\": \"$(basename "$TRANSPORT")\"}" >> "$OUT"
 if [ "$STAGES" = all ]; then
-  STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
+  STAGES="$(PYTHONPATH="$ROOT" "$PY" -c 'from jaxscale.engine.techniques import STAGE_NAMES; print(" ".join(STAGE_NAMES))') 2d_a2a@periodic:dense:4"
 fi
 for stage in $( [ "${ONE_NODE:-1}" = 1 ] && echo "$STAGES" ); do  # 1 node: the same step in one process, no link
   rc=0

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
 from jaxscale.benchmarks.machine import recorded_machine
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

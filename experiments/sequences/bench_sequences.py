@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.benchmarks.http_load import P99_TARGET_MS, load
 from jaxscale.benchmarks.machine import machine
-from jaxscale.http_load import P99_TARGET_MS, load
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -138,7 +138,7 @@ def bench_sequences(store: Path, rates, seconds: float, connections: int, max_in
 
 def leaves_child(store: str, buckets: str, server_args: list[str]) -> None:
     """``--child-leaves``: the six demo leaves in this process; prints their URLs as JSON, serves until SIGTERM."""
-    from jaxscale.http_server import ServerConfig
+    from jaxscale.infra.http_server import ServerConfig
     from jaxscale.serving import demo
     from jaxscale.serving.leaf import Leaf, LeafConfig
 

@@ -52,8 +52,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from jaxscale import atomic
 from jaxscale.benchmarks.sessions import free_port, stop_processes
+from jaxscale.infra import atomic
 
 BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
 MIB = 1 << 20

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-slowdown", type=float, default=0.5)
     args = p.parse_args(argv)
 
-    from jaxscale.config import load_config
+    from jaxscale.training.config import load_config
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxscale_soak_")
     cfg = load_config(
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", cfg.mesh.nodes * cfg.mesh.local)
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.trainer import Trainer
 
     trainer = Trainer(cfg, progress=False)
     samples, state = [], {"n": 0, "t": None}

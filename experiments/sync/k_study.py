@@ -31,10 +31,10 @@ def _machine() -> str:
 
 
 def run_one(name: str, overrides: list[str], steps: int, workdir: Path) -> dict:
-    from jaxscale.comm_report import categorize, split_bytes
-    from jaxscale.config import load_config
-    from jaxscale.train import DEFAULT_CONFIG
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.comm_report import categorize, split_bytes
+    from jaxscale.training.config import load_config
+    from jaxscale.training.run import DEFAULT_CONFIG
+    from jaxscale.training.trainer import Trainer
 
     cfg = load_config(
         str(Path(DEFAULT_CONFIG).with_name(CONFIG)),
@@ -54,7 +54,7 @@ def run_one(name: str, overrides: list[str], steps: int, workdir: Path) -> dict:
     wall = time.perf_counter() - t0
     ev = tr.evaluate(out["final_state"])
     k = cfg.embedding.replica_sync.every
-    from jaxscale.comm_report import replica_groups
+    from jaxscale.training.comm_report import replica_groups
 
     reps = replica_groups(tr.ec.topology)
     reduces = [c for c in tr.collectives if c.kind == "all-reduce"]

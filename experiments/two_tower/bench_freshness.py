@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import jaxscale
-    from jaxscale import atomic
-    from jaxscale.config import load_config
+    from jaxscale.infra import atomic
     from jaxscale.serving import freshness
+    from jaxscale.training.config import load_config
     from jaxscale_models.contextual_two_tower import ContextualTwoTower, ContextualTwoTowerConfig, two_tower_tables
 
     cfg = load_config(str(REPO / "jaxscale" / "configs" / "two_tower_sequences.yaml")).model.params

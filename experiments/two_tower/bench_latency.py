@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -40,7 +40,7 @@ def setup(args):
     from flax import nnx
 
     import jaxscale
-    from jaxscale.config import load_config
+    from jaxscale.training.config import load_config
     from jaxscale_models.contextual_two_tower import ContextualTwoTower, two_tower_tables
     from jaxscale_models.contextual_two_tower_data import SyntheticContextualData
     from jaxscale_models.two_tower_inference import (

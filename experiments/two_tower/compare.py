@@ -20,7 +20,7 @@ signal; this is where the context's clean signal carries over to requests withou
 embedding, get that structure for free, and the context-withheld model is only level with the context-free
 one.
 
-Training is the library's one training loop: `jaxscale.trainer.Trainer` on a one-device mesh, the model's
+Training is the library's one training loop: `jaxscale.training.trainer.Trainer` on a one-device mesh, the model's
 synthetic stream from the run config (`data.source: synthetic`), the trainer's dense optimizer (AdamW,
 warmup-cosine schedule, gradient clipping) and row-wise AdaGrad on the tables; the trainer carries the
 model's non-parameter state (the logQ frequency estimator, the dropout RNG counters) from step to step.
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -71,10 +71,10 @@ def make_config(args, use_context: bool):
 
 
 def run_config(cfg, args, label: str, workdir: str):
-    """The `jaxscale.config.Config` of one arm: one device, the planted-context stream, the recipe's
+    """The `jaxscale.training.config.Config` of one arm: one device, the planted-context stream, the recipe's
     optimizers and schedule; no in-run evaluation (both arms are evaluated the same way afterwards)."""
     import jaxscale
-    from jaxscale.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
+    from jaxscale.training.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
 
     return Config(
         mesh=MeshConfig(nodes=1, local=1),
@@ -108,7 +108,7 @@ def train(cfg, args, *, label: str, workdir: str):
     from flax import nnx
 
     import jaxscale
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.trainer import Trainer
 
     mesh = jaxscale.make_mesh(1, 1, devices=jax.devices()[:1])
     trainer = Trainer(run_config(cfg, args, label, workdir), mesh, progress=False)

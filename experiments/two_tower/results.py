@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -18,7 +18,7 @@ TITLE = (
 def machine() -> dict:
     import jax
 
-    from jaxscale.bench import machine as suite_machine
+    from jaxscale.benchmarks.machine import machine as suite_machine
 
     return {**suite_machine(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:1]}
 

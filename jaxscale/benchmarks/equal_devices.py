@@ -4,7 +4,7 @@ Same tables (pooled, sum), same weights, same global batch of Zipf ids (fresh ev
 gradients, same optimizer, same number of devices W, same intra-op threads per process
 (`threads.per_process`: max(1, usable cores // processes)):
   jaxscale_mp   W processes of one CPU device each (mesh W x 1, 'node' = process), gloo over 127.0.0.1,
-                started by `jaxscale.distributed.initialize` as the trainer starts them; at W = 1 one
+                started by `jaxscale.infra.distributed.initialize` as the trainer starts them; at W = 1 one
                 process of one device (no communication)
   torchrec      TorchRec `DistributedModelParallel` on W gloo ranks (`jaxscale.benchmarks.torchrec_runner`),
                 fused FBGEMM TBE kernels
@@ -21,10 +21,10 @@ session r of every engine ran in round r: each row carries the per-round ratios 
 Step time: median over the timed steps of all sessions (for several processes or ranks: the slowest of
 them in each step). Bytes:
 what leaves a device per step, summed over the W devices: jaxscale's from the compiled HLO
-(`jaxscale.comm_inspect.list_collectives`, for the executable each step ran), TorchRec's from the
+(`jaxscale.engine.comm_inspect.list_collectives`, for the executable each step ran), TorchRec's from the
 torch.distributed collectives it calls, both under one byte model (all-to-all: the part sent to others;
 all-reduce 2(W-1)/W, all-gather (W-1)/W of the result, reduce-scatter (W-1)/W of the input).
-After the last step the fp32 tables are checked against `jaxscale.reference` (column-wise tables with one
+After the last step the fp32 tables are checked against `jaxscale.engine.reference` (column-wise tables with one
 AdaGrad accumulator per column shard are checked against the reference with those accumulators).
 
 Column-wise tables run with `RowWiseAdagrad(per_column_shard=True)`: TorchRec keeps one accumulator per row
@@ -45,11 +45,11 @@ import time
 
 import numpy as np
 
-from jaxscale import reference
 from jaxscale.benchmarks.sessions import child_env, free_port, module_command, run_session, worker_main
 from jaxscale.benchmarks.stats import round_ratios, spread, zipf_ids
 from jaxscale.benchmarks.threads import per_process, xla_env, xla_intra_op_threads
-from jaxscale.tables import TableConfig
+from jaxscale.engine import reference
+from jaxscale.engine.tables import TableConfig
 
 WORKER = "jaxscale.benchmarks.equal_devices"  # python -m WORKER jaxscale SPEC RESULT
 RUNNER = "jaxscale.benchmarks.torchrec_runner"
@@ -154,7 +154,7 @@ def _jaxscale(spec: dict) -> dict:
 
     nproc, pid, local = spec["num_processes"], spec["process_id"], spec["local_devices"]
     if nproc > 1:
-        from jaxscale import distributed
+        from jaxscale.infra import distributed
 
         distributed.initialize(spec["coordinator"], nproc, pid, local_devices=local)
     else:
@@ -191,7 +191,7 @@ def _time_config(spec, mesh, ts, weights, batches, grads, sharding, precision, c
     from jax.experimental import multihost_utils
 
     import jaxscale
-    from jaxscale import comm_inspect
+    from jaxscale.engine import comm_inspect
 
     nproc, pid = spec["num_processes"], spec["process_id"]
     devices = mesh.devices.size

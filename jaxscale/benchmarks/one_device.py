@@ -3,13 +3,13 @@
 Same initial table, same Zipf ids (fresh ones every step), same per-bag output gradients, same number of
 steps. Each engine runs in its own process with no other engine process alive (`sessions.alternate`); a
 session warms up, then times its steps; every session ends with the same table, which is checked against
-`jaxscale.reference` (the rows touched by any step, and the first step's output).
+`jaxscale.engine.reference` (the rows touched by any step, and the first step's output).
 
 Engines (`python -m jaxscale.benchmarks.one_device ENGINE SPEC RESULT`):
   jaxscale  `EmbeddingCollection` on a 1x1 mesh: `shard_batch` + one jitted, donated lookup + update step
   fbgemm    `SplitTableBatchedEmbeddingBagsCodegen` (HOST/CPU, EXACT_ROWWISE_ADAGRAD, SUM): forward, then
             backward with the fused optimizer (the kernel TorchRec runs for an unsharded CPU table)
-  numpy     `jaxscale.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place
+  numpy     `jaxscale.engine.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place
 
 Timed per step: the engine's own input preparation (jaxscale `shard_batch`; FBGEMM's int64 indices and
 offsets) and the step, until its results are ready. The output gradients are prepared before. Threads:
@@ -24,11 +24,11 @@ import time
 
 import numpy as np
 
-from jaxscale import reference
 from jaxscale.benchmarks.sessions import child_env, module_command, run_session, worker_main
 from jaxscale.benchmarks.stats import round_ratios, spread, zipf_ids
 from jaxscale.benchmarks.threads import usable_cores, xla_env, xla_intra_op_threads
-from jaxscale.tables import TableConfig
+from jaxscale.engine import reference
+from jaxscale.engine.tables import TableConfig
 
 WORKER = "jaxscale.benchmarks.one_device"  # python -m WORKER ENGINE SPEC RESULT
 ENGINES = ("jaxscale", "fbgemm", "numpy")
@@ -172,7 +172,7 @@ class FbgemmEngine:
 
 
 class NumpyEngine:
-    """`jaxscale.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place."""
+    """`jaxscale.engine.reference`: lookup, per-row gradient sums, row-wise AdaGrad in place."""
 
     def __init__(self, d: str, lr: float, eps: float, threads: int):
         self.W, self.ids, self.grads, self.touched = _load(d)

@@ -66,7 +66,7 @@ def render_one_device(p: dict) -> list[str]:
     what = {
         "jaxscale": "`shard_batch` + jitted lookup + update (donated), 1 CPU device",
         "fbgemm": "TBE forward + backward with the fused optimizer",
-        "numpy": "`jaxscale.reference`: lookup, per-row sums, AdaGrad in place",
+        "numpy": "`jaxscale.engine.reference`: lookup, per-row sums, AdaGrad in place",
     }
     speeds = speed_vs_fbgemm(e)
     L = [
@@ -103,7 +103,7 @@ def render_one_device(p: dict) -> list[str]:
         f"{info.get('torch', '?')}, fbgemm-gpu-cpu {info.get('fbgemm', '?')}; "
         f"jax {e.get('jaxscale', {}).get('info', {}).get('jax', '?')}.",
         "",
-        f"Check (every session, against `jaxscale.reference`): max |rows - reference| after the last step: {diffs} "
+        f"Check (every session, against `engine.reference`): max |rows - reference| after the last step: {diffs} "
         f"(tolerance {c['tolerance']:.1e}; rows moved up to {c['rows_moved_up_to']:.2e}): "
         f"**{'OK' if c['ok'] else 'MISMATCH'}**.",
         "",
@@ -281,7 +281,7 @@ def render_stages(p: dict) -> list[str]:
         "",
         f"The embedding step (lookup + update) of `{p['config']}` compiled per stage, global batch "
         f"{st[0]['global_batch']}; stages are cumulative. Bytes from the compiled HLO, split intra- / inter-node "
-        "(`jaxscale.comm_report.split_bytes`). The dense model's all-reduce is the same in every stage and not "
+        "(`training.comm_report.split_bytes`). The dense model's all-reduce is the same in every stage and not "
         "included.",
         "",
         "| stage | topology | forward / backward | planner plan | half_dim | intra-node B/example "

@@ -31,8 +31,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from jaxscale import atomic
 from jaxscale.benchmarks.threads import XLA_THREADS_ENV
+from jaxscale.infra import atomic
 
 
 def module_command(module: str) -> list[str]:

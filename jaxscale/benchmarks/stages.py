@@ -1,6 +1,6 @@
 """Bytes per technique stage: the foundation smoke config's embedding step, compiled per stage on a 2x4 mesh.
 
-The ladder is the project's one ladder, `jaxscale.techniques.STAGES` (each stage adds one technique to
+The ladder is the project's one ladder, `jaxscale.engine.techniques.STAGES` (each stage adds one technique to
 the previous one):
 
   baseline   1d, fp32 forward / fp32 backward payloads, the config's sharding
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from jaxscale.benchmarks.sessions import worker_main
-from jaxscale.techniques import Stage
+from jaxscale.engine.techniques import Stage
 
 WORKER = "jaxscale.benchmarks.stages"  # python -m WORKER bytes SPEC RESULT
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding jaxscale/ (a checkout or site-packages)
@@ -30,17 +30,17 @@ MESH = (2, 4)
 
 
 def technique_stages() -> list[Stage]:
-    """The technique ladder, cumulative: the project's one ladder (`jaxscale.techniques.STAGES`)."""
-    from jaxscale.techniques import STAGES
+    """The technique ladder, cumulative: the project's one ladder (`jaxscale.engine.techniques.STAGES`)."""
+    from jaxscale.engine.techniques import STAGES
 
     return list(STAGES)
 
 
 def _foundation_workload(half_dim: bool):
     """(config, tables, host ids of the first synthetic batch) of the foundation smoke config."""
-    from jaxscale import registry
-    from jaxscale.config import load_config
-    from jaxscale.data import make_data
+    from jaxscale.training import registry
+    from jaxscale.training.config import load_config
+    from jaxscale.training.data import make_data
 
     overrides = [f"mesh.nodes={MESH[0]}", f"mesh.local={MESH[1]}"]
     if half_dim:
@@ -55,8 +55,8 @@ def _sharding(stage: Stage, cfg, tables, host_ids):
     """The config's sharding, or the planner's plan for the batch (balanced stages)."""
     if not stage.balanced:
         return cfg.embedding.sharding
-    from jaxscale import planner
-    from jaxscale.cluster import ClusterSpec
+    from jaxscale.engine import planner
+    from jaxscale.engine.cluster import ClusterSpec
 
     batch = next(iter(host_ids.values())).shape[0]
     devices = MESH[0] * MESH[1]
@@ -88,7 +88,8 @@ def stage_bytes(stage: Stage) -> dict:
     import jax
 
     import jaxscale
-    from jaxscale import comm_inspect, comm_report
+    from jaxscale.engine import comm_inspect
+    from jaxscale.training import comm_report
 
     cfg, tables, host_ids = _foundation_workload(stage.half_dim)
     mesh = jaxscale.make_mesh(*MESH, devices=jax.devices()[: MESH[0] * MESH[1]])

@@ -41,12 +41,12 @@ import time
 from functools import partial
 from pathlib import Path
 
-from jaxscale import atomic
 from jaxscale.benchmarks import equal_devices, one_device, stages, train_step
 from jaxscale.benchmarks.machine import LoadGate, load_average, recorded_machine
 from jaxscale.benchmarks.report import FP32_TOLERANCE, render
 from jaxscale.benchmarks.sessions import alternate, log, module_command, run_session
 from jaxscale.benchmarks.threads import usable_cores
+from jaxscale.infra import atomic
 
 PARTS = ("one_device", "equal_devices", "stages", "train_step")
 EXIT_CHECK_FAILED, EXIT_LOADED = 1, 3

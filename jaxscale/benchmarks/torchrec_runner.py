@@ -7,7 +7,7 @@ tables (``pooling=None``) through ``EmbeddingCollection``. Tables are ``jaxscale
 
 Returns per-step lookup outputs (global batch, dense numpy), the final tables gathered to dense numpy, the
 bytes handed to each torch.distributed collective (per rank and step) and step wall-clock times, so results
-can be compared with jaxscale and with `jaxscale.reference`, the NumPy reference of FBGEMM semantics.
+can be compared with jaxscale and with `jaxscale.engine.reference`, the NumPy reference of FBGEMM semantics.
 
 Semantics (chosen to match a single-process run over the whole global batch):
   * ids: int [B, L] per feature, ``-1`` = padding (any position); converted to a KeyedJaggedTensor.
@@ -19,7 +19,7 @@ Semantics (chosen to match a single-process run over the whole global batch):
     acc += mean(g^2 over the row's columns); w -= lr*g/(sqrt(acc)+eps)); duplicate ids are summed first.
 
 It lives in the library because the benchmark suite (`jaxscale.benchmarks.equal_devices`, run from an
-installed wheel too) and the parity tests drive it; importing it imports NumPy and `jaxscale.reference`
+installed wheel too) and the parity tests drive it; importing it imports NumPy and `jaxscale.engine.reference`
 only: torch, torchrec and fbgemm_gpu are imported inside the functions that run in its own processes.
 
 Programmatic use::
@@ -57,8 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import atomic, reference
-from jaxscale.tables import TableConfig
+from jaxscale.engine import reference
+from jaxscale.engine.tables import TableConfig
+from jaxscale.infra import atomic
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 OPTIMIZERS = {
@@ -105,7 +106,7 @@ def _norm_grads(grads, n_steps):
 
 # ------------------------------------------------------------------------------------ NumPy reference
 def numpy_reference(tables, weights, batches, grads=None, optimizer="sgd", lr=0.1, eps=1e-8, col_blocks=1):
-    """`jaxscale.reference.train` with the runner's optimizer names; col_blocks=k models TorchRec's
+    """`jaxscale.engine.reference.train` with the runner's optimizer names; col_blocks=k models TorchRec's
     column_wise row-wise AdaGrad (one accumulator per column shard of k equal shards)."""
     tables = [as_table(t) for t in tables]
     opt = "sgd" if OPTIMIZERS[optimizer.lower()] == "EXACT_SGD" else "rowwise_adagrad"

@@ -78,10 +78,10 @@ class JaxscaleEngine:
     def __init__(self, shape: Shape, threads: int):
         import jax
 
-        from jaxscale.checkpoint import host
-        from jaxscale.config import load_config
-        from jaxscale.mesh import make_mesh
-        from jaxscale.trainer import Trainer
+        from jaxscale.engine.mesh import make_mesh
+        from jaxscale.training.checkpoint import host
+        from jaxscale.training.config import load_config
+        from jaxscale.training.trainer import Trainer
 
         self.jax, self.host, self.shape = jax, host, shape
         m = "model.foundation."

@@ -92,7 +92,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.sequences.definitions import RAW_FIELDS, Definitions
 from jaxscale.sequences.engine import Engine, load_enrichment_tables
 from jaxscale.sequences.eventid import needs_row_identity, row_identity, splitmix64

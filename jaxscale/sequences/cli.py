@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from jaxscale.http_server import add_server_arguments, server_options
+from jaxscale.infra.http_server import add_server_arguments, server_options
 from jaxscale.sequences.definitions import DefinitionError
 from jaxscale.sequences.engine import EnrichmentError
 from jaxscale.sequences.events import EventsError

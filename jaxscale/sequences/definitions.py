@@ -468,7 +468,7 @@ def definitions_from_module(path) -> Definitions:
 
 def compile_definitions(src, out) -> Definitions:
     """Validates the definitions in `src` (.py) and writes their JSON to `out` atomically."""
-    from jaxscale import atomic
+    from jaxscale.infra import atomic
 
     defs = definitions_from_module(src)
     atomic.write_text(out, defs.dumps())

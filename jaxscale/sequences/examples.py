@@ -30,7 +30,7 @@ also received before ts (ingest_ts < ts); 'visible' only those also committed to
 appears in a history it could not have been served in (`jaxscale.sequences.query` says exactly what each
 bounds). Anchors and `min_history` are the same in every mode (they count stored events by event time).
 
-Batches have the foundation model's format (see `jaxscale.data`), right-padded to `max_seq_len`:
+Batches have the foundation model's format (see `jaxscale.training.data`), right-padded to `max_seq_len`:
 
     item_ids    int32  raw item id if in [0, 2**31 - 2], otherwise splitmix64(id) mod (2**31 - 1); -1 pad
     timestamps  int32  event time in unix seconds (ts // 1000); -1 pad

@@ -86,8 +86,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from jaxscale import atomic
-from jaxscale.atomic import fsync_dir
+from jaxscale.infra import atomic
+from jaxscale.infra.atomic import fsync_dir
 from jaxscale.sequences.protocols import Protocol, filter_steps, get_protocol
 from jaxscale.sequences.store import _renameat2_exchange, write_table
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import polars as pl
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.sequences.definitions import Definitions
 from jaxscale.sequences.engine import ChunkStats, Engine, load_enrichment_tables, split_days
 from jaxscale.sequences.events import check_schema, find_event_files, read_stream

@@ -1,4 +1,4 @@
-"""The serving API over the store's in-memory index, on the shared HTTP layer (`jaxscale.http_server`).
+"""The serving API over the store's in-memory index, on the shared HTTP layer (`jaxscale.infra.http_server`).
 
     GET /v1/users/{user_id}/sequences/{name}?as_of=T&limit=N&ids=raw|dense&as_of_mode=event|ingest|visible
       200 {"user_id": 42, "sequence": "engagement", "events": [{"item_id": ..., "ts": ..., ...}, ...]}
@@ -39,7 +39,7 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from jaxscale.http_server import (
+from jaxscale.infra.http_server import (
     BackgroundServer,
     JSONDepthError,
     Request,
@@ -51,7 +51,7 @@ from jaxscale.http_server import (
     path_resource,
     serve_until_signal,
 )
-from jaxscale.periodic import PeriodicTask
+from jaxscale.infra.periodic import PeriodicTask
 from jaxscale.sequences.query import AS_OF_MODES, ID_MODES, INT64_MAX, INT64_MIN, OutsideWindow, SequenceReader
 from jaxscale.sequences.store import list_sequences
 
@@ -123,7 +123,7 @@ def _json_choice(name: str, value, choices: tuple[str, ...]) -> str:
 def parse_batch(body: bytes, max_depth: int = 64) -> tuple[list[int], int | None, int | None, str, str]:
     """(user_ids, as_of, limit, ids, as_of_mode) from a batchGet body, strictly; BadRequest names the field.
     The body is nested at most ``max_depth`` deep; a big one is parsed letting the event loop run meanwhile
-    (`jaxscale.http_server.parse_json`: the handler runs in a thread)."""
+    (`jaxscale.infra.http_server.parse_json`: the handler runs in a thread)."""
     try:
         doc = parse_json(body, max_depth)
     except JSONDepthError as e:

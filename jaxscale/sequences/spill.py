@@ -48,7 +48,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale.atomic import fsync_dir
+from jaxscale.infra.atomic import fsync_dir
 from jaxscale.sequences.engine import ChunkStats, Engine, split_days
 from jaxscale.sequences.events import EventFile, read_chunks
 from jaxscale.sequences.store import (

@@ -34,8 +34,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale import atomic
-from jaxscale.atomic import fsync_dir
+from jaxscale.infra import atomic
+from jaxscale.infra.atomic import fsync_dir
 from jaxscale.sequences.definitions import SCHEMA_VERSION
 from jaxscale.sequences.eventid import EVENT_ID
 

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.sequences.store import StoreError
 
 PAD = 0

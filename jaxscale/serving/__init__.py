@@ -5,7 +5,7 @@ Names are imported lazily: the root, signatures and wire format do not import JA
 See docs/serving.md.
 """
 
-from jaxscale.lazy import lazy_exports
+from jaxscale.infra.lazy import lazy_exports
 
 _EXPORTS = {
     "FeatureSpec": "jaxscale.serving.signature",

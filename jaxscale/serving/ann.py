@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 FORMAT = "jaxscale.ann_index/1"
 META_FILE = "index.json"
@@ -169,7 +169,7 @@ def _check_queries(queries, dim: int) -> np.ndarray:
 def exact_search(queries, item_ids, vectors, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The reference: inner product of each query with EVERY item, top k (ties: the earlier item first).
     -> (item ids int64 [B, k], scores float32 [B, k]). `vectors` are used as given (normalise them first)."""
-    from jaxscale.ranking import topk_from_scores
+    from jaxscale.training.ranking import topk_from_scores
 
     ids = np.asarray(item_ids, np.int64)
     v = np.asarray(vectors, np.float32)

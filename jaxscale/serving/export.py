@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.serving import store as store_lib
 from jaxscale.serving.signature import BATCH, FeatureSpec, Signature, SignatureError, check_name
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 TARGET_S = 2.0
 SURFACES = ("home", "search")
@@ -39,7 +39,7 @@ def _definitions():
 
 def write_inputs(folder: Path, item_rows: int, num_categories: int):
     """The pipeline's definitions (defs.json) and item enrichment (items.parquet), each written whole through
-    `jaxscale.atomic` (a temporary file renamed over the target): a reader never sees a torn file, even
+    `jaxscale.infra.atomic` (a temporary file renamed over the target): a reader never sees a torn file, even
     when the writer dies mid-write. Returns the definitions."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -79,9 +79,9 @@ def run_freshness(
     `kind`: the model kind whose registered `EncoderStateParts` build the states (`model_parts`, `model_kwargs`)."""
     import pyarrow as pa
 
-    from jaxscale import registry
     from jaxscale.sequences.broker import Producer, StreamConsumer
     from jaxscale.serving.states import StateBuilder, StateReader, state_parts
+    from jaxscale.training import registry
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,12 @@
     GET  /metrics     Prometheus text (the HTTP layer's metrics and the leaf's own)
     GET  /healthz
 
-Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict and /signature need a
+Served by the shared HTTP layer (`jaxscale.infra.http_server`); with a tokens file, /predict and /signature need a
 token granting the model's name.
 
 The fast path: /predict is an ``async def`` handler on the server's event loop. Decoding, the signature check
 and the column conversion run inline (tens of microseconds); the model call goes through ``self._offload``
-(`jaxscale.http_server.Offload`), which runs it on the loop while its measured time per batch bucket is under
+(`jaxscale.infra.http_server.Offload`), which runs it on the loop while its measured time per batch bucket is under
 ``LeafConfig.inline_budget_s`` and in a thread otherwise (a first call, a big batch). No request crosses a thread
 when the model is fast, so no thread wake-ups or GIL hand-offs are paid per request. A body laid out like one
 already read (`wire.LayoutCache`: the root sends the same schema and batch size every time) is not decoded: each
@@ -55,7 +55,7 @@ import jax
 import numpy as np
 import pyarrow as pa
 
-from jaxscale.http_server import (
+from jaxscale.infra.http_server import (
     BackgroundServer,
     HTTPError,
     Offload,
@@ -195,7 +195,7 @@ class Leaf:
         self._plans_lock = threading.Lock()
         self._layouts = wire.LayoutCache()  # request layouts seen: their inputs are read without decoding
         self._limits = wire.DecodeLimits(config.server.max_decoded_bytes, config.server.max_rows)
-        # the model call: on the loop while it is short, else in threads (`jaxscale.http_server.Offload`)
+        # the model call: on the loop while it is short, else in threads (`jaxscale.infra.http_server.Offload`)
         self._offload = Offload(config.server.workers, config.inline_budget_s, name="leaf-model")
         self.retrieval, self.states, self._own_states = None, states, False
         if retrieval_lib.is_retrieval_version(config.store, config.model, config.version):

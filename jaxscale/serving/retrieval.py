@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 from jaxscale.serving import store as store_lib
 from jaxscale.serving import wire
 from jaxscale.serving.ann import AnnIndex, AnnIndexError, AnnParams
@@ -346,8 +346,8 @@ def parse_k(value, default: int = DEFAULT_K) -> int:
 
 
 def _parse_json(body: bytes):
-    """`jaxscale.http_server.parse_json`: a big body, parsed in a thread, lets the event loop run meanwhile."""
-    from jaxscale.http_server import parse_json
+    """`jaxscale.infra.http_server.parse_json`: a big body, parsed in a thread, lets the event loop run meanwhile."""
+    from jaxscale.infra.http_server import parse_json
 
     return parse_json(body)
 
@@ -435,7 +435,7 @@ class RetrieveEndpoint:
             self.metrics.inc(name, value, **labels)
 
     def parse(self, request) -> ParsedRetrieve:
-        from jaxscale.http_server import HTTPError
+        from jaxscale.infra.http_server import HTTPError
 
         model = self._where["model"]
         if request.params.get("name", model) != model:
@@ -462,7 +462,7 @@ class RetrieveEndpoint:
         return self.retrieval.retrieve(self.reader, parsed.columns, parsed.k)
 
     def respond(self, parsed: ParsedRetrieve, result: RetrieveResult):
-        from jaxscale.http_server import Response
+        from jaxscale.infra.http_server import Response
 
         self._count("retrieved", result.item_ids.shape[0])
         headers = {TIMINGS_HEADER: json.dumps(result.timings_ms, separators=(",", ":"))}
@@ -561,7 +561,7 @@ def saved_config(checkpoints: Path, step=None, overrides=()):
 
     import yaml
 
-    from jaxscale.config import load_config
+    from jaxscale.training.config import load_config
 
     steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and p.is_dir())
     chosen = step if step is not None else (steps[-1] if steps else None)
@@ -580,11 +580,11 @@ def load_parts(config_path: str | None, checkpoint: str, overrides=(), *, step=N
     """(parts, provenance): a run's checkpoint restored and asked for its `RetrievalParts` (`parts_function`),
     over the held-out split of its config's data (the corpus metadata and the sample queries). `config_path`
     None: the config saved with the checkpoint."""
-    from jaxscale import distributed
-    from jaxscale.config import load_config
-    from jaxscale.data import make_data
-    from jaxscale.evaluate import _backends_started, find_checkpoints, item_decoder, restore
-    from jaxscale.trainer import Trainer
+    from jaxscale.infra import distributed
+    from jaxscale.training.config import load_config
+    from jaxscale.training.data import make_data
+    from jaxscale.training.evaluate import _backends_started, find_checkpoints, item_decoder, restore
+    from jaxscale.training.trainer import Trainer
 
     checkpoints = find_checkpoints(checkpoint)
     cfg = load_config(config_path, list(overrides)) if config_path else saved_config(checkpoints, step, overrides)

@@ -15,7 +15,7 @@ weighted split per model, from the config file). A failing leaf is contained (`j
 deadlines (504), a concurrency bound and a circuit breaker per leaf (503 + Retry-After), partial answers for a
 /predict naming no models (the failed leaves listed in ``X-Jaxscale-Failed``), leaf calls cancelled with the client.
 
-Served by the shared HTTP layer (`jaxscale.http_server`); with a tokens file, /predict needs a token granting
+Served by the shared HTTP layer (`jaxscale.infra.http_server`); with a tokens file, /predict needs a token granting
 every model it targets (all served models when ``models`` is absent), /admin/reload one granting "admin".
 
 The fast path: /predict is an ``async def`` handler on the server's event loop from end to end. Decoding,
@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from jaxscale.http_server import (
+from jaxscale.infra.http_server import (
     JSON,
     REQUEST_ID_HEADER,
     AsyncClient,

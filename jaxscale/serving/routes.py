@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from jaxscale.periodic import PeriodicTask
+from jaxscale.infra.periodic import PeriodicTask
 from jaxscale.serving import store as store_lib
 from jaxscale.serving.signature import Signature, SignatureError
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxscale import atomic
+from jaxscale.infra import atomic
 
 SIGNATURE_FORMAT = "jaxscale.signature/1"
 BATCH = "batch"

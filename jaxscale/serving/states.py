@@ -73,8 +73,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale import atomic
-from jaxscale.periodic import PeriodicTask
+from jaxscale.infra import atomic
+from jaxscale.infra.periodic import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -561,7 +561,7 @@ def state_parts(kind: str) -> EncoderStateParts:
     """The `EncoderStateParts` of a model kind; ValueError naming the kinds that have them otherwise."""
     import importlib.metadata
 
-    from jaxscale import registry
+    from jaxscale.training import registry
 
     spec = registry.get(kind)
     if spec.encoder_states is None:
@@ -892,8 +892,8 @@ def load_model(cfg, checkpoint, step: int | None = None):
     (`jaxscale.serving.retrieval.model_version`): ``<run dir name>/step-<step>``."""
     from flax import nnx
 
-    from jaxscale.evaluate import find_checkpoints, restore
-    from jaxscale.trainer import Trainer
+    from jaxscale.training.evaluate import find_checkpoints, restore
+    from jaxscale.training.trainer import Trainer
 
     checkpoints = find_checkpoints(checkpoint)
     no_data = object()  # the trainer only restores here: it reads no data
@@ -968,7 +968,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="config overrides, dotted.key=value")
     args = p.parse_intermixed_args(argv)
-    from jaxscale.config import ConfigError, load_config
+    from jaxscale.training.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -980,7 +980,7 @@ def main(argv=None) -> int:
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():  # a fresh process: the config's simulated CPU devices
-        from jaxscale import distributed
+        from jaxscale.infra import distributed
 
         distributed.initialize(None, None, None, local_devices=cfg.mesh.nodes * cfg.mesh.local)
     try:

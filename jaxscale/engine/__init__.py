@@ -1,0 +1,1 @@
+"""The engine: sharded embedding tables, their planner, plans, mesh, collectives and the communication model."""

@@ -1,0 +1,1 @@
+"""Shared infrastructure: atomic writes, lazy package faces, periodic tasks, the HTTP layer, multi-host start-up."""

@@ -1,0 +1,1 @@
+"""Studies: the scaling model, its exact counts and the emulated cluster."""

@@ -1,0 +1,1 @@
+"""Training: config, model registry, data, the trainer, checkpoints, evaluation and ranking."""
