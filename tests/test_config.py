@@ -121,6 +121,16 @@ def test_bad_files(tmp_path):
         load_config(None, ["train.steps"])
 
 
+def test_no_registered_model_kinds_says_install_the_package(monkeypatch):
+    """A source tree on PYTHONPATH without the package installed has no entry points: the error says so."""
+    from jaxscale.training import registry
+
+    monkeypatch.setattr(registry, "_entry_points", dict)
+    monkeypatch.setattr(registry, "_SPECS", {})
+    with pytest.raises(ConfigError, match=r"^model\.kind: no model kinds are registered .*pip install"):
+        load_config(str(CONFIGS / "foundation_smoke.yaml"), [])
+
+
 def test_yaml_12_floats_are_numbers(tmp_path):
     """`1e-8` without a dot is a float (YAML 1.2), in a file and in an override; a saved config reloads equal."""
     path = tmp_path / "c.yaml"

@@ -81,6 +81,10 @@ except ImportError as e:
     sys.exit(f"JAX is not installed in this environment ({e}): run `pip install -e .[cuda12]` beforehand")
 print(f"python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")
 print(f"backend {jax.default_backend()}: {jax.devices()}")
+from jaxscale.training import registry
+if "foundation" not in registry.kinds():
+    sys.exit("jaxscale's model kinds are not registered in this environment (the source tree on PYTHONPATH is not "
+             "enough): run `pip install --no-deps --no-build-isolation -e .` beforehand")
 if jax.default_backend() != "gpu" and sys.argv[1] != "--quick":
     sys.exit("no GPU visible to JAX: install jax with its CUDA plugin (`pip install -e .[cuda12]`) beforehand, "
              "check nvidia-smi and CUDA_VISIBLE_DEVICES; or pass --quick to test this script on CPU")
