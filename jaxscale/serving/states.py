@@ -301,7 +301,6 @@ def open_current(root, retries: int = 5) -> StateSnapshot | None:
             if attempt == retries - 1:
                 raise
             time.sleep(0.01 * (attempt + 1))
-    return None
 
 
 class StatesNotReady(RuntimeError):

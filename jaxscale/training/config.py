@@ -133,15 +133,11 @@ class ModelConfig:
     def from_tree(cls, data: Mapping) -> ModelConfig:
         """The YAML form {kind: k, k: {...}, ...} -> ModelConfig (errors name the key inside the section)."""
         kind = data.get("kind", "foundation")
-        if not registry.kinds():
-            raise _err(
-                "kind",
-                f"no model kinds are registered (entry-point group {registry.ENTRY_POINTS!r}): "
-                "install the package (`pip install -e .`, offline: `pip install --no-deps --no-build-isolation "
-                "-e .`) rather than only putting the source tree on PYTHONPATH",
-            )
         if not isinstance(kind, str) or kind not in registry.kinds():
-            raise _err("kind", f"must be one of {registry.kinds()}, got {kind!r}")
+            hint = (
+                "" if registry.kinds() else ": none is registered, install the package (`pip install --no-deps -e .`)"
+            )
+            raise _err("kind", f"must be one of {registry.kinds()}, got {kind!r}{hint}")
         sections = {}
         for key, value in data.items():
             if key == "kind":
