@@ -502,7 +502,9 @@ class Service:
             message = f"request body unreadable: {type(e).__name__}"
             return Response.json({"error": message}, 400, {"Connection": "close"})
         if request.headers.get("content-type", "").split(";")[0].strip().lower() == JSON:
-            depth = await off_loop(len(body), cfg.parse_offload_bytes, json_too_deep, body, cfg.max_json_depth)
+            measure = functools.partial(json_too_deep, body, cfg.max_json_depth)
+            big = len(body) >= cfg.parse_offload_bytes  # measured off the event loop
+            depth = await asyncio.to_thread(measure) if big else measure()
             if depth is not None:
                 message = f"JSON body nested {depth} deep, over the limit of {cfg.max_json_depth} (max_json_depth)"
                 return Response.json({"error": message, "reason": "json_depth", "limit": cfg.max_json_depth}, 400)
@@ -588,15 +590,6 @@ def request_id_of(sent: str | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ bodies
-
-
-async def off_loop(size: int, threshold: int, fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)``: inline when the body it parses (``size`` bytes) is under ``threshold``, else in the
-    loop's default executor, so a big parse (Arrow decompression, a large JSON document) does not stall the event loop
-    and every other request on it (/healthz included)."""
-    if size < threshold:
-        return fn(*args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
 
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")

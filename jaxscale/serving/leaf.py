@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import functools
 import logging
 import sys
 import threading
@@ -65,7 +66,6 @@ from jaxscale.infra.http_server import (
     ServerConfig,
     Service,
     add_server_arguments,
-    off_loop,
     serve_until_signal,
     server_options,
 )
@@ -429,8 +429,9 @@ class Leaf:
                 status = 415
                 raise HTTPError(415, {"error": f"Content-Type must be {wire.MEDIA_TYPE}, got {ctype!r}"})
             try:
-                body, threshold = request.body, self.config.server.parse_offload_bytes
-                inputs, rows = await off_loop(len(body), threshold, self._body_inputs, body)
+                parse = functools.partial(self._body_inputs, request.body)
+                big = len(request.body) >= self.config.server.parse_offload_bytes  # parsed off the event loop
+                inputs, rows = await asyncio.to_thread(parse) if big else parse()
                 outputs = await self._offload.run(("predict", self._bucket(rows)), self._run, inputs)
             except wire.DecodeLimitError as e:
                 status = 413
@@ -478,8 +479,9 @@ class Leaf:
         try:
             if ctype == wire.MEDIA_TYPE:  # refused from the metadata, before anything is decompressed
                 wire.check_limits(request.body, self._limits)
-            size, threshold = len(request.body), self.config.server.parse_offload_bytes
-            parsed = await off_loop(size, threshold, self._retrieve_endpoint.parse, request)
+            parse = functools.partial(self._retrieve_endpoint.parse, request)
+            big = len(request.body) >= self.config.server.parse_offload_bytes  # parsed off the event loop
+            parsed = await asyncio.to_thread(parse) if big else parse()
             decoded = sum(np.asarray(c).nbytes for c in parsed.columns.values())
             self._limits.check(parsed.rows, decoded, "decoded to")  # a JSON body's rows, too
         except wire.DecodeLimitError as e:

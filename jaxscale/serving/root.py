@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import math
@@ -77,7 +78,6 @@ from jaxscale.infra.http_server import (
     ServerConfig,
     Service,
     add_server_arguments,
-    off_loop,
     serve_until_signal,
     server_options,
 )
@@ -859,10 +859,9 @@ class Root:
     ) -> FanoutResult:
         """`fan_out_async` of a request body: `_prepare_body` (in a thread for a body of at least
         ``parse_offload_bytes``: decoding and encoding a big one would stall the event loop), then the sends."""
-        threshold = self.config.server.parse_offload_bytes
-        routes, plans, batch, bodies = await off_loop(
-            len(body), threshold, self._prepare_body, body, models, request_id
-        )
+        prepare = functools.partial(self._prepare_body, body, models, request_id)
+        big = len(body) >= self.config.server.parse_offload_bytes
+        routes, plans, batch, bodies = await asyncio.to_thread(prepare) if big else prepare()
         return await self._send_async(routes, plans, batch, bodies, request_id, deadline, partial=not models)
 
     def _prepare_body(self, body: bytes, models: Sequence[str], request_id: str = ""):
@@ -984,11 +983,12 @@ class Root:
             t0 = time.perf_counter()
             if ctype == wire.MEDIA_TYPE:  # refused from the metadata, before anything is decompressed
                 wire.check_limits(request.body, self._limits)
-            size, threshold = len(request.body), self.config.server.parse_offload_bytes
-            trimmed = await off_loop(
-                size, threshold, trim_retrieve_request, request.body, ctype, entry.signature if ok else None,
+            trim = functools.partial(
+                trim_retrieve_request, request.body, ctype, entry.signature if ok else None,
                 trim=self.config.trim, fail_open=None if ok else entry.status, compression=self.config.compression,
             )  # fmt: skip
+            big = len(request.body) >= self.config.server.parse_offload_bytes  # parsed off the event loop
+            trimmed = await asyncio.to_thread(trim) if big else trim()
             self.metrics.inc("trim_seconds", time.perf_counter() - t0)
         except wire.DecodeLimitError as e:
             self.metrics.inc("bad_requests", reason="decode_limit")
