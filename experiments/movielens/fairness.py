@@ -1,7 +1,7 @@
 """The fair ML-100K comparison: the foundation model against the SASRec reference on one split, both maskings.
 
-Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, protocol ml100k) and trains into
-OUT/fairness/:
+Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, protocol ml100k; or ML-1M with
+`--config jaxscale/configs/movielens1m_foundation.yaml --protocol literature`) and trains into OUT/fairness/:
 - `foundation` (the shipped config) for every seed;
 - its ablations, every seed: `foundation_no_seen_offset` (seen_item_bias off: the one mechanism the
   SASRec reference lacks) and `foundation_no_rating_time` (no event-type input, no time encoding);
@@ -11,10 +11,12 @@ Each variant's test top-20 is written under both maskings (history kept; every h
 record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
 each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
 (per-user NDCG averaged over seeds, `jaxscale.training.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
-not CI.
+not CI. A variant's folder that already holds a trained `best` checkpoint (an earlier invocation, or a link to
+run.sh's own run of that seed: `ln -s OUT/runs/foundation OUT/fairness/foundation_seed0`) is evaluated, not
+trained again.
 
     python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
-        [--seeds 0 1 2] [--only foundation sasrec ...]
+        [--seeds 0 1 2] [--only foundation sasrec ...] [--config YAML --protocol NAME]
     python experiments/movielens/fairness.py OUT --json F --summarize   # the record from finished runs only
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from jaxscale.infra import atomic
+from jaxscale.sequences.protocols import get_protocol
 from jaxscale.training import ranking
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,16 +60,22 @@ def _run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); see {log}")
 
 
-def train_foundation(out: Path, work: Path, name: str, seed: int, rows: int) -> None:
+def train_foundation(
+    out: Path, work: Path, name: str, seed: int, rows: int, config: Path = CONFIG, protocol: str | None = None
+) -> None:
     run = work / f"{name}_seed{seed}"
     data = [f"data.sequences.store={out / 'store'}", f"data.sequences.defs={out / 'defs.json'}"]
+    if protocol is not None:  # the protocol's history is every model's (as run.sh sets it)
+        history = get_protocol(protocol).history_length
+        data += [f"data.sequences.protocol={protocol}", f"model.foundation.max_seq_len={history}"]
     args = [*data, f"model.foundation.item_rows={rows}", f"train.seed={seed}", f"data.seed={seed}", *FOUNDATION[name]]
     py = sys.executable
-    _run([py, "-m", "jaxscale.train", "--config", str(CONFIG), "--no-progress", f"train.workdir={run}", *args],
-         work / f"{name}_seed{seed}.log")  # fmt: skip
+    if not (run / "best").exists():
+        _run([py, "-m", "jaxscale.train", "--config", str(config), "--no-progress", f"train.workdir={run}", *args],
+             work / f"{name}_seed{seed}.log")  # fmt: skip
     for masking, flag in MASKINGS.items():
         files = ["--json", str(run / f"test_{masking}.json"), "--topk", str(run / f"topk_{masking}.parquet")]
-        cmd = [py, "-m", "jaxscale.evaluate", "--config", str(CONFIG), "--checkpoint", str(run / "best")]
+        cmd = [py, "-m", "jaxscale.evaluate", "--config", str(config), "--checkpoint", str(run / "best")]
         _run(
             [*cmd, "--split", "test", "--k", "10,20", flag, "--no-popularity", *files, *args],
             work / f"{run.name}_{masking}.log",
@@ -141,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--only", nargs="+", choices=[*FOUNDATION, *SASREC], default=None)
     ap.add_argument("--summarize", action="store_true", help="only write the record from the runs already done")
+    ap.add_argument("--config", type=Path, default=CONFIG, help="the foundation model's config (default: ML-100K's)")
+    ap.add_argument("--protocol", default=None, help="the run's protocol (its history length and masking)")
     args = ap.parse_args(argv)
     out = Path(args.out).absolute()
     work = out / "fairness"
@@ -152,10 +163,10 @@ def main(argv=None) -> int:
                 continue  # done in an earlier invocation
             print(f"{name} seed {seed}", flush=True)
             if name in FOUNDATION:
-                train_foundation(out, work, name, seed, rows)
+                train_foundation(out, work, name, seed, rows, args.config.absolute(), args.protocol)
             else:
                 train_sasrec(out, work, name, seed)
-    record = summarize(out, work, args.seeds)
+    record = {"config": str(args.config), "protocol": args.protocol, **summarize(out, work, args.seeds)}
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))
     return 0
