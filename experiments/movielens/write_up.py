@@ -171,34 +171,41 @@ def render(metrics: dict, tuning: dict | None) -> str:
     return "\n".join(lines)
 
 
-def ml1m_fairness(fairness: dict) -> list[str]:
+def ml1m_fairness(fairness: dict, target: float) -> list[str]:
     """What the foundation model has that the published SASRec+ rows lack, read from its config, and the
     recorded ablation of those inputs (`movielens_ml1m_fairness.json`, written by fairness.py)."""
     cfg = yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
+    ran = fairness.get("machine", {})
+    ran = f"{ran.get('backend', '?')} ({ran.get('device', '?')}, jax {ran.get('jax', '?')})"
+    spread = "one seed: no spread is measured" if len(seeds) == 1 else "mean +- standard error over seeds"
     lines = [
         f"- Inputs the published SASRec+ rows do not have (they see item ids and positions): each event's rating, as "
         f"one of {cfg['num_actions']} event types, and its time (`time_encoding: {cfg['time_encoding']}`). The "
         f"seen-item offset (`seen_item_bias: {str(cfg['seen_item_bias']).lower()}`) moves no masked ranking: every "
         "history item is removed before ranking (it is still trained with the model). The ablation below trains "
-        f"the same config without rating and time inputs on the same split (seed{'s' if len(seeds) > 1 else ''} "
-        f"{', '.join(map(str, seeds))}; "
-        + ("one seed: no spread is measured" if len(seeds) == 1 else "mean over seeds")
-        + "):",
+        f"the same config with and without the rating and time inputs on the same split (seeds "
+        f"{', '.join(map(str, seeds))}, run on {ran}; {spread}):",
         "",
-        "| variant | test NDCG@10, history masked | history not masked |",
-        "|---|---|---|",
+        "| variant | test NDCG@10, history masked | per seed | history not masked |",
+        "|---|---|---|---|",
     ]
     for name, entry in variants.items():
-        lines.append(f"| {name} | {_f(entry['masked']['mean'])} | {_f(entry['unmasked']['mean'])} |")
+        m, se = entry["masked"]["mean"], entry["masked"]["se"]
+        mean = f"{m:.4f} +- {se:.4f}" if se is not None else f"{m:.4f}"
+        per_seed = ", ".join(f"{x:.4f}" for x in entry["masked"]["ndcg@10"])
+        lines.append(f"| {name} | {mean} | {per_seed} | {_f(entry['unmasked']['mean'])} |")
     for pair in fairness["paired"]:
         if pair["masking"] == "masked":
             d = pair["ndcg@10_difference"]
-            lines.append("")
-            lines.append(
-                f"- {pair['a']} minus {pair['b']}, NDCG@10 with history masked: {d['mean']:+.4f} (paired bootstrap "
-                f"over {d['users']:,} users, {d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f})."
-            )
+            interval = f"{d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f}"
+            lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with history masked: {d['mean']:+.4f} "
+                      f"(paired bootstrap over {d['users']:,} users, {interval})."]  # fmt: skip
+    if (ablated := variants.get("foundation_no_rating_time")) is not None:
+        a = ablated["masked"]["mean"]
+        verdict = "it leads without them too" if a >= target else "the lead comes from the inputs SASRec+ does not have"
+        lines += ["", f"- Without the rating and time inputs the model reaches {a:.4f}, {a / target:.2f}x the "
+                  f"published SASRec+ row {target:.4f}: {verdict}."]  # fmt: skip
     return lines
 
 
@@ -247,22 +254,26 @@ def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | Non
         lines += ["", f"- Foundation model test NDCG@10 {f:.4f} vs the published SASRec row {target:.4f} "
                   f"({f / target:.2f}x): the target {verdict}."]  # fmt: skip
         if fairness and fairness.get("protocol") == protocol:
-            lines += ml1m_fairness(fairness)
+            lines += ml1m_fairness(fairness, target)
             lines.append("")
         if "genre_hint" in m["models"] and "two_tower_context" in m["models"]:
             c = m["models"]["two_tower_context"]["test"]["recall@10"]
             g = m["models"]["genre_hint"]["test"]["recall@10"]
             n = m["models"]["two_tower_no_context"]["test"]["recall@10"]
-            ok = c >= 1.3 * g and c >= 2 * n
+            hint, alone = ("met" if c >= 1.3 * g else "missed"), ("met" if c >= 2 * n else "missed")
+            verdicts = f"1.3x the hint {hint}, 2x no context {alone}"
             lines.append(
                 f"- Contextual two-tower Recall@10 {c:.4f}: {c / g:.2f}x genre_hint ({g:.4f}, the hint alone) and "
-                f"{c / n:.2f}x the same model without context ({n:.4f}); the targets (1.3x and 2x) "
-                f"{'are met' if ok else 'are missed'}."
+                f"{c / n:.2f}x the same model without context ({n:.4f}); the targets: {verdicts}."
             )
         if "seconds" in run:
+            trained = [
+                f"{LABELS[n]} {r['train_seconds'] / 60:.1f}" for n, r in m["models"].items() if "train_seconds" in r
+            ]
             lines.append(
                 f"- run.sh, fetch to metrics: {run['seconds'] / 60:.1f} minutes: "
-                f"{'within' if run['seconds'] <= 3600 else 'over'} the 60-minute budget."
+                f"{'within' if run['seconds'] <= 3600 else 'over'} the 60-minute budget"
+                + (f" (minutes of training, validation included: {'; '.join(trained)})." if trained else ".")
             )
         lines.append("")
     if records:
