@@ -309,29 +309,30 @@ def ml1m_curve_png(records: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--metrics", default=str(RESULTS / "movielens_metrics.json"))
-    ap.add_argument("--tuning", default=str(RESULTS / "movielens_tuning.json"))
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the folder of the recorded JSON files")
+    ap.add_argument("--metrics", default=None, help="default: RESULTS/movielens_metrics.json")
+    ap.add_argument("--tuning", default=None, help="default: RESULTS/movielens_tuning.json")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "movielens.md"))
-    ap.add_argument("--png", default=str(RESULTS / "movielens_curve.png"))
+    ap.add_argument("--png", default=None, help="default: RESULTS/movielens_curve.png")
+    ap.add_argument("--ml1m-png", default=None, help="default: RESULTS/movielens_ml1m_curve.png")
     args = ap.parse_args(argv)
-    metrics = json.loads(Path(args.metrics).read_text())
-    tuning = json.loads(Path(args.tuning).read_text()) if Path(args.tuning).exists() else None
+    results = args.results
+
+    def recorded(name: str, path: str | None = None):
+        path = Path(path) if path else results / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    metrics = recorded("movielens_metrics.json", args.metrics)
     doc = Path(args.doc)
-    atomic.replace_between(doc, START, END, render(metrics, tuning))
-    records = {
-        p: json.loads((RESULTS / f"movielens_ml1m_{p}.json").read_text())
-        for p in ML1M_PROTOCOLS
-        if (RESULTS / f"movielens_ml1m_{p}.json").exists()
-    }
-    ml1m_tuning = RESULTS / "movielens_ml1m_tuning.json"
-    ml1m_tuning = json.loads(ml1m_tuning.read_text()) if ml1m_tuning.exists() else None
-    ml1m_fair = RESULTS / "movielens_ml1m_fairness.json"
-    ml1m_fair = json.loads(ml1m_fair.read_text()) if ml1m_fair.exists() else None
-    atomic.replace_between(doc, ML1M_START, ML1M_END, "\n".join(ml1m_section(records, ml1m_tuning, ml1m_fair)))
-    curve_png(metrics, Path(args.png))
+    atomic.replace_between(doc, START, END, render(metrics, recorded("movielens_tuning.json", args.tuning)))
+    records = {p: r for p in ML1M_PROTOCOLS if (r := recorded(f"movielens_ml1m_{p}.json")) is not None}
+    ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), recorded("movielens_ml1m_fairness.json"))
+    atomic.replace_between(doc, ML1M_START, ML1M_END, "\n".join(ml1m))
+    png = Path(args.png) if args.png else results / "movielens_curve.png"
+    curve_png(metrics, png)
     if records:
-        ml1m_curve_png(records, RESULTS / "movielens_ml1m_curve.png")
-    print(f"wrote {doc} and {args.png}")
+        ml1m_curve_png(records, Path(args.ml1m_png) if args.ml1m_png else results / "movielens_ml1m_curve.png")
+    print(f"wrote {doc} and {png}")
     return 0
 
 
