@@ -16,7 +16,7 @@ Parts (`--parts`, default all):
                jaxscale on W simulated devices of one process is reported apart (not equal devices)
   stages       bytes per example of the foundation smoke config's embedding step per technique stage,
                from the compiled HLO
-  train_step   a real training step: the MovieLens foundation model through the Trainer (1x1 mesh) vs a
+  train_step   a real training step: the MovieLens foundation model through the Trainer (1xTHREADS mesh) vs a
                SASRec+ reference in PyTorch (eager, and under torch.compile), same shapes and threads:
                examples/s, median and worst, per-round ratios (skipped, and said so, without torch)
 
@@ -224,7 +224,7 @@ def parse(argv):
         "--threads", type=int, default=None, help="train_step: intra-op threads of both engines (default: usable cores)"
     )
     ap.add_argument(
-        "--mesh", default=None, help="train_step: jaxscale's mesh NODESxLOCAL of simulated CPU devices (default 1x1)"
+        "--mesh", default=None, help="train_step: jaxscale's mesh NODESxLOCAL of simulated CPU devices (default 1xTHREADS: one per thread)"
     )
     ap.add_argument(
         "--engines",

@@ -7,7 +7,7 @@ cross-entropy over every item, each in its own processes with no other engine al
 Engines (`python -m jaxscale.benchmarks.train_step ENGINE SPEC RESULT`):
   jaxscale        the foundation model of `movielens_foundation.yaml` (model and optimizer sections as shipped,
                   the shapes of the benchmark: max_seq_len = events, item_rows = items + 2 reserved, the loss at
-                  every position) on a 1x1 mesh, through the Trainer: per step `Trainer.prepare` (engine ids,
+                  every position) on `default_mesh` (1x2 on 2 cores), through the Trainer: per step `Trainer.prepare` (engine ids,
                   their check, placement, exchange sizing), the same AOT-compiled, donated `train_step` the
                   trainer runs, and the metrics' read-back the trainer does every step
   torch           `jaxscale.benchmarks.sasrec_torch` (eager), `torch.set_num_threads` = the XLA threads
@@ -54,7 +54,8 @@ class Shape:
     warmup: int = 3
     steps: int = 10
     mesh: str = "1x1"
-    """jaxscale's mesh, NODESxLOCAL simulated CPU devices in its one process (1x2: one device per core)."""
+    """jaxscale's mesh, NODESxLOCAL simulated CPU devices in its one process; `run` defaults it to
+    `default_mesh` (one device per thread)."""
 
     @property
     def devices(self) -> int:
@@ -73,7 +74,7 @@ def histories(shape: Shape, step: int, seed: int = 0) -> tuple[np.ndarray, np.nd
 
 
 class JaxscaleEngine:
-    """The Trainer of the MovieLens foundation config at the benchmark's shapes, 1x1 mesh."""
+    """The Trainer of the MovieLens foundation config at the benchmark's shapes, on `shape.mesh`."""
 
     def __init__(self, shape: Shape, threads: int):
         import jax
@@ -234,6 +235,16 @@ def launch_session(engine: str, spec: dict, tmp: str, timeout_s: float) -> dict:
     return run_session(module_command(WORKER), engine, [spec], tmp=tmp, timeout_s=timeout_s, env=env)[0]
 
 
+def default_mesh(batch: int, threads: int) -> str:
+    """One simulated device per intra-op thread (1x2 on 2 cores) when the batch splits evenly, else 1x1.
+
+    Measured on a 2-core machine (docs/benchmarks.md): two single-threaded devices, each training half the
+    batch, beat one device on two threads, which splits few of the step's many small fusions over both cores;
+    what the second device adds (the row-wise exchanges of the item table and the dense gradients' all-reduce,
+    in-process copies on CPU) costs less."""
+    return f"1x{threads}" if threads > 1 and batch % threads == 0 else "1x1"
+
+
 def run(cfg: dict, tmp: str, alternate, timeout_s: float = 1800, launch=launch_session) -> dict:
     """Sessions of every engine, alternated; returns examples/s, spread and per-round ratios.
 
@@ -242,8 +253,9 @@ def run(cfg: dict, tmp: str, alternate, timeout_s: float = 1800, launch=launch_s
     runs one session (default: its own process)."""
     from jaxscale.benchmarks.sasrec_torch import torch_installed
 
-    shape = Shape(**{f.name: cfg[f.name] for f in dataclasses.fields(Shape) if f.name in cfg})
     threads = int(cfg.get("threads") or usable_cores())
+    fields = {f.name: cfg[f.name] for f in dataclasses.fields(Shape) if f.name in cfg}
+    shape = Shape(**{"mesh": default_mesh(int(cfg.get("batch", Shape.batch)), threads), **fields})
     engines = list(cfg.get("engines", ENGINES))
     skipped = None
     if not torch_installed():

@@ -7,6 +7,7 @@ Every collective in jaxscale names one of the two axes defined here. Axes are or
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -179,6 +180,19 @@ def make_mesh(nodes: int, local: int, devices: Sequence | None = None):
             raise ValueError(f"make_mesh: local={local} but the processes hold {per_process} devices each")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(ordered, dtype=object).reshape(nodes, local), AXES)
+
+
+def batch_mesh(batch_size: int):
+    """The mesh of the current `jax.set_mesh` context when it has the batch axes, more than one device, and
+    `batch_size` splits evenly over them, else None: a model that finds one may run a per-example part in
+    `shard_map` over `BATCH_AXES` (the trainer compiles its step in that context)."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return None
+    devices = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return mesh if devices > 1 and batch_size % devices == 0 else None
 
 
 def mesh_shape(mesh) -> tuple[int, int]:

@@ -362,7 +362,8 @@ class Trainer:
                 out_shardings=(shardings, self.replicated),
                 donate_argnums=0,
             )
-            compiled = jitted.lower(state, batch.data, batch.ids).compile()
+            with jax.set_mesh(self.mesh):  # models may split per-example work over it (`mesh.batch_mesh`)
+                compiled = jitted.lower(state, batch.data, batch.ids).compile()
             cs = comm_inspect.list_collectives(compiled, mesh=self.mesh)
             self._executables[key] = (compiled, comm_inspect.summarize(cs), cs)
         compiled, self.comm, self.collectives = self._executables[key]

@@ -1,0 +1,199 @@
+"""The foundation model's fast parts against brute-force references: the byte-mask dropout, the block-causal
+attention, the chunked cross-entropy's gradients, and that cross-entropy split over the batch axes of a mesh."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxscale
+from jaxscale_models import foundation as fm
+
+# ------------------------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.1])
+def test_byte_dropout_drops_its_quantised_rate_and_keeps_the_mean(rate):
+    drop = fm.byte_threshold(rate)
+    layer = fm.ByteDropout(rate, rngs=nnx.Rngs(dropout=3))
+    x = jnp.ones((64, 4099))  # a last axis that is not a multiple of 4
+    y = np.asarray(layer(x))
+    dropped = y == 0
+    n = dropped.size
+    applied = drop / 256
+    assert abs(applied - rate) <= 1 / 512
+    assert abs(dropped.mean() - applied) < 5 * math.sqrt(applied * (1 - applied) / n)  # binomial, 5 sigma
+    np.testing.assert_allclose(y[~dropped], 256 / (256 - drop), rtol=1e-6)  # kept values rescaled exactly
+    assert abs(y.mean() - 1.0) < 0.01
+    assert not np.array_equal(dropped, np.asarray(layer(x)) == 0)  # the stream advances: new masks per call
+
+
+def test_byte_dropout_eval_identity_and_exact_fallbacks():
+    x = jnp.arange(12.0).reshape(3, 4) + 1
+    layer = fm.ByteDropout(0.2, rngs=nnx.Rngs(dropout=0))
+    layer.eval()
+    np.testing.assert_array_equal(layer(x), x)
+    # rates a byte cannot represent take nnx.Dropout's exact path (which also keeps explicit keys working)
+    assert fm.byte_threshold(0.001) == 0 and fm.byte_threshold(0.999) == 256
+    tiny = fm.ByteDropout(0.001, rngs=nnx.Rngs(dropout=0))
+    assert np.asarray(tiny(jnp.ones((100, 100))) == 0).sum() < 60
+    key = jax.random.key(1)
+    a = fm.ByteDropout(0.5, rngs=nnx.Rngs(dropout=0))(x, rngs=key)
+    b = nnx.Dropout(0.5)(x, rngs=key)
+    np.testing.assert_array_equal(a, b)
+    assert fm.ByteDropout(0.2, rngs=nnx.Rngs(dropout=0))(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def _attention_reference(q, k, v, mask):
+    """Every query against every key, masked: numpy, float64. q, k, v [B, H, L, D]; mask [B, L]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    l = q.shape[2]
+    logits = np.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    allowed = (np.tril(np.ones((l, l), bool))[None] & np.asarray(mask)[:, None, :]) | np.eye(l, dtype=bool)[None]
+    logits = np.where(allowed[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("l", [1, 7, 64, 65, 200])
+def test_block_causal_attention_equals_the_full_masked_product(l):
+    cfg = fm.FoundationConfig.smoke(d_model=16, num_heads=2, max_seq_len=max(l, 2), dropout=0.0)
+    attn = fm.CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(l)
+    x = jnp.asarray(rng.normal(size=(3, l, 16)), jnp.float32)
+    mask = np.ones((3, l), bool)
+    mask[1, l // 2 + 1 :] = False  # right padding
+    mask[2, 0] = l == 1  # a leading hole: rows that see nothing but themselves stay finite
+    got = attn(x, jnp.asarray(mask))
+    qkv = np.asarray(attn.qkv(x)).reshape(3, l, 3, 2, 8).transpose(2, 0, 3, 1, 4)
+    heads = _attention_reference(*qkv, mask).transpose(0, 2, 1, 3).reshape(3, l, 16)
+    want = np.asarray(attn.out(jnp.asarray(heads, jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_block_causal_attention_gradients_equal_one_block(monkeypatch):
+    cfg = fm.FoundationConfig.smoke(d_model=16, num_heads=2, max_seq_len=150, dropout=0.0)
+    attn = fm.CausalSelfAttention(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 150, 16)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 150)) < 0.9)
+    w = jnp.asarray(rng.normal(size=(2, 150, 16)), jnp.float32)
+
+    def grads():
+        return nnx.grad(lambda m, x: jnp.sum(m(x, mask) * w), argnums=(0, 1))(attn, x)
+
+    blocked = grads()
+    monkeypatch.setattr(fm, "ATTENTION_BLOCK", 10_000)  # one block: the full square
+    whole = grads()
+    for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- cross-entropy
+
+
+def _xent_inputs(seed, b=5, p=7, e=4, n=13, seen=True):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, p, e)), jnp.float32)
+    corpus = jnp.asarray(rng.normal(size=(n, e)), jnp.float32)
+    nxt = jnp.asarray(rng.integers(0, n, (b, p)), jnp.int32)
+    valid = jnp.asarray(rng.random((b, p)) < 0.8)
+    pos = jnp.asarray(np.sort(rng.integers(0, 3 * p, (b, p)), axis=1), jnp.int32)
+    first = jnp.asarray(rng.integers(0, 3 * p + 1, (b, n)) if seen else np.zeros((b, 0)), jnp.int32)
+    return q, corpus, jnp.float32(0.7), nxt, valid, pos, first
+
+
+def _dense_xent(x, q, corpus, bias, nxt, valid, pos, first):
+    """The definition: [B, P, N] logits materialised, reserved rows -inf, jax's own autodiff."""
+    logits = jnp.einsum("bpe,ne->bpn", q, corpus) / x.temperature
+    if x.seen:
+        logits = logits + bias * (pos[..., None] >= first[:, None, :])
+    logits = jnp.where(jnp.arange(corpus.shape[0]) >= x.reserved, logits, -jnp.inf)
+    target = jnp.clip(nxt, 0, corpus.shape[0] - 1)
+    positive = jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
+    ok = valid & (nxt >= x.reserved)
+    nll = jnp.sum(jnp.where(ok, jax.nn.logsumexp(logits, -1) - positive, 0.0))
+    hits = jnp.sum(ok & (jnp.sum(logits > positive[..., None], -1) < x.recall_k))
+    return nll, hits
+
+
+@pytest.mark.parametrize(
+    "seed,seen,reserved,temperature,chunk", [(0, True, 2, 0.5, 40), (1, False, 0, 1.0, 1 << 21), (2, True, 1, 0.05, 13)]
+)
+def test_chunked_cross_entropy_value_and_gradients_equal_the_dense_definition(seed, seen, reserved, temperature, chunk):
+    args = _xent_inputs(seed, seen=seen)
+    x = fm.CrossEntropy(temperature, reserved, 3, seen, chunk_elements=chunk)  # chunks that pad the batch
+    got = fm.softmax_cross_entropy(x, *args)
+    want = _dense_xent(x, *args)
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-5) and int(got[1]) == int(want[1])
+    diff = (0, 1, 2) if seen else (0, 1)
+
+    def grad(f):
+        return jax.grad(lambda *a: f(x, *a, *args[len(a) :])[0], argnums=diff)(*args[: len(diff)])
+
+    for g, w in zip(grad(fm.softmax_cross_entropy), grad(_dense_xent)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+
+
+def _softmax_loss(cfg, b, seed):
+    """(f(query, corpus, seen_bias) -> (loss, recall, count), args) on a random right-padded batch."""
+    rng = np.random.default_rng(seed)
+    l, e = cfg.max_seq_len, cfg.item_out_dim
+    lengths = rng.integers(1, l + 1, b)
+    mask = np.arange(l)[None] < lengths[:, None]
+    batch = {
+        "item_ids": np.where(mask, rng.integers(2, cfg.item_rows, (b, l)), -1).astype(np.int32),
+        "mask": mask,
+        "target_item_ids": rng.integers(0, cfg.item_rows, b).astype(np.int32),
+    }
+    per = -(-cfg.item_rows // b)
+
+    def f(query, corpus, bias):
+        out = {"query": query, "corpus": corpus, "seen_bias": jnp.broadcast_to(bias, (b,))}
+        return fm.full_softmax(cfg, out, batch)
+
+    args = (
+        jnp.asarray(rng.normal(size=(b, l, e)), jnp.float32),
+        jnp.asarray(rng.normal(size=(b, per, e)), jnp.float32),
+        jnp.float32(0.4),
+    )
+    return f, args
+
+
+def test_full_softmax_split_over_the_batch_axes_equals_one_device(mesh):
+    """Under the trainer's mesh context each device scores its own examples (`shard_map`): the loss, recall,
+    count and the gradients of query, corpus and offset equal the single-device computation."""
+    cfg = fm.FoundationConfig(
+        item_rows=37,
+        item_dim=8,
+        d_model=8,
+        max_seq_len=6,
+        retrieval_loss="full_softmax",
+        similarity="dot",
+        temperature=0.5,
+        reserved_rows=2,
+        seen_item_bias=True,
+    )
+    f, args = _softmax_loss(cfg, 16, seed=sum(mesh.devices.shape))
+
+    def run():
+        return jax.jit(jax.value_and_grad(lambda *a: f(*a)[0], argnums=(0, 1, 2)))(*args), jax.jit(f)(*args)
+
+    (loss, grads), metrics = run()
+    assert jaxscale.engine.mesh.batch_mesh(16) is None
+    with jax.set_mesh(mesh):
+        assert jaxscale.engine.mesh.batch_mesh(16) is not None and jaxscale.engine.mesh.batch_mesh(12) is None
+        hlo = jax.jit(f).lower(*args).as_text()
+        (s_loss, s_grads), s_metrics = run()
+    assert "shard_map" in hlo or "sdy.manual_computation" in hlo
+    assert float(s_loss) == pytest.approx(float(loss), rel=1e-5)
+    for a, b in zip(s_metrics, metrics):
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+    for a, b in zip(s_grads, grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
