@@ -224,7 +224,9 @@ def parse(argv):
         "--threads", type=int, default=None, help="train_step: intra-op threads of both engines (default: usable cores)"
     )
     ap.add_argument(
-        "--mesh", default=None, help="train_step: jaxscale's mesh NODESxLOCAL of simulated CPU devices (default 1xTHREADS: one per thread)"
+        "--mesh",
+        default=None,
+        help="train_step: jaxscale's mesh NODESxLOCAL of simulated CPU devices (default 1xTHREADS)",
     )
     ap.add_argument(
         "--engines",

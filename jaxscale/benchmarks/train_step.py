@@ -7,9 +7,9 @@ cross-entropy over every item, each in its own processes with no other engine al
 Engines (`python -m jaxscale.benchmarks.train_step ENGINE SPEC RESULT`):
   jaxscale        the foundation model of `movielens_foundation.yaml` (model and optimizer sections as shipped,
                   the shapes of the benchmark: max_seq_len = events, item_rows = items + 2 reserved, the loss at
-                  every position) on `default_mesh` (1x2 on 2 cores), through the Trainer: per step `Trainer.prepare` (engine ids,
-                  their check, placement, exchange sizing), the same AOT-compiled, donated `train_step` the
-                  trainer runs, and the metrics' read-back the trainer does every step
+                  every position) on `default_mesh` (1x2 on 2 cores), through the Trainer: per step
+                  `Trainer.prepare` (engine ids, their check, placement, exchange sizing), the same AOT-compiled,
+                  donated `train_step` the trainer runs, and the metrics' read-back the trainer does every step
   torch           `jaxscale.benchmarks.sasrec_torch` (eager), `torch.set_num_threads` = the XLA threads
   torch_compile   the same model under `torch.compile` (the peer's fastest configuration, when it compiles)
 
