@@ -88,6 +88,22 @@ def bench_figures() -> list[str]:
     ]
 
 
+def train_step_figures() -> list[str]:
+    res = _json("experiments/results/bench_train_step_1x2.json")
+    part = res["parts"]["train_step"]
+    eps = {k: v["examples_per_s"] for k, v in part["engines"].items()}
+    speed, shape = part["speed"], part["shape"]
+    return [
+        f"{eps['jaxscale']:.0f} examples/s against SASRec+'s {eps['torch']:.0f} in eager PyTorch and "
+        f"{eps['torch_compile']:.0f} under",
+        f"batch {shape['batch']}, {shape['events']} events, {shape['items']:,} items",
+        f"{part['threads']} threads each): {speed['torch']['speed']:.2f}x and {speed['torch_compile']['speed']:.2f}x",
+        f"{speed['torch']['worst_round']:.2f}x and {speed['torch_compile']['worst_round']:.2f}x on the worst round",
+        f"one run of {res['parts']['train_step']['rounds']} rounds on a {res['machine']['usable_cores']}-core "
+        f"{res['machine']['cpu_model']}",
+    ]
+
+
 def movielens_figures() -> list[str]:
     m = _json("experiments/results/movielens_metrics.json")
     t = {r["name"]: r for r in _json("experiments/results/movielens_tuning.json")["runs"]}
@@ -183,6 +199,7 @@ FIGURES = {
     "bench": bench_figures,
     "movielens": movielens_figures,
     "movielens_1m": movielens_1m_figures,
+    "train_step": train_step_figures,
     "scaling": scaling_figures,
     "serving": serving_figures,
 }

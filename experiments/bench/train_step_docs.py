@@ -62,9 +62,9 @@ def summary(paths) -> list[str]:
     rows = [
         "#### Every recorded run at a glance",
         "",
-        "| run | mesh | load average at start | timings valid | vs torch (median; worst round) "
+        "| run | CPU | mesh | load average at start | timings valid | vs torch (median; worst round) "
         "| vs torch.compile (median; worst round) |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for path in paths:
         res = json.loads(path.read_text())
@@ -74,10 +74,36 @@ def summary(paths) -> list[str]:
         valid = "yes" if not part["problems"] else "no (" + "; ".join(part["problems"]) + ")"
         load = res["machine"]["load_average"][0]
         rows.append(
-            f"| {path.name} | {part['shape'].get('mesh', '1x1')} | {load:.2f} | {valid} | {ratio('torch')} "
+            f"| {path.name} | {res['machine'].get('cpu_model', '?')} | {part['shape'].get('mesh', '1x1')} | {load:.2f} "
+            f"| {valid} | {ratio('torch')} "
             f"| {ratio('torch_compile')} |"
         )
-    return rows + [""]
+    return rows + ["", verdict(paths), ""]
+
+
+TARGET = 2.0
+"""Issue 34: the foundation model's training examples per second >= 2x the PyTorch SASRec+ reference."""
+
+
+def verdict(paths) -> str:
+    """Whether a valid run (load gate passed) shows the 2x target against eager PyTorch, and its best."""
+    valid = []
+    for path in paths:
+        part = json.loads(path.read_text())["parts"]["train_step"]
+        if not part["problems"] and "torch" in part["speed"]:
+            valid.append((part["speed"]["torch"]["speed"], path.name, part["speed"]))
+    if not valid:
+        return "Target (2x eager PyTorch SASRec+ at equal threads): no valid run recorded."
+    best, name, speed = max(valid)
+    met = sum(s >= TARGET for s, _, _ in valid)
+    compiled = speed.get("torch_compile")
+    against = f"{compiled['speed']:.2f}x `torch.compile`" if compiled else "`torch.compile` not run"
+    state = "met" if best >= TARGET else "not met"
+    return (
+        f"Target (2x eager PyTorch SASRec+ at equal threads): **{state}**. Valid runs: {len(valid)}, "
+        f"{met} at or above 2x; the fastest, {name}: {best:.2f}x eager (worst round "
+        f"{speed['torch']['worst_round']:.2f}x), {against}."
+    )
 
 
 def main() -> int:
