@@ -59,9 +59,11 @@ def test_summarize_equals_brute_force(tmp_path):
                 want[name, seed, masking] = np.array(per_user)
     out = tmp_path / "fair.json"
     cmd = [sys.executable, str(ROOT / "experiments/movielens/fairness.py"), str(tmp_path), "--json", str(out)]
-    proc = subprocess.run([*cmd, "--seeds", "0", "1", "--summarize"], capture_output=True, text=True, timeout=300)
+    summarize = [*cmd, "--seeds", "0", "1", "--summarize", "--override", "mesh.local=1"]
+    proc = subprocess.run(summarize, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
+    assert record["overrides"] == ["mesh.local=1"]  # what the runs were trained with is recorded
     assert record["users"] == len(targets) and set(record["variants"]) == {"foundation", "sasrec"}
     for name in ("foundation", "sasrec"):
         for masking in ("masked", "unmasked"):

@@ -62,7 +62,14 @@ def _run(cmd: list[str], log: Path) -> None:
 
 
 def train_foundation(
-    out: Path, work: Path, name: str, seed: int, rows: int, config: Path = CONFIG, protocol: str | None = None
+    out: Path,
+    work: Path,
+    name: str,
+    seed: int,
+    rows: int,
+    config: Path = CONFIG,
+    protocol: str | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> None:
     run = work / f"{name}_seed{seed}"
     data = [f"data.sequences.store={out / 'store'}", f"data.sequences.defs={out / 'defs.json'}"]
@@ -70,6 +77,7 @@ def train_foundation(
         history = get_protocol(protocol).history_length
         data += [f"data.sequences.protocol={protocol}", f"model.foundation.max_seq_len={history}"]
     args = [*data, f"model.foundation.item_rows={rows}", f"train.seed={seed}", f"data.seed={seed}", *FOUNDATION[name]]
+    args += overrides
     py = sys.executable
     if not (run / "best").exists():
         _run([py, "-m", "jaxscale.train", "--config", str(config), "--no-progress", f"train.workdir={run}", *args],
@@ -161,6 +169,13 @@ def main(argv=None) -> int:
     ap.add_argument("--summarize", action="store_true", help="only write the record from the runs already done")
     ap.add_argument("--config", type=Path, default=CONFIG, help="the foundation model's config (default: ML-100K's)")
     ap.add_argument("--protocol", default=None, help="the run's protocol (its history length and masking)")
+    ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every foundation run and its evaluation (mesh.local=1 on one GPU)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out).absolute()
     work = out / "fairness"
@@ -172,10 +187,11 @@ def main(argv=None) -> int:
                 continue  # done in an earlier invocation
             print(f"{name} seed {seed}", flush=True)
             if name in FOUNDATION:
-                train_foundation(out, work, name, seed, rows, args.config.absolute(), args.protocol)
+                config = args.config.absolute()
+                train_foundation(out, work, name, seed, rows, config, args.protocol, tuple(args.override))
             else:
                 train_sasrec(out, work, name, seed)
-    record = {"config": str(args.config), "protocol": args.protocol, "machine": _machine()}
+    record = {"config": str(args.config), "protocol": args.protocol, "overrides": args.override, "machine": _machine()}
     record |= summarize(out, work, args.seeds)
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))

