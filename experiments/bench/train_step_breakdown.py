@@ -17,7 +17,9 @@ with that `mesh:` and times, per step and separately:
   compile     the AOT compile of the step (once per run and capacity set), and of the eval/ranking steps
   evaluate    one `Trainer.evaluate` (eval batches + the full-corpus validation ranking), run every eval_every
 
-and the trainer's own loop (`Trainer.run` for `--steps` steps, evaluation off), wall clock per step.
+and the trainer's own loop (`Trainer.run` for `--steps` steps, evaluation off), wall clock per step, with
+the step executables it compiled inside that window (a batch whose exact exchange counts reach a new rung of
+the capacity ladder compiles once; each compile's seconds land in that figure).
 Writes experiments/results/train_step_breakdown.{json,md}; the Markdown is computed from the JSON.
 """
 
@@ -129,6 +131,7 @@ def worker(args) -> dict:
     t = time.perf_counter()
     loop.run(steps=1)
     first_s = time.perf_counter() - t
+    compiled_before = len(loop._executables)
     t = time.perf_counter()
     loop.run(steps=args.steps + 1)
     loop_s = time.perf_counter() - t
@@ -153,6 +156,7 @@ def worker(args) -> dict:
         "run_wall_s": loop_s,
         "run_steps": args.steps + 1,
         "run_ms_per_step": 1e3 * (loop_s - first_s) / args.steps,
+        "run_compiles": len(loop._executables) - compiled_before,  # new capacity rungs met inside the timed run
     }
 
 
@@ -174,8 +178,8 @@ def render(res: dict) -> str:
         f"(`{res['command']}`).",
         "",
         "| mesh | XLA threads | data | ids | place | shard | step | metrics | step (fastest) | step CPU time | "
-        "forward only | host share | compile (s) | evaluate (s) | run(): ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "forward only | host share | compile (s) | evaluate (s) | run(): ms/step | run(): compiles |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in res["meshes"]:
         t = m["median_ms"]
@@ -186,9 +190,21 @@ def render(res: dict) -> str:
             f"| {m['mesh']} | {m['xla_threads']} | "
             + " | ".join(f"{t[p]:.1f}" for p in PHASES)
             + f" | {m['min_ms']['step']:.1f} | {t['step_cpu']:.1f} | {t['forward']:.1f} | {100 * host / total:.0f}% | "
-            f"{m['compile_step_s']:.1f} | {m['evaluate_s']:.1f} | {per:.0f} |"
+            f"{m['compile_step_s']:.1f} | {m['evaluate_s']:.1f} | {per:.0f} | {m.get('run_compiles', '')} |"
         )
-    return "\n".join(L)
+    return "\n".join(L + ["", fastest_mesh(res)])
+
+
+def fastest_mesh(res: dict) -> str:
+    """The mesh whose slowest recorded median step is the lowest, beside every mesh's range of medians."""
+    steps: dict[str, list[float]] = {}
+    for m in res["meshes"]:
+        steps.setdefault(m["mesh"], []).append(m["median_ms"]["step"])
+    best = min(steps, key=lambda k: max(steps[k]))
+    ranges = "; ".join(
+        f"{k} {min(v):.0f}-{max(v):.0f} ms" if len(v) > 1 else f"{k} {v[0]:.0f} ms" for k, v in steps.items()
+    )
+    return f"Median step per mesh over its rows: {ranges}. Fastest (lowest worst median): {best}."
 
 
 def main(argv=None) -> int:
@@ -209,6 +225,7 @@ def main(argv=None) -> int:
     from jaxscale.benchmarks.machine import load_average, machine
 
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     command = "python experiments/bench/train_step_breakdown.py " + " ".join(argv or sys.argv[1:])
     if args.append:  # a later process's meshes beside the recorded ones (each row says when it ran)
         res = json.loads(out.with_suffix(".json").read_text())

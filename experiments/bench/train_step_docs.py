@@ -1,15 +1,17 @@
 """Rewrites the generated part of docs/benchmarks.md's training-step section from the recorded JSON.
 
-    python experiments/bench/train_step_docs.py
+    python experiments/bench/train_step_docs.py [--check]
 
 Reads experiments/results/train_step_breakdown.json (`experiments/bench/train_step_breakdown.py`) and every
 experiments/results/bench_train_step*.json (`python -m jaxscale.bench --parts train_step --out ...`), renders
 them with the renderers that wrote their own Markdown, and replaces what lies between the
 `<!-- train_step:begin -->` and `<!-- train_step:end -->` markers. Nothing in that block is typed by hand.
+`--check` writes nothing and fails (exit 1) if the docs' block is not exactly what the recorded JSON renders.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -106,8 +108,27 @@ def verdict(paths) -> str:
     )
 
 
-def main() -> int:
-    atomic.replace_between(DOCS, BEGIN, END, block())
+def current_block(docs: Path) -> str:
+    """What lies between the markers in `docs` (as `atomic.replace_between` writes it: newline, body, newline)."""
+    text = docs.read_text()
+    a = text.find(BEGIN)
+    b = text.find(END, a + len(BEGIN)) if a >= 0 else -1
+    if b < 0:
+        raise SystemExit(f"{docs} lacks the marker {END if a >= 0 else BEGIN!r}")
+    return text[a + len(BEGIN) : b]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if the docs' block is stale; write nothing")
+    ap.add_argument("--docs", type=Path, default=DOCS, help="the page holding the block (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.check:
+        if current_block(args.docs) != f"\n{block()}\n":
+            print(f"{args.docs}: the training-step block differs from what the recorded JSON renders; run {__file__}")
+            return 1
+        return 0
+    atomic.replace_between(args.docs, BEGIN, END, block())
     return 0
 
 
