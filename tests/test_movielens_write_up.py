@@ -46,3 +46,27 @@ def test_the_ml1m_verdicts_follow_the_numbers(tmp_path):
     (results / "movielens_ml1m_literature.json").write_text(json.dumps(record))
     text = _render(tmp_path, results)
     assert "the target is met" in text and "within the 60-minute budget" in text
+
+
+def test_the_two_tower_verdicts_follow_the_numbers(tmp_path):
+    """The two-tower sentence says each target (1.3x genre_hint, 2x no context) is met exactly when it is."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "movielens_metrics.json", results)
+
+    def record(context: float, no_context: float) -> dict:
+        models = {
+            "foundation": {"test": {"ndcg@10": 0.2, "recall@10": 0.3}},
+            "two_tower_context": {"test": {"ndcg@10": 0.1, "recall@10": context}},
+            "two_tower_no_context": {"test": {"ndcg@10": 0.05, "recall@10": no_context}},
+            "genre_hint": {"test": {"ndcg@10": 0.1, "recall@10": 0.2}},
+        }
+        return {
+            "protocol_detail": "x", "counts": {"users": 2, "items": 3, "interactions": 4}, "evaluated_users": 2,
+            "candidates": 3, "mask_history": True, "models": models,
+        }  # fmt: skip
+
+    for context, no_context, hint, alone in [(0.2601, 0.13, "met", "met"), (0.2599, 0.1301, "missed", "missed")]:
+        (results / "movielens_ml1m_literature.json").write_text(json.dumps(record(context, no_context)))
+        text = _render(tmp_path, results)
+        assert f"the targets: 1.3x the hint {hint}, 2x no context {alone}." in text

@@ -92,6 +92,8 @@ def collect(out: Path, seconds: float | None = None, commit: str = "unknown") ->
             "threads": s.get("threads"),
             "curve": [{"step": c["steps"], "eval_ndcg@10": c["ndcg@10"]} for c in s["curve"]],
         }
+        if "test_other_masking" in s:  # absent in a record written before the script scored both maskings
+            models["sasrec_recbole"]["test_other_masking"] = _pick(s["test_other_masking"])
     for m in models.values():
         missing = [k for k in TEST_KEYS if k not in m["test"]]
         if missing:
