@@ -70,3 +70,38 @@ def test_the_two_tower_verdicts_follow_the_numbers(tmp_path):
         (results / "movielens_ml1m_literature.json").write_text(json.dumps(record(context, no_context)))
         text = _render(tmp_path, results)
         assert f"the targets: 1.3x the hint {hint}, 2x no context {alone}." in text
+
+
+def test_an_unmasked_protocols_ablation_reads_its_own_masking_and_its_peer(tmp_path):
+    """Under `recbole` (history not masked) the ablation table leads with the unmasked column, the seen-item
+    offset is named as a mechanism the published SASRec row lacks, and the verdict comes from the variant with
+    SASRec's inputs only, against that protocol's target."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "movielens_metrics.json", results)
+    record = {
+        "protocol_detail": "x", "counts": {"users": 2, "items": 3, "interactions": 4}, "evaluated_users": 2,
+        "candidates": 3, "mask_history": False,
+        "models": {"foundation": {"test": {"ndcg@10": 0.14, "recall@10": 0.25}}},
+    }  # fmt: skip
+    (results / "movielens_ml1m_recbole.json").write_text(json.dumps(record))
+
+    def entry(unmasked: float, masked: float) -> dict:
+        return {
+            "seeds": [0],
+            "unmasked": {"ndcg@10": [unmasked], "mean": unmasked, "se": None},
+            "masked": {"ndcg@10": [masked], "mean": masked, "se": None},
+        }
+
+    for items_only, verdict in [(0.1285, "the lead comes from what SASRec does not have"), (0.1287, "it leads")]:
+        ablation = {
+            "config": "jaxscale/configs/movielens1m_foundation.yaml", "protocol": "recbole", "machine": {},
+            "variants": {"foundation": entry(0.14, 0.15), "foundation_items_only": entry(items_only, 0.2)},
+            "paired": [],
+        }  # fmt: skip
+        (results / "movielens_ml1m_recbole_fairness.json").write_text(json.dumps(ablation))
+        text = _render(tmp_path, results)
+        assert "| variant | test NDCG@10, history not masked | per seed | history masked |" in text
+        assert f"| foundation_items_only | {items_only:.4f} | {items_only:.4f} | 0.2000 |" in text
+        assert "which this protocol does not mask: a mechanism the published SASRec row does not have" in text
+        assert f"the model reaches {items_only:.4f}, " in text and verdict in text

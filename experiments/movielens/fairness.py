@@ -4,7 +4,8 @@ Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, proto
 `--config jaxscale/configs/movielens1m_foundation.yaml --protocol literature`) and trains into OUT/fairness/:
 - `foundation` (the shipped config) for every seed;
 - its ablations, every seed: `foundation_no_seen_offset` (seen_item_bias off: the one mechanism the
-  SASRec reference lacks) and `foundation_no_rating_time` (no event-type input, no time encoding);
+  SASRec reference lacks), `foundation_no_rating_time` (no event-type input, no time encoding) and
+  `foundation_items_only` (both: SASRec's inputs, item ids and positions);
 - `sasrec` (RecBole 1.2.1's SASRec, experiments/baselines/sasrec_recbole.py) and `sasrec_seen_offset` (the
   same with the foundation model's one-scalar seen-item offset), every seed.
 Each variant's test top-20 is written under both maskings (history kept; every history item removed); the
@@ -43,6 +44,11 @@ FOUNDATION = {
     "foundation": [],
     "foundation_no_seen_offset": ["model.foundation.seen_item_bias=false"],
     "foundation_no_rating_time": ["model.foundation.action_inputs=false", "model.foundation.time_encoding=none"],
+    "foundation_items_only": [  # both ablations at once: SASRec's inputs (item ids and positions)
+        "model.foundation.seen_item_bias=false",
+        "model.foundation.action_inputs=false",
+        "model.foundation.time_encoding=none",
+    ],
 }
 SASREC = {"sasrec": [], "sasrec_seen_offset": ["--seen-item-offset"]}
 PAIRS = (
@@ -51,6 +57,7 @@ PAIRS = (
     ("foundation_no_seen_offset", "sasrec"),
     ("foundation", "foundation_no_seen_offset"),
     ("foundation", "foundation_no_rating_time"),
+    ("foundation", "foundation_items_only"),
 )
 
 

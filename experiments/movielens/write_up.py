@@ -4,6 +4,8 @@ Every figure is computed here from recorded files, none typed by hand:
   experiments/results/movielens_metrics.json   a copy of run.sh's OUT/metrics.json (+ "run": its timing)
   experiments/results/movielens_tuning.json    the validation-only tuning runs (tune.py)
   experiments/results/movielens_ml1m_<protocol>.json   run.sh --dataset ml-1m --protocol <protocol>'s metrics.json
+  experiments/results/movielens_ml1m_fairness.json, movielens_ml1m_recbole_fairness.json   fairness.py's
+      ablations under the literature and recbole protocols
 Writes the part of docs/movielens.md between the `results:start` / `results:end` markers,
 experiments/results/movielens_curve.png (validation NDCG@10 against training steps), and, for each ML-1M
 record present, the part between `ml1m:start` / `ml1m:end` (the run beside the published rows of its
@@ -50,6 +52,8 @@ PUBLISHED = {
     "recbole": [("SASRec", 0.1286, 0.2468, "RecBole's published ml-1m sequential benchmark")],
 }
 """Published test NDCG@10 / HR@10 of each protocol (HR@10 = Recall@10 with one target per user)."""
+FAIRNESS = {"literature": "movielens_ml1m_fairness.json", "recbole": "movielens_ml1m_recbole_fairness.json"}
+"""Each protocol's recorded ablation (experiments/movielens/fairness.py --protocol P --json RESULTS/<file>)."""
 TARGETS = {"literature": 0.1821, "recbole": 0.1286}
 """The foundation model's test NDCG@10 target under each protocol: the published SASRec row."""
 
@@ -192,48 +196,71 @@ def render(metrics: dict, tuning: dict | None) -> str:
     return "\n".join(lines)
 
 
-def ml1m_fairness(fairness: dict, target: float) -> list[str]:
-    """What the foundation model has that the published SASRec+ rows lack, read from its config, and the
-    recorded ablation of those inputs (`movielens_ml1m_fairness.json`, written by fairness.py)."""
+ABLATIONS = {
+    "foundation_no_seen_offset": "without the seen-item offset",
+    "foundation_no_rating_time": "without the rating and time inputs",
+    "foundation_items_only": "with SASRec's inputs only (item ids and positions: no rating, time or seen-item offset)",
+}
+"""fairness.py's ablated variants, as the verdict names them."""
+PEER = {"literature": "SASRec+", "recbole": "SASRec"}
+"""The published peer row each protocol's foundation target is (TARGETS)."""
+
+
+def ml1m_fairness(fairness: dict, target: float, masked: bool, peer: str) -> list[str]:
+    """What the foundation model has that the published SASRec rows lack, read from its config, and the
+    recorded ablation of it (written by fairness.py), read under the protocol's masking first."""
     cfg = yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
     ran = fairness.get("machine", {})
-    ran = f"{ran.get('backend', '?')} ({ran.get('device', '?')}, jax {ran.get('jax', '?')})"
+    where = ran.get("device", "?") if ran.get("backend") != "cpu" else f"{ran.get('cpu_model', '?')}, "
+    where = where if ran.get("backend") != "cpu" else where + f"{ran.get('usable_cores', '?')} cores"
+    ran = f"{ran.get('backend', '?')} ({where}, jax {ran.get('jax', '?')})"
     spread = "one seed: no spread is measured" if len(seeds) == 1 else "mean +- standard error over seeds"
+    own, other = ("masked", "unmasked") if masked else ("unmasked", "masked")
+    label = {"masked": "history masked", "unmasked": "history not masked"}
+    offset = f"The seen-item offset (`seen_item_bias: {str(cfg['seen_item_bias']).lower()}`) " + (
+        "moves no masked ranking: every history item is removed before ranking (it is still trained with the model)."
+        if masked
+        else f"demotes the movies already in the user's history, which this protocol does not mask: a mechanism "
+        f"the published {peer} row does not have."
+    )
+    ablated = [ABLATIONS[n].split(" (")[0] for n in variants if n in ABLATIONS]
     lines = [
-        f"- Inputs the published SASRec+ rows do not have (they see item ids and positions): each event's rating, as "
-        f"one of {cfg['num_actions']} event types, and its time (`time_encoding: {cfg['time_encoding']}`). The "
-        f"seen-item offset (`seen_item_bias: {str(cfg['seen_item_bias']).lower()}`) moves no masked ranking: every "
-        "history item is removed before ranking (it is still trained with the model). The ablation below trains "
-        f"the same config with and without the rating and time inputs on the same split (seeds "
-        f"{', '.join(map(str, seeds))}, run on {ran}; {spread}):",
+        f"- Inputs the published {peer} rows do not have (they see item ids and positions): each event's rating, as "
+        f"one of {cfg['num_actions']} event types, and its time (`time_encoding: {cfg['time_encoding']}`). {offset} "
+        f"The ablation below trains the same config {', '.join(ablated)}, on the same split "
+        f"({'seeds' if len(seeds) > 1 else 'seed'} {', '.join(map(str, seeds))}, run on {ran}; {spread}):",
         "",
-        "| variant | test NDCG@10, history masked | per seed | history not masked |",
+        f"| variant | test NDCG@10, {label[own]} | per seed | {label[other]} |",
         "|---|---|---|---|",
     ]
     for name, entry in variants.items():
-        m, se = entry["masked"]["mean"], entry["masked"]["se"]
+        m, se = entry[own]["mean"], entry[own]["se"]
         mean = f"{m:.4f} +- {se:.4f}" if se is not None else f"{m:.4f}"
-        per_seed = ", ".join(f"{x:.4f}" for x in entry["masked"]["ndcg@10"])
-        lines.append(f"| {name} | {mean} | {per_seed} | {_f(entry['unmasked']['mean'])} |")
+        per_seed = ", ".join(f"{x:.4f}" for x in entry[own]["ndcg@10"])
+        lines.append(f"| {name} | {mean} | {per_seed} | {_f(entry[other]['mean'])} |")
     for pair in fairness["paired"]:
-        if pair["masking"] == "masked":
+        if pair["masking"] == own:
             d = pair["ndcg@10_difference"]
             interval = f"{d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f}"
-            lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with history masked: {d['mean']:+.4f} "
+            lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[own]}: {d['mean']:+.4f} "
                       f"(paired bootstrap over {d['users']:,} users, {interval})."]  # fmt: skip
-    if (ablated := variants.get("foundation_no_rating_time")) is not None:
-        a = ablated["masked"]["mean"]
-        verdict = "it leads without them too" if a >= target else "the lead comes from the inputs SASRec+ does not have"
-        lines += ["", f"- Without the rating and time inputs the model reaches {a:.4f}, {a / target:.2f}x the "
-                  f"published SASRec+ row {target:.4f}: {verdict}."]  # fmt: skip
+    # the verdict from the variant closest to the peer's inputs that was run
+    for name in ("foundation_items_only", "foundation_no_rating_time"):
+        if name in variants:
+            a = variants[name][own]["mean"]
+            verdict = "it leads without them too" if a >= target else f"the lead comes from what {peer} does not have"
+            lines += ["", f"- {ABLATIONS[name][0].upper()}{ABLATIONS[name][1:]} the model reaches {a:.4f}, "
+                      f"{a / target:.2f}x the published {peer} row {target:.4f}: {verdict}."]  # fmt: skip
+            break
     return lines
 
 
 def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | None = None) -> list[str]:
     """The ML-1M results: each protocol's run beside its published rows, and what the numbers say; the
-    validation-only tuning runs (`movielens_ml1m_tuning.json`) and the input ablation
-    (`movielens_ml1m_fairness.json`) when recorded."""
+    validation-only tuning runs (`movielens_ml1m_tuning.json`) and each protocol's ablation (`fairness`:
+    protocol -> fairness.py's record) when recorded."""
+    fairness = fairness or {}
     lines = [""]
     if not records:
         lines += ["No ML-1M run is recorded yet: `bash experiments/movielens/run.sh OUT --dataset ml-1m`.", ""]
@@ -274,8 +301,8 @@ def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | Non
         verdict = "is met" if f >= target else "is missed"
         lines += ["", f"- Foundation model test NDCG@10 {f:.4f} vs the published SASRec row {target:.4f} "
                   f"({f / target:.2f}x): the target {verdict}."]  # fmt: skip
-        if fairness and fairness.get("protocol") == protocol:
-            lines += ml1m_fairness(fairness, target)
+        if (ablation := fairness.get(protocol)) is not None:
+            lines += ml1m_fairness(ablation, target, m["mask_history"], PEER[protocol])
             lines.append("")
         lines += two_tower_lines(m)
         if "seconds" in run:
@@ -338,7 +365,8 @@ def main(argv=None) -> int:
     doc = Path(args.doc)
     atomic.replace_between(doc, START, END, render(metrics, recorded("movielens_tuning.json", args.tuning)))
     records = {p: r for p in ML1M_PROTOCOLS if (r := recorded(f"movielens_ml1m_{p}.json")) is not None}
-    ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), recorded("movielens_ml1m_fairness.json"))
+    ablations = {p: r for p in ML1M_PROTOCOLS if (r := recorded(FAIRNESS[p])) is not None and r["protocol"] == p}
+    ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), ablations)
     atomic.replace_between(doc, ML1M_START, ML1M_END, "\n".join(ml1m))
     png = Path(args.png) if args.png else results / "movielens_curve.png"
     curve_png(metrics, png)
