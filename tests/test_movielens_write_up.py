@@ -103,5 +103,5 @@ def test_an_unmasked_protocols_ablation_reads_its_own_masking_and_its_peer(tmp_p
         text = _render(tmp_path, results)
         assert "| variant | test NDCG@10, history not masked | per seed | history masked |" in text
         assert f"| foundation_items_only | {items_only:.4f} | {items_only:.4f} | 0.2000 |" in text
-        assert "which this protocol does not mask: a mechanism the published SASRec row does not have" in text
+        assert "which this protocol does not mask: a mechanism SASRec does not have" in text
         assert f"the model reaches {items_only:.4f}, " in text and verdict in text

@@ -3,6 +3,7 @@
 Every figure is computed here from recorded files, none typed by hand:
   experiments/results/movielens_metrics.json   a copy of run.sh's OUT/metrics.json (+ "run": its timing)
   experiments/results/movielens_tuning.json    the validation-only tuning runs (tune.py)
+  experiments/results/movielens_fairness.json  fairness.py's ablations and seeds on ML-100K
   experiments/results/movielens_ml1m_<protocol>.json   run.sh --dataset ml-1m --protocol <protocol>'s metrics.json
   experiments/results/movielens_ml1m_fairness.json, movielens_ml1m_recbole_fairness.json   fairness.py's
       ablations under the literature and recbole protocols
@@ -178,7 +179,7 @@ def curve_png(m: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def render(metrics: dict, tuning: dict | None) -> str:
+def render(metrics: dict, tuning: dict | None, fairness: dict | None = None) -> str:
     lines = [""]
     run = metrics.get("run", {})
     lines.append(
@@ -188,6 +189,10 @@ def render(metrics: dict, tuning: dict | None) -> str:
         f"{metrics['evaluated_users']} users evaluated against {metrics['candidates']} candidates."
     )
     lines += ["", *results_table(metrics), "", *findings(metrics), ""]
+    sasrec = metrics["models"].get("sasrec_recbole")
+    if fairness and sasrec:
+        row = "the SASRec reference's run (its row above)"
+        lines += [*ablation_lines(fairness, sasrec["test"]["ndcg@10"], metrics["mask_history"], "SASRec", row), ""]
     lines.append("![validation NDCG@10 against steps](../experiments/results/movielens_curve.png)")
     if tuning:
         lines += ["", "Tuning runs (validation split only; the test split was read once, by run.sh):", ""]
@@ -206,9 +211,10 @@ PEER = {"literature": "SASRec+", "recbole": "SASRec"}
 """The published peer row each protocol's foundation target is (TARGETS)."""
 
 
-def ml1m_fairness(fairness: dict, target: float, masked: bool, peer: str) -> list[str]:
-    """What the foundation model has that the published SASRec rows lack, read from its config, and the
-    recorded ablation of it (written by fairness.py), read under the protocol's masking first."""
+def ablation_lines(fairness: dict, target: float, masked: bool, peer: str, row: str) -> list[str]:
+    """What the foundation model has that `peer` (the SASRec it is compared with) lacks, read from its config,
+    and the recorded ablation of it (written by fairness.py), read under the protocol's masking first; the
+    verdict compares the variant closest to the peer's inputs with `row` (`target`, its test NDCG@10)."""
     cfg = yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
     ran = fairness.get("machine", {})
@@ -222,11 +228,11 @@ def ml1m_fairness(fairness: dict, target: float, masked: bool, peer: str) -> lis
         "moves no masked ranking: every history item is removed before ranking (it is still trained with the model)."
         if masked
         else f"demotes the movies already in the user's history, which this protocol does not mask: a mechanism "
-        f"the published {peer} row does not have."
+        f"{peer} does not have."
     )
     ablated = [ABLATIONS[n].split(" (")[0] for n in variants if n in ABLATIONS]
     lines = [
-        f"- Inputs the published {peer} rows do not have (they see item ids and positions): each event's rating, as "
+        f"- Inputs {peer} does not have (it sees item ids and positions): each event's rating, as "
         f"one of {cfg['num_actions']} event types, and its time (`time_encoding: {cfg['time_encoding']}`). {offset} "
         f"The ablation below trains the same config {', '.join(ablated)}, on the same split "
         f"({'seeds' if len(seeds) > 1 else 'seed'} {', '.join(map(str, seeds))}, run on {ran}; {spread}):",
@@ -246,12 +252,12 @@ def ml1m_fairness(fairness: dict, target: float, masked: bool, peer: str) -> lis
             lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[own]}: {d['mean']:+.4f} "
                       f"(paired bootstrap over {d['users']:,} users, {interval})."]  # fmt: skip
     # the verdict from the variant closest to the peer's inputs that was run
-    for name in ("foundation_items_only", "foundation_no_rating_time"):
+    for name in ("foundation_items_only", "foundation_no_rating_time", "foundation_no_seen_offset"):
         if name in variants:
             a = variants[name][own]["mean"]
             verdict = "it leads without them too" if a >= target else f"the lead comes from what {peer} does not have"
             lines += ["", f"- {ABLATIONS[name][0].upper()}{ABLATIONS[name][1:]} the model reaches {a:.4f}, "
-                      f"{a / target:.2f}x the published {peer} row {target:.4f}: {verdict}."]  # fmt: skip
+                      f"{a / target:.2f}x {row} {target:.4f}: {verdict}."]  # fmt: skip
             break
     return lines
 
@@ -302,7 +308,8 @@ def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | Non
         lines += ["", f"- Foundation model test NDCG@10 {f:.4f} vs the published SASRec row {target:.4f} "
                   f"({f / target:.2f}x): the target {verdict}."]  # fmt: skip
         if (ablation := fairness.get(protocol)) is not None:
-            lines += ml1m_fairness(ablation, target, m["mask_history"], PEER[protocol])
+            peer = PEER[protocol]
+            lines += ablation_lines(ablation, target, m["mask_history"], peer, f"the published {peer} row")
             lines.append("")
         lines += two_tower_lines(m)
         if "seconds" in run:
@@ -363,7 +370,8 @@ def main(argv=None) -> int:
 
     metrics = recorded("movielens_metrics.json", args.metrics)
     doc = Path(args.doc)
-    atomic.replace_between(doc, START, END, render(metrics, recorded("movielens_tuning.json", args.tuning)))
+    tuning, fairness = recorded("movielens_tuning.json", args.tuning), recorded("movielens_fairness.json")
+    atomic.replace_between(doc, START, END, render(metrics, tuning, fairness))
     records = {p: r for p in ML1M_PROTOCOLS if (r := recorded(f"movielens_ml1m_{p}.json")) is not None}
     ablations = {p: r for p in ML1M_PROTOCOLS if (r := recorded(FAIRNESS[p])) is not None and r["protocol"] == p}
     ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), ablations)
