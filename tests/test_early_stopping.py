@@ -10,7 +10,7 @@ import pytest
 
 import jaxscale
 from jaxscale.training.config import ConfigError, load_config
-from jaxscale.training.trainer import Trainer, _progress
+from jaxscale.training.trainer import RUN_RECORD, Trainer, _progress, finished_run
 
 TINY = Path(__file__).resolve().parent.parent / "jaxscale" / "configs" / "foundation_tiny.yaml"
 BASE = ["train.steps=12", "train.eval_every=2", "train.checkpoint_every=0", "train.log_every=100"]
@@ -69,6 +69,8 @@ def test_stops_when_patience_runs_out_and_restores_the_best(tmp_path, scripted):
     assert tr.checkpointer.steps() == [8]  # the last state is saved as usual
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert sum('"best_step": 4' in line for line in lines) == 3
+    record = {"final_step": 8, "stop_reason": "early_stopping", "stopped_early": True, "steps": 12}
+    assert finished_run(tmp_path) == record | {"best": {"step": 4, "eval_ndcg@10": 0.3}}
 
 
 def test_min_mode_without_patience_or_best_checkpoint(tmp_path, scripted):
@@ -85,19 +87,41 @@ def test_resume_keeps_the_best_and_the_patience_spent(tmp_path, scripted):
     metric = "train.eval_metric=eval_ndcg@10"
     first = _trainer(tmp_path, metric, "train.early_stopping_patience=3").run(stop_at=6)
     assert first["final_step"] == 6 and first["stop_reason"] == "requested" and first["best"]["step"] == 4
+    assert (tmp_path / "best").exists() and (tmp_path / RUN_RECORD).exists()
+    assert finished_run(tmp_path) is None  # a best checkpoint, but the run was stopped: not finished
     # best at 4, and the evaluation at 6 did not improve: with patience 1 a resumed run stops without training
     out = _trainer(tmp_path, metric, "train.early_stopping_patience=1").run(resume=True)
     assert out["final_step"] == 6 and out["stop_reason"] == "early_stopping" and out["best"]["step"] == 4
     assert out["losses"] == [] and out["eval"] == []
+    assert finished_run(tmp_path)["final_step"] == 6
     # with patience 3: 8 (tie) spends a second one, 10 (0.35 > 0.3) improves, 12 too
     tr = _trainer(tmp_path, metric, "train.early_stopping_patience=3")
     out = tr.run(resume=True)
     assert out["final_step"] == 12 and out["best"] == {"step": 12, "eval_ndcg@10": 0.9}
     assert [(e["step"], e["best_step"]) for e in out["eval"]] == [(8, 4), (10, 10), (12, 12)]
+    assert finished_run(tmp_path)["stop_reason"] == "steps"
     assert tr.best_checkpointer.steps() == [12]
     state, step = tr.restore_best()
     assert step == 12
     _assert_same(_host_state(tr, state), scripted[12])
+
+
+def test_a_killed_run_leaves_no_record_of_a_finished_one(tmp_path, scripted, monkeypatch):
+    """run() removes the last record before it trains: a run killed midway (here: an evaluation that raises)
+    never leaves an earlier run's run.json saying the folder's training is complete."""
+    metric = "train.eval_metric=eval_ndcg@10"
+    _trainer(tmp_path, metric, "train.steps=4").run()
+    assert finished_run(tmp_path)["final_step"] == 4
+
+    def dies(self, state):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path, metric).run(resume=True)
+    assert not (tmp_path / RUN_RECORD).exists() and finished_run(tmp_path) is None
+    (tmp_path / RUN_RECORD).write_text('{"stop_reason": "requested", "final_step": 3}')
+    assert finished_run(tmp_path) is None
 
 
 def test_an_unknown_metric_is_a_clear_error(tmp_path, scripted):

@@ -80,3 +80,34 @@ def test_summarize_equals_brute_force(tmp_path):
         )
         p = pairs["foundation", "sasrec", m]
         assert p["mean"] == pytest.approx(diff.mean()) and p["low"] <= p["mean"] <= p["high"]
+
+
+def _fairness_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fairness", ROOT / "experiments/movielens/fairness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("record", [None, {"stop_reason": "requested", "final_step": 40}])
+def test_an_interrupted_variant_is_resumed_never_scored_half_trained(tmp_path, monkeypatch, record):
+    """A variant folder holding a `best` checkpoint but no finished run.json (a run killed or stopped midway)
+    is trained on with --resume before it is scored; a finished one is scored as it is."""
+    fairness = _fairness_module()
+    calls = []
+    monkeypatch.setattr(fairness, "_run", lambda cmd, log: calls.append(cmd))
+    run = tmp_path / "fairness" / "foundation_seed1"
+    (run / "best").mkdir(parents=True)
+    if record is not None:
+        (run / "run.json").write_text(json.dumps(record))
+    fairness.train_foundation(tmp_path, tmp_path / "fairness", "foundation", 1, 100)
+    trains = [c for c in calls if "jaxscale.train" in c]
+    assert len(trains) == 1 and "--resume" in trains[0] and f"train.workdir={run}" in trains[0]
+    assert [c[2] for c in calls[1:]] == ["jaxscale.evaluate"] * 2  # then scored under both maskings
+
+    calls.clear()
+    (run / "run.json").write_text(json.dumps({"stop_reason": "early_stopping", "final_step": 60}))
+    fairness.train_foundation(tmp_path, tmp_path / "fairness", "foundation", 1, 100)
+    assert [c[2] for c in calls] == ["jaxscale.evaluate"] * 2

@@ -12,9 +12,9 @@ Each variant's test top-20 is written under both maskings (history kept; every h
 record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
 each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
 (per-user NDCG averaged over seeds, `jaxscale.training.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
-not CI. A variant's folder that already holds a trained `best` checkpoint (an earlier invocation, or a link to
-run.sh's own run of that seed: `ln -s OUT/runs/foundation OUT/fairness/foundation_seed0`) is evaluated, not
-trained again.
+not CI. A variant's folder whose training finished (its `run.json` says so: an earlier invocation, or a link
+to run.sh's own run of that seed, `ln -s OUT/runs/foundation OUT/fairness/foundation_seed0`) is evaluated, not
+trained again; one whose training was killed is resumed from its last checkpoint, never scored half-trained.
 
     python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
         [--seeds 0 1 2] [--only foundation sasrec ...] [--config YAML --protocol NAME]
@@ -36,6 +36,7 @@ from jaxscale.benchmarks.machine import machine
 from jaxscale.infra import atomic
 from jaxscale.sequences.protocols import get_protocol
 from jaxscale.training import ranking
+from jaxscale.training.trainer import finished_run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "jaxscale" / "configs" / "movielens_foundation.yaml"
@@ -86,9 +87,9 @@ def train_foundation(
     args = [*data, f"model.foundation.item_rows={rows}", f"train.seed={seed}", f"data.seed={seed}", *FOUNDATION[name]]
     args += overrides
     py = sys.executable
-    if not (run / "best").exists():
-        _run([py, "-m", "jaxscale.train", "--config", str(config), "--no-progress", f"train.workdir={run}", *args],
-             work / f"{name}_seed{seed}.log")  # fmt: skip
+    if finished_run(run) is None:  # not trained, or interrupted: --resume goes on from its last checkpoint
+        _run([py, "-m", "jaxscale.train", "--config", str(config), "--no-progress", "--resume",
+              f"train.workdir={run}", *args], work / f"{name}_seed{seed}.log")  # fmt: skip
     for masking, flag in MASKINGS.items():
         files = ["--json", str(run / f"test_{masking}.json"), "--topk", str(run / f"topk_{masking}.parquet")]
         cmd = [py, "-m", "jaxscale.evaluate", "--config", str(config), "--checkpoint", str(run / "best")]

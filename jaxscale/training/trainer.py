@@ -14,6 +14,10 @@ evaluation is saved to <workdir>/best/checkpoints (`train.keep_best`; orbax writ
 temporary name and renames it when complete, so a killed save never looks like a best checkpoint, and the
 previous best is deleted only after that) and restored by `Trainer.restore_best()`. With
 `train.early_stopping_patience` = P > 0, training stops after P evaluations in a row without improvement.
+
+When `run()` returns, <workdir>/run.json says how it ended (`final_step`, `steps`, `stop_reason`, `best`),
+written atomically; a new `run()` removes it first, so a folder whose run was killed has none and a script
+can tell a finished run (stop_reason 'steps' or 'early_stopping') from an interrupted one.
 """
 
 from __future__ import annotations
@@ -42,13 +46,34 @@ from jaxscale.engine.embedding.ids import ShardedIds, check_ids, pad_invalid
 from jaxscale.engine.embedding.settings import AUTO_TOPOLOGY, EmbeddingSettings
 from jaxscale.engine.mesh import BATCH_AXES, make_mesh
 from jaxscale.engine.plan import ShardingPlan
+from jaxscale.infra import atomic
 from jaxscale.training import registry
 from jaxscale.training.checkpoint import Checkpointer, CheckpointError, shapes
 from jaxscale.training.checkpoint import host as _host
 from jaxscale.training.config import Config, config_to_dict
 from jaxscale.training.data import make_data, to_global
 
-__all__ = ["CapacityOverflowError", "CheckpointError", "Trainer", "make_train_step", "make_eval_step"]
+__all__ = [
+    "CapacityOverflowError",
+    "CheckpointError",
+    "Trainer",
+    "finished_run",
+    "make_eval_step",
+    "make_train_step",
+]
+
+RUN_RECORD = "run.json"  # <workdir>/run.json: how the last run() ended (absent while one is under way)
+FINISHED = ("steps", "early_stopping")  # the stop reasons of a run that is complete (not 'requested')
+
+
+def finished_run(workdir: str | Path) -> dict | None:
+    """The run.json of a run in `workdir` that ended by its steps or by early stopping; None when there is
+    none, or when the last run() was stopped on request or killed (its checkpoints resume it)."""
+    try:
+        record = json.loads((Path(workdir) / RUN_RECORD).read_text())
+    except FileNotFoundError:
+        return None
+    return record if record.get("stop_reason") in FINISHED else None
 
 
 class CapacityOverflowError(RuntimeError):
@@ -535,6 +560,8 @@ class Trainer:
             elif self.is_writer:
                 print(f"--resume: no checkpoint in {self.workdir / 'checkpoints'}; starting from scratch")
         start = int(_host(state["step"]))
+        if self.is_writer:  # from here until this run() returns, the folder holds no record of a finished run
+            (self.workdir / RUN_RECORD).unlink(missing_ok=True)
         mgr = self._manager()
         writer = _MetricsWriter(self.workdir, enabled=self.is_writer)
         old_handler = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
@@ -628,6 +655,9 @@ class Trainer:
         history["best"] = None if best is None or best.step is None else {"step": best.step, best.metric: best.value}
         history["final_step"] = step
         history["reruns"] = self.reruns
+        if self.is_writer:
+            record = {k: history[k] for k in ("final_step", "stop_reason", "stopped_early", "best")}
+            atomic.write_json(self.workdir / RUN_RECORD, record | {"steps": total})
         return history
 
     def _handle_overflow(self, state, metrics, step):
