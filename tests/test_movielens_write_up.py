@@ -93,7 +93,10 @@ def test_an_unmasked_protocols_ablation_reads_its_own_masking_and_its_peer(tmp_p
             "masked": {"ndcg@10": [masked], "mean": masked, "se": None},
         }
 
-    for items_only, verdict in [(0.1285, "the lead comes from what SASRec does not have"), (0.1287, "it leads")]:
+    for items_only, verdict in [
+        (0.1285, "the lead comes from what SASRec does not have"),
+        (0.1287, "with SASRec's inputs only (foundation_items_only) the model leads too"),
+    ]:
         ablation = {
             "config": "jaxscale/configs/movielens1m_foundation.yaml", "protocol": "recbole", "machine": {},
             "variants": {"foundation": entry(0.14, 0.15), "foundation_items_only": entry(items_only, 0.2)},
@@ -135,6 +138,7 @@ def test_the_ml100k_seed_target_follows_the_seeds_and_the_means(tmp_path):
         return _render(tmp_path, results)
 
     text = render([0.09], 3)
+    assert "no variant with SASRec's inputs only is in this record" in text  # unmasked: the offset is one
     assert "not established: it needs 3 seeds of each side, and this record has sasrec 1 seed" in text
     assert "sasrec 0.0550 (1 seed)" in text and "foundation 0.0800 +- 0.0012 (3 seeds)" in text
     assert "0.0610, 1.11x SASRec's mean over its 1 seed in this record 0.0550" in text

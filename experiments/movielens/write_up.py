@@ -219,8 +219,10 @@ PEER = {"literature": "SASRec+", "recbole": "SASRec"}
 
 def ablation_lines(fairness: dict, target: float, masked: bool, peer: str, row: str) -> list[str]:
     """What the foundation model has that `peer` (the SASRec it is compared with) lacks, read from its config,
-    and the recorded ablation of it (written by fairness.py), read under the protocol's masking first; the
-    verdict compares the variant closest to the peer's inputs with `row` (`target`, its test NDCG@10)."""
+    and the recorded ablation of it (written by fairness.py), read under the protocol's masking first; each
+    ablated variant is set beside `row` (`target`, its test NDCG@10), and the verdict reads the variant with
+    the peer's inputs only (items only; under a masking protocol also no rating/time, whose remaining offset
+    moves no masked ranking), or says that the record has none."""
     cfg = yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
     ran = fairness.get("machine", {})
@@ -257,14 +259,28 @@ def ablation_lines(fairness: dict, target: float, masked: bool, peer: str, row: 
             interval = f"{d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f}"
             lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[own]}: {d['mean']:+.4f} "
                       f"(paired bootstrap over {d['users']:,} users, {interval})."]  # fmt: skip
-    # the verdict from the variant closest to the peer's inputs that was run
-    for name in ("foundation_items_only", "foundation_no_rating_time", "foundation_no_seen_offset"):
-        if name in variants:
-            a = variants[name][own]["mean"]
-            verdict = "it leads without them too" if a >= target else f"the lead comes from what {peer} does not have"
-            lines += ["", f"- {ABLATIONS[name][0].upper()}{ABLATIONS[name][1:]} the model reaches {a:.4f}, "
-                      f"{a / target:.2f}x {row} {target:.4f}: {verdict}."]  # fmt: skip
-            break
+    # each ablation against the peer, then the verdict from the variant with the peer's inputs: items only, or
+    # under a masking protocol also no rating/time (the offset it keeps moves no masked ranking)
+    lines.append("")
+    for name in (n for n in ABLATIONS if n in variants):
+        a = variants[name][own]["mean"]
+        lines.append(f"- {ABLATIONS[name][0].upper()}{ABLATIONS[name][1:]} the model reaches {a:.4f}, "
+                     f"{a / target:.2f}x {row} {target:.4f}.")  # fmt: skip
+    peer_inputs = ("foundation_items_only", "foundation_no_rating_time") if masked else ("foundation_items_only",)
+    name = next((n for n in peer_inputs if n in variants), None)
+    if name is None:
+        verdict = (
+            f"no variant with {peer}'s inputs only is in this record, so it does not settle where the lead comes "
+            f"from; the rows above say what each mechanism adds"
+        )
+    else:
+        kept = "; the seen-item offset it keeps moves no masked ranking" if name != "foundation_items_only" else ""
+        which = f"with {peer}'s inputs only ({name}{kept})"
+        if variants[name][own]["mean"] >= target:
+            verdict = f"{which} the model leads too"
+        else:
+            verdict = f"{which} it does not: the lead comes from what {peer} does not have"
+    lines += ["", f"- Verdict: {verdict}."]
     return lines
 
 
