@@ -119,6 +119,22 @@ def movielens_figures() -> list[str]:
         f"Recall@10 {ctx:.4f} with its context: {ctx / noc:.2f}x the same model without context and {ctx / hint:.2f}x",
         f"run.sh took {m['run']['seconds'] / 60:.1f} minutes on {m['run']['cores']} cores, "
         f"{'inside' if m['run']['seconds'] <= 25 * 60 else 'over'} its 25-minute target",
+        *_ml100k_seed_figures(),
+    ]
+
+
+def _ml100k_seed_figures() -> list[str]:
+    v = _json("experiments/results/movielens_fairness.json")["variants"]
+    fnd, sas, off = v["foundation"], v["sasrec"], v["sasrec_seen_offset"]
+    assert off["unmasked"]["mean"] > fnd["unmasked"]["mean"] and sas["masked"]["mean"] > fnd["masked"]["mean"]
+    return [
+        f"over {len(fnd['seeds'])} seeds the",
+        f"foundation model reaches {fnd['unmasked']['mean']:.4f} ± "
+        f"{fnd['unmasked']['se']:.4f} (history not masked), SASRec {sas['unmasked']['mean']:.4f} "
+        f"({len(sas['seeds'])} seeds)",
+        f"same offset {off['unmasked']['mean']:.4f} ({len(off['seeds'])} seed)",
+        f"SASRec's {sas['masked']['mean']:.4f} is above",
+        f"the foundation model's {fnd['masked']['mean']:.4f} too",
     ]
 
 
