@@ -82,32 +82,39 @@ def test_summarize_equals_brute_force(tmp_path):
         assert p["mean"] == pytest.approx(diff.mean()) and p["low"] <= p["mean"] <= p["high"]
 
 
-def _fairness_module():
-    import importlib.util
+# In a process of its own (the script is run, never imported by the tests): train_foundation with _run recorded.
+_SHIM = """
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("fairness_script", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+calls = []
+module._run = lambda cmd, log: calls.append(cmd)
+out = Path(sys.argv[2])
+module.train_foundation(out, out / "fairness", "foundation", 1, 100)
+print(json.dumps(calls))
+"""
 
-    spec = importlib.util.spec_from_file_location("fairness", ROOT / "experiments/movielens/fairness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _train_calls(out: Path) -> list:
+    script = str(ROOT / "experiments/movielens/fairness.py")
+    r = subprocess.run([sys.executable, "-c", _SHIM, script, str(out)], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("record", [None, {"stop_reason": "requested", "final_step": 40}])
-def test_an_interrupted_variant_is_resumed_never_scored_half_trained(tmp_path, monkeypatch, record):
+def test_an_interrupted_variant_is_resumed_never_scored_half_trained(tmp_path, record):
     """A variant folder holding a `best` checkpoint but no finished run.json (a run killed or stopped midway)
     is trained on with --resume before it is scored; a finished one is scored as it is."""
-    fairness = _fairness_module()
-    calls = []
-    monkeypatch.setattr(fairness, "_run", lambda cmd, log: calls.append(cmd))
     run = tmp_path / "fairness" / "foundation_seed1"
     (run / "best").mkdir(parents=True)
     if record is not None:
         (run / "run.json").write_text(json.dumps(record))
-    fairness.train_foundation(tmp_path, tmp_path / "fairness", "foundation", 1, 100)
+    calls = _train_calls(tmp_path)
     trains = [c for c in calls if "jaxscale.train" in c]
     assert len(trains) == 1 and "--resume" in trains[0] and f"train.workdir={run}" in trains[0]
     assert [c[2] for c in calls[1:]] == ["jaxscale.evaluate"] * 2  # then scored under both maskings
 
-    calls.clear()
     (run / "run.json").write_text(json.dumps({"stop_reason": "early_stopping", "final_step": 60}))
-    fairness.train_foundation(tmp_path, tmp_path / "fairness", "foundation", 1, 100)
-    assert [c[2] for c in calls] == ["jaxscale.evaluate"] * 2
+    assert [c[2] for c in _train_calls(tmp_path)] == ["jaxscale.evaluate"] * 2
