@@ -265,3 +265,36 @@ def test_action_inputs_ablation_drops_the_event_type_input(action_inputs):
     moved = apply(model, emb, dict(batch, actions=(batch["actions"] + 1) % cfg.num_actions))
     changed = float(jnp.max(jnp.abs(moved["hidden"] - ref["hidden"])))
     assert (changed > 1e-3) if action_inputs else (changed == 0.0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_seen_item_offset_is_its_scale_times_the_trained_scalar(scale):
+    """The offset the scores get is `seen_item_bias_scale * p`, so its gradient in p is the scale times its
+    gradient in the offset (Adam then moves the offset `scale` learning rates per step); a scale <= 0 is
+    refused by name."""
+    cfg = FoundationConfig(
+        **dict(TINY, num_item_tables=1),
+        retrieval_loss="full_softmax",
+        similarity="dot",
+        seen_item_bias=True,
+        seen_item_bias_scale=scale,
+    )
+    emb, batch = foundation_inputs(cfg)
+    model = FoundationModel(cfg, rngs=nnx.Rngs(2))
+    model.seen_bias[...] = jnp.float32(-0.3)
+    model.eval()  # no dropout: the two passes below see the same network
+    out = apply(model, emb, batch)
+    np.testing.assert_allclose(np.asarray(out["seen_bias"]), -0.3 * scale, rtol=1e-6)
+
+    def loss_at(bias):  # the objective as a function of the offset itself
+        from jaxscale_models.foundation import foundation_objective
+
+        return foundation_objective(cfg, dict(out, seen_bias=jnp.broadcast_to(bias, out["seen_bias"].shape)), batch)[0]
+
+    d_offset = float(jax.grad(loss_at)(jnp.float32(-0.3 * scale)))
+    grads = nnx.grad(lambda m: foundation_loss(m, emb, batch)[0])(model)
+    assert d_offset != 0.0
+    assert float(grads.seen_bias[...]) == pytest.approx(scale * d_offset, rel=1e-4)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="seen_item_bias_scale"):
+            FoundationConfig(**TINY, seen_item_bias_scale=bad)

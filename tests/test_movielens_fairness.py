@@ -16,8 +16,10 @@ from movielens_helpers import MOVIES, loo_targets, write_ml100k
 from jaxscale.sequences import compile_definitions
 from jaxscale.sequences.movielens import import_movielens
 from jaxscale.sequences.runtime import backfill
+from jaxscale.training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "jaxscale" / "configs" / "movielens_foundation.yaml"
 
 
 def _write_topk(path: Path, lists: dict) -> None:
@@ -41,8 +43,14 @@ def test_summarize_equals_brute_force(tmp_path):
     targets = loo_targets(rows, "test")
     rng = np.random.default_rng(0)
     want: dict = {}
-    for name in ("foundation", "sasrec"):
+    names = ("foundation", "sasrec", "sasrec_seen_offset")
+    for name in names:
         for seed in (0, 1):
+            if name.startswith("sasrec"):  # what the SASRec script records beside its lists
+                offset = {"seen_item_offset": True, "seen_offset_scale": 10.0, "seen_offset_value": -5.0 - seed}
+                result = offset if name == "sasrec_seen_offset" else {"seen_item_offset": False}
+                (tmp_path / "fairness" / f"{name}_seed{seed}").mkdir(parents=True)
+                (tmp_path / "fairness" / f"{name}_seed{seed}" / "result.json").write_text(json.dumps(result))
             for masking in ("masked", "unmasked"):
                 lists = {}
                 for u, t in targets.items():  # random lists, the target placed at a random rank or left out
@@ -64,8 +72,11 @@ def test_summarize_equals_brute_force(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["overrides"] == ["mesh.local=1"]  # what the runs were trained with is recorded
-    assert record["users"] == len(targets) and set(record["variants"]) == {"foundation", "sasrec"}
-    for name in ("foundation", "sasrec"):
+    assert record["users"] == len(targets) and set(record["variants"]) == set(names)
+    assert record["seen_item_bias_scale"] == load_config(str(CONFIG)).model.foundation.seen_item_bias_scale
+    assert record["variants"]["sasrec"]["seen_offset"] is None
+    assert record["variants"]["sasrec_seen_offset"]["seen_offset"] == {"scale": [10.0, 10.0], "learned": [-5.0, -6.0]}
+    for name in names:
         for masking in ("masked", "unmasked"):
             got = record["variants"][name][masking]
             seeds = [want[name, s, masking].mean() for s in (0, 1)]
@@ -73,7 +84,7 @@ def test_summarize_equals_brute_force(tmp_path):
             assert got["mean"] == pytest.approx(np.mean(seeds))
             assert got["se"] == pytest.approx(np.std(seeds, ddof=1) / np.sqrt(2))
     pairs = {(p["a"], p["b"], p["masking"]): p["ndcg@10_difference"] for p in record["paired"]}
-    assert set(pairs) == {("foundation", "sasrec", m) for m in ("masked", "unmasked")}
+    assert set(pairs) == {("foundation", b, m) for b in names[1:] for m in ("masked", "unmasked")}
     for m in ("masked", "unmasked"):
         diff = np.mean([want["foundation", s, m] for s in (0, 1)], axis=0) - np.mean(
             [want["sasrec", s, m] for s in (0, 1)], axis=0
@@ -92,14 +103,18 @@ spec.loader.exec_module(module)
 calls = []
 module._run = lambda cmd, log: calls.append(cmd)
 out = Path(sys.argv[2])
-module.train_foundation(out, out / "fairness", "foundation", 1, 100)
+if sys.argv[3] == "foundation":
+    module.train_foundation(out, out / "fairness", "foundation", 1, 100)
+else:
+    module.train_sasrec(out, out / "fairness", sys.argv[3], 0, 10.0)
 print(json.dumps(calls))
 """
 
 
-def _train_calls(out: Path) -> list:
+def _train_calls(out: Path, name: str = "foundation") -> list:
     script = str(ROOT / "experiments/movielens/fairness.py")
-    r = subprocess.run([sys.executable, "-c", _SHIM, script, str(out)], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", _SHIM, script, str(out), name]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(r.stdout.splitlines()[-1])
 
 
@@ -118,3 +133,12 @@ def test_an_interrupted_variant_is_resumed_never_scored_half_trained(tmp_path, r
 
     (run / "run.json").write_text(json.dumps({"stop_reason": "early_stopping", "final_step": 60}))
     assert [c[2] for c in _train_calls(tmp_path)] == ["jaxscale.evaluate"] * 2
+
+
+def test_sasrec_gets_the_foundation_models_offset_parametrisation(tmp_path):
+    """sasrec_seen_offset is trained with the scale it is given (the foundation config's); plain SASRec has no
+    offset and no scale."""
+    (offset,) = _train_calls(tmp_path, "sasrec_seen_offset")
+    assert "--seen-item-offset" in offset and offset[offset.index("--seen-item-offset-scale") + 1] == "10.0"
+    (plain,) = _train_calls(tmp_path, "sasrec")
+    assert not any(a.startswith("--seen-item-offset") for a in plain)

@@ -52,11 +52,14 @@ def test_reference_scores_both_maskings_with_the_offset(store, mask_history, tmp
     cmd = [sys.executable, str(SCRIPT), "--store", str(tmp / "store"), "--defs", str(tmp / "defs.json")]
     cmd += ["--json", str(out), "--topk", str(top), "--topk-other", str(other), "--max-epochs", "2", "--threads", "1"]
     cmd += ["--max-len", "8", "--seed", "0", "--seen-item-offset", *(["--mask-history"] if mask_history else [])]
+    scale = 10.0 if mask_history else 1.0  # the foundation model's seen_item_bias_scale, both ways
+    cmd += ["--seen-item-offset-scale", str(scale)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["mask_history"] is mask_history and results["seen_item_offset"] is True
     assert results["seen_offset_value"] != 0.0  # trained: the offset moved from its zero init
+    assert results["seen_offset_scale"] == scale
     targets = loo_targets(rows, "test")
     history: dict[int, list] = {}
     for pos, (u, i, _, t) in enumerate(rows):

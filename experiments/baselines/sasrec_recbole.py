@@ -21,10 +21,12 @@ early stopping reads the chosen one.
 
 `--seen-item-offset` gives SASRec the one mechanism the foundation model has and RecBole's SASRec lacks: one
 learned scalar added to the score of every item in the example's history window (the foundation model's
-`seen_item_bias`, in training and scoring alike), so a comparison can give both sides the same mechanism.
+`seen_item_bias`, in training and scoring alike), so a comparison can give both sides the same mechanism;
+`--seen-item-offset-scale S` gives it the same parametrisation too (the offset is S times the trained scalar,
+the foundation model's `seen_item_bias_scale`).
 
     python experiments/baselines/sasrec_recbole.py --store S --defs D --sequence ratings --json OUT \
-        [--mask-history] [--seen-item-offset] [--max-len 50] [--seed N]
+        [--mask-history] [--seen-item-offset [--seen-item-offset-scale S]] [--max-len 50] [--seed N]
 """
 
 from __future__ import annotations
@@ -74,8 +76,11 @@ def load_split(store, defs, sequence, split, max_len=MAX_LEN):
     return hist, length, target, users, seen
 
 
-def build_model(n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offset: bool = False):
-    """RecBole's SASRec (default hyperparameters), optionally with the foundation model's seen-item offset."""
+def build_model(
+    n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offset: bool = False, offset_scale: float = 1.0
+):
+    """RecBole's SASRec (default hyperparameters), optionally with the foundation model's seen-item offset
+    (`offset_scale` times one trained scalar, 0 at init)."""
     hidden, inner, heads, layers, p_hidden, p_attn, eps, init = 64, 256, 2, 2, 0.5, 0.5, 1e-12, 0.02
 
     def gelu(x):
@@ -157,8 +162,11 @@ def build_model(n_items: int, torch, nn, max_len: int = MAX_LEN, seen_item_offse
             if self.seen_offset is not None:
                 window = torch.zeros_like(out).scatter_(1, seq, 1.0)
                 window[:, 0] = 0.0  # the padding row is not an item of the history
-                out = out + self.seen_offset * window
+                out = out + self.offset() * window
             return out
+
+        def offset(self):
+            return offset_scale * self.seen_offset
 
     return SASRec()
 
@@ -198,6 +206,7 @@ def train(
     max_len=MAX_LEN,
     mask_history=False,
     seen_item_offset=False,
+    offset_scale=1.0,
 ):
     """Trains with early stopping on validation NDCG@10; returns (results dict, (test users, test top-K, test top-K
     of the other masking)).
@@ -214,7 +223,7 @@ def train(
     rng = np.random.default_rng(seed)
     tr, va, te = (load_split(store, defs, sequence, s, max_len) for s in ("train", "valid", "test"))
     n_items = SequenceReader(store, sequence).vocabulary("item_id").num_indices  # PAD, OOV and every movie
-    model = build_model(n_items, torch, nn, max_len, seen_item_offset)
+    model = build_model(n_items, torch, nn, max_len, seen_item_offset, offset_scale)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     hist, length, target, _, _ = tr
@@ -261,7 +270,8 @@ def train(
             max_len=max_len,
             mask_history=mask_history,
             seen_item_offset=seen_item_offset,
-            seen_offset_value=None if model.seen_offset is None else float(model.seen_offset.detach()),
+            seen_offset_scale=offset_scale if seen_item_offset else None,
+            seen_offset_value=None if model.seen_offset is None else float(model.offset().detach()),
         )
         if progress is not None:
             progress(results)
@@ -285,6 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="history length (the protocol's)")
     ap.add_argument("--mask-history", action="store_true", help="rank with every history item removed")
     ap.add_argument("--seen-item-offset", action="store_true", help="a learned score offset for history items")
+    ap.add_argument("--seen-item-offset-scale", type=float, default=1.0, help="the offset is this x the scalar")
     args = ap.parse_args(argv)
 
     def save(results):
@@ -302,6 +313,7 @@ def main(argv=None) -> int:
         max_len=args.max_len,
         mask_history=args.mask_history,
         seen_item_offset=args.seen_item_offset,
+        offset_scale=args.seen_item_offset_scale,
     )
     from jaxscale.sequences.query import SequenceReader
     from jaxscale.training.evaluate import write_topk

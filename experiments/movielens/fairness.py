@@ -7,7 +7,8 @@ Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, proto
   SASRec reference lacks), `foundation_no_rating_time` (no event-type input, no time encoding) and
   `foundation_items_only` (both: SASRec's inputs, item ids and positions);
 - `sasrec` (RecBole 1.2.1's SASRec, experiments/baselines/sasrec_recbole.py) and `sasrec_seen_offset` (the
-  same with the foundation model's one-scalar seen-item offset), every seed.
+  same with the foundation model's one-scalar seen-item offset, parametrised as the foundation config's:
+  `seen_item_bias_scale` times the trained scalar), every seed.
 Each variant's test top-20 is written under both maskings (history kept; every history item removed); the
 record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
 each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
@@ -36,6 +37,7 @@ from jaxscale.benchmarks.machine import machine
 from jaxscale.infra import atomic
 from jaxscale.sequences.protocols import get_protocol
 from jaxscale.training import ranking
+from jaxscale.training.config import load_config
 from jaxscale.training.trainer import finished_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,13 +101,26 @@ def train_foundation(
         )
 
 
-def train_sasrec(out: Path, work: Path, name: str, seed: int) -> None:
+def train_sasrec(out: Path, work: Path, name: str, seed: int, offset_scale: float = 1.0) -> None:
     run = work / f"{name}_seed{seed}"
     run.mkdir(parents=True, exist_ok=True)
     script = ROOT / "experiments" / "baselines" / "sasrec_recbole.py"
     files = ["--topk", str(run / "topk_unmasked.parquet"), "--topk-other", str(run / "topk_masked.parquet")]
+    args = [*SASREC[name], *(["--seen-item-offset-scale", str(offset_scale)] if SASREC[name] else [])]
     _run([sys.executable, str(script), "--store", str(out / "store"), "--defs", str(out / "defs.json"), "--seed",
-          str(seed), "--json", str(run / "result.json"), *files, *SASREC[name]], run.with_suffix(".log"))  # fmt: skip
+          str(seed), "--json", str(run / "result.json"), *files, *args], run.with_suffix(".log"))  # fmt: skip
+
+
+def sasrec_offsets(work: Path, name: str, seeds: list[int]) -> dict | None:
+    """The SASRec variant's offset per seed, from its result.json: its scale and the value it learned (None
+    for a variant without one). A run that predates the scale option had scale 1."""
+    rows = [json.loads((work / f"{name}_seed{s}" / "result.json").read_text()) for s in seeds]
+    if not any(r.get("seen_item_offset") for r in rows):
+        return None
+    return {
+        "scale": [r.get("seen_offset_scale") or 1.0 for r in rows],
+        "learned": [r["seen_offset_value"] for r in rows],
+    }
 
 
 def per_user_ndcg(topk_file: Path, targets: dict) -> np.ndarray:
@@ -150,6 +165,8 @@ def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> 
                 "se": float(ndcg.std(ddof=1) / np.sqrt(len(ndcg))) if len(ndcg) > 1 else None,
             }
             per_user[name, masking] = np.mean(users, axis=0)
+        if name in SASREC:
+            entry["seen_offset"] = sasrec_offsets(work, name, runs)
         variants[name] = entry
     pairs = []
     for a, b in PAIRS:
@@ -189,6 +206,7 @@ def main(argv=None) -> int:
     work = out / "fairness"
     work.mkdir(exist_ok=True)
     rows = json.loads((out / "store" / "ratings" / "_vocab" / "item_id.json").read_text())["size"] + 2
+    offset_scale = load_config(str(args.config), args.override).model.foundation.seen_item_bias_scale
     for name in [] if args.summarize else args.only or [*FOUNDATION, *SASREC]:
         for seed in args.seeds:
             if (work / f"{name}_seed{seed}" / "topk_masked.parquet").exists():
@@ -198,8 +216,9 @@ def main(argv=None) -> int:
                 config = args.config.absolute()
                 train_foundation(out, work, name, seed, rows, config, args.protocol, tuple(args.override))
             else:
-                train_sasrec(out, work, name, seed)
+                train_sasrec(out, work, name, seed, offset_scale)
     record = {"config": str(args.config), "protocol": args.protocol, "overrides": args.override, "machine": _machine()}
+    record["seen_item_bias_scale"] = offset_scale  # the foundation model's, given to sasrec_seen_offset
     record |= summarize(out, work, args.seeds)
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))

@@ -4,7 +4,7 @@ Each run is a `python -m jaxscale.train --config jaxscale/configs/movielens_foun
 overrides (train.workdir=DIR); this reads each run's metrics log and keeps the best validation NDCG@10.
 
     python experiments/movielens/tune.py --out experiments/results/movielens_tuning.json \\
-        NAME=DIR:"override override ..." ...
+        NAME=DIR:"override override ..." ...   [--append: keep the runs already in --out, add these]
 """
 
 from __future__ import annotations
@@ -27,14 +27,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--base", default="", help="what the runs' overrides apply to (the starting config)")
+    ap.add_argument("--append", action="store_true", help="keep the runs already recorded in --out")
     ap.add_argument("runs", nargs="+", metavar='NAME=DIR:"OVERRIDES"')
     args = ap.parse_args(argv)
-    runs = []
+    old = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else None
+    runs = list(old["runs"]) if old else []
     for spec in args.runs:
         name, _, rest = spec.partition("=")
         run_dir, _, overrides = rest.partition(":")
+        if any(r["name"] == name for r in runs):
+            raise SystemExit(f"{args.out} already holds a run named {name!r}")
         runs.append(summarize(name, Path(run_dir), overrides.split()))
-    record = {"metric": "eval_ndcg@10 (validation)", "base": args.base, "runs": runs}
+    record = {"metric": "eval_ndcg@10 (validation)", "base": old["base"] if old else args.base, "runs": runs}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps([{k: r[k] for k in ("name", "best", "best_step")} for r in runs]))
     return 0
