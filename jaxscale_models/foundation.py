@@ -107,8 +107,8 @@ class FoundationConfig:
     seen_item_bias_scale: float = 1.0
     """The offset is `scale * p` with p the trained scalar. Adam moves p about one learning rate per step
     whatever its gradient, so at lr 1e-3 an offset of scale 1 needs thousands of steps to reach the few
-    units that demoting a history item is worth (ML-100K: -0.8 after 1,400 steps); scale 10 lets it move
-    as fast as the data asks. Equivalent to a learning rate of its own for this one parameter."""
+    units that demoting a history item is worth; scale 10 lets it move as fast as the data asks.
+    Equivalent to a learning rate of its own for this one parameter."""
     reserved_rows: int = 0
     """Rows [0, reserved_rows) are never candidates: a sequence store's vocabulary reserves 0 (padding) and
     1 (out of vocabulary), so set 2 when the store has one."""

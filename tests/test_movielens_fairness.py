@@ -72,6 +72,7 @@ def test_summarize_equals_brute_force(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["overrides"] == ["mesh.local=1"]  # what the runs were trained with is recorded
+    assert record["config"] == "jaxscale/configs/movielens_foundation.yaml"  # readable from any clone
     assert record["users"] == len(targets) and set(record["variants"]) == set(names)
     assert record["seen_item_bias_scale"] == load_config(str(CONFIG)).model.foundation.seen_item_bias_scale
     assert record["variants"]["sasrec"]["seen_offset"] is None

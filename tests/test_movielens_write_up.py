@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 SCRIPT = ROOT / "experiments" / "movielens" / "write_up.py"
@@ -148,3 +150,38 @@ def test_the_ml100k_seed_target_follows_the_seeds_and_the_means(tmp_path):
     assert "under each masking): not met (the foundation model's mean is below sasrec with history masked)" in text
     text = render([0.09, 0.1, 0.1], 2)
     assert "not established: it needs 3 seeds of each side, and this record has sasrec_seen_offset 2 seeds " in text
+
+
+def test_the_offsets_parametrisation_is_said_for_both_sides(tmp_path):
+    """The seed section says the scale each side's offset was trained with and what SASRec learned; a SASRec
+    seed with another scale than the record's foundation runs is named as such, a record made before the
+    option is read as unit-scaled, and a config whose scale is not the record's is said to differ."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "movielens_metrics.json", results)
+    side = {"ndcg@10": [0.1], "mean": 0.1, "se": None}
+    base = {"seeds": [0], "unmasked": side, "masked": side}
+    config = "jaxscale/configs/movielens_foundation.yaml"
+    shipped = yaml.safe_load((ROOT / config).read_text())["model"]["foundation"]["seen_item_bias_scale"]
+
+    def render(scales: list | None, record_scale: float | None) -> str:
+        offset = {"scale": scales, "learned": [-6.04, -5.5][: len(scales)]} if scales else None
+        variants = {"foundation": base, "sasrec": base | {"seen_offset": None}}
+        variants["sasrec_seen_offset"] = base | ({"seen_offset": offset} if scales else {})
+        record = {"config": config, "machine": {}, "variants": variants, "paired": []}
+        if record_scale is not None:
+            record["seen_item_bias_scale"] = record_scale
+        (results / "movielens_fairness.json").write_text(json.dumps(record))
+        return _render(tmp_path, results)
+
+    both = f"{shipped:g} in this record's foundation runs, the same for sasrec_seen_offset, whose learned offset per"
+    text = render([float(shipped)], shipped)
+    assert both + " seed is -6.04." in text
+    assert "The foundation config now sets" not in text  # the record is the shipped config's
+    text = render([1.0, float(shipped)], shipped)
+    assert f"not the foundation model's (1, {shipped:g}) for sasrec_seen_offset, whose learned offset per seed is " \
+        "-6.04, -5.50" in text  # fmt: skip
+    text = render(None, None)  # made before the option: both sides unit-scaled, nothing learned recorded
+    assert "1 in this record's foundation runs, the same for sasrec_seen_offset, whose learned offset this record " \
+        "does not hold." in text  # fmt: skip
+    assert (f"The foundation config now sets `seen_item_bias_scale: {shipped:g}`" in text) == (shipped != 1)

@@ -177,6 +177,13 @@ def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> 
     return {"users": len(targets), "variants": variants, "paired": pairs}
 
 
+def repo_path(path: Path) -> str:
+    """A config's path as the record names it: relative to the repository when it lies inside (the write-up reads
+    the record in any clone), else as given."""
+    path = Path(path).absolute()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _machine() -> dict:
     """Where the variants ran: the CPU description, and JAX's backend and device (a GPU run says so)."""
     import jax
@@ -217,7 +224,12 @@ def main(argv=None) -> int:
                 train_foundation(out, work, name, seed, rows, config, args.protocol, tuple(args.override))
             else:
                 train_sasrec(out, work, name, seed, offset_scale)
-    record = {"config": str(args.config), "protocol": args.protocol, "overrides": args.override, "machine": _machine()}
+    record = {
+        "config": repo_path(args.config),
+        "protocol": args.protocol,
+        "overrides": args.override,
+        "machine": _machine(),
+    }
     record["seen_item_bias_scale"] = offset_scale  # the foundation model's, given to sasrec_seen_offset
     record |= summarize(out, work, args.seeds)
     atomic.write_json(args.json, record)

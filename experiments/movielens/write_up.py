@@ -223,7 +223,7 @@ def ablation_lines(fairness: dict, target: float, masked: bool, peer: str, row: 
     ablated variant is set beside `row` (`target`, its test NDCG@10), and the verdict reads the variant with
     the peer's inputs only (items only; under a masking protocol also no rating/time, whose remaining offset
     moves no masked ranking), or says that the record has none."""
-    cfg = yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
+    cfg = foundation_config(fairness)
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
     ran = fairness.get("machine", {})
     where = ran.get("device", "?") if ran.get("backend") != "cpu" else f"{ran.get('cpu_model', '?')}, "
@@ -325,7 +325,51 @@ def seed_target_lines(fairness: dict) -> list[str]:
         f"- Target ({SEED_TARGET} seeds each; the foundation model's mean NDCG@10 >= SASRec's without and with the "
         f"seen-item offset, under each masking): {verdict}."
     )
-    return [*lines, "", target]
+    return [*lines, *offset_lines(fairness), "", target]
+
+
+def offset_lines(fairness: dict) -> list[str]:
+    """How the one-scalar offset was parametrised on each side (the record's scale, the scale each SASRec
+    seed was trained with, what SASRec learned) and, when the foundation config's scale is not the record's,
+    that its foundation rows are not the shipped config's: a scale that differs is said, never hidden."""
+    variants = fairness["variants"]
+    recorded = fairness.get("seen_item_bias_scale", UNIT_SCALE)
+    lines = []
+    if "sasrec_seen_offset" in variants:
+        sasrec = variants["sasrec_seen_offset"].get("seen_offset")
+        theirs = sorted(set(sasrec["scale"])) if sasrec else [recorded]  # no field: recorded before the option
+        same = "the same" if theirs == [recorded] else f"not the foundation model's ({', '.join(map(_g, theirs))})"
+        learned = (
+            f"whose learned offset per seed is {', '.join(f'{x:.2f}' for x in sasrec['learned'])}"
+            if sasrec
+            else "whose learned offset this record does not hold"
+        )
+        lines.append(
+            f"- The offset on both sides is `seen_item_bias_scale` times one trained scalar: {recorded:g} in this "
+            f"record's foundation runs, {same} for sasrec_seen_offset, {learned}."
+        )
+    now = foundation_config(fairness).get("seen_item_bias_scale", UNIT_SCALE)
+    if now != recorded:
+        lines.append(
+            f"- The foundation config now sets `seen_item_bias_scale: {now:g}` (tuned on validation: the tuning runs "
+            f"below); this record was trained with {recorded:g}, so its foundation rows are not the shipped "
+            f"config's (run.sh's row above is) and this comparison has not been re-recorded with it."
+        )
+    return lines
+
+
+UNIT_SCALE = 1.0
+"""`seen_item_bias_scale`'s default: a record without the field was made before the option existed, when every
+offset (the foundation model's and sasrec_seen_offset's) was the trained scalar itself."""
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def foundation_config(fairness: dict) -> dict:
+    """The `model.foundation` section of the config the record names (a path relative to the repository)."""
+    return yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
 
 
 def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | None = None) -> list[str]:
