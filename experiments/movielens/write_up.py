@@ -424,7 +424,9 @@ def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | Non
         lines += two_tower_lines(m)
         if "seconds" in run:
             trained = [
-                f"{LABELS[n]} {r['train_seconds'] / 60:.1f}" for n, r in m["models"].items() if "train_seconds" in r
+                f"{LABELS[n]} {r['train_seconds'] / 60:.1f} ({r['steps']:,} steps)"
+                for n, r in m["models"].items()
+                if "train_seconds" in r
             ]
             lines.append(
                 f"- run.sh, fetch to metrics: {run['seconds'] / 60:.1f} minutes: "
