@@ -338,7 +338,8 @@ def offset_lines(fairness: dict) -> list[str]:
     if "sasrec_seen_offset" in variants:
         sasrec = variants["sasrec_seen_offset"].get("seen_offset")
         theirs = sorted(set(sasrec["scale"])) if sasrec else [recorded]  # no field: recorded before the option
-        same = "the same" if theirs == [recorded] else f"not the foundation model's ({', '.join(map(_g, theirs))})"
+        listed = ", ".join(f"{x:g}" for x in theirs)
+        same = "the same" if theirs == [recorded] else f"not the foundation model's ({listed})"
         learned = (
             f"whose learned offset per seed is {', '.join(f'{x:.2f}' for x in sasrec['learned'])}"
             if sasrec
@@ -361,10 +362,6 @@ def offset_lines(fairness: dict) -> list[str]:
 UNIT_SCALE = 1.0
 """`seen_item_bias_scale`'s default: a record without the field was made before the option existed, when every
 offset (the foundation model's and sasrec_seen_offset's) was the trained scalar itself."""
-
-
-def _g(x: float) -> str:
-    return f"{x:g}"
 
 
 def foundation_config(fairness: dict) -> dict:
