@@ -473,13 +473,6 @@ class ContextLayer(nnx.Module):
         return jax.nn.gelu(self.out(jax.nn.gelu(x)))
 
 
-def last_valid(hidden, mask):
-    """hidden [B, L, D] at each row's last valid position ([B, D]); position 0 for an empty history."""
-    l = mask.shape[1]
-    last = jnp.max(jnp.where(mask, jnp.arange(l)[None, :], 0), axis=1)
-    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-
-
 def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -535,8 +528,7 @@ class ContextualTwoTower(nnx.Module):
         items = jnp.asarray(embeddings["item_ids"], jnp.float32) + jnp.asarray(
             embeddings["item_categories"], jnp.float32
         )
-        hidden = self.encoder.encode(jnp.where(mask[..., None], items, 0.0), batch)
-        return last_valid(hidden, mask)
+        return self.encoder.encode_last(jnp.where(mask[..., None], items, 0.0), batch)
 
     def item_vectors(self, item_emb, category_emb):
         """Item tower: [..., item_dim] id and category embeddings -> L2-normalised [..., E] (the category is

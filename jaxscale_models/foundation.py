@@ -375,6 +375,20 @@ class CausalSelfAttention(nnx.Module):
         ]
         return self.out(jnp.transpose(jnp.concatenate(out, axis=2), (0, 2, 1, 3)).reshape(b, l, d))
 
+    def at(self, x, mask, last):
+        """The attention output at one query position per row, `last` [B] -> [B, d]: what `__call__` gives
+        there (keys and values from every position), without the other positions' queries."""
+        b, l, d = x.shape
+        h = self.num_heads
+        q, k, v = jnp.transpose(self.qkv(x).reshape(b, l, 3, h, d // h), (2, 0, 3, 1, 4))
+        q = jnp.take_along_axis(q, last[:, None, None, None], axis=2)  # [B, H, 1, d/H]
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
+        key = jnp.arange(l)[None]
+        allowed = ((key <= last[:, None]) & mask) | (key == last[:, None])  # [B, L]
+        logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
+        probs = self.dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
+        return self.out(jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, d))
+
     def _block(self, q, k, v, mask, start: int):
         """Queries start..start+len(q) against keys 0..start+len(q): [B, H, q, d/H]."""
         logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
@@ -401,6 +415,19 @@ class Block(nnx.Module):
     def __call__(self, x, mask):
         x = x + self.dropout(self.attn(self.ln1(x), mask))
         return x + self.dropout(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
+
+    def at(self, x, mask, last):
+        """The block's output at one position per row, `last` [B] -> [B, d]: attention query and MLP there
+        only (the last block of a model that reads one state per user need not compute the others)."""
+        x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+        x_last = x_last + self.dropout(self.attn.at(self.ln1(x), mask, last))
+        return x_last + self.dropout(self.proj(jax.nn.gelu(self.fc(self.ln2(x_last)))))
+
+
+def last_positions(mask) -> jax.Array:
+    """Each row's last valid position [B] int32 (0 for a row with none)."""
+    l = mask.shape[1]
+    return jnp.max(jnp.where(mask, jnp.arange(l, dtype=jnp.int32)[None, :], 0), axis=1)
 
 
 class SequenceEncoder(nnx.Module):
@@ -463,6 +490,24 @@ class SequenceEncoder(nnx.Module):
     def encode(self, items, batch: Mapping) -> jax.Array:
         """items [B, L, item_out_dim] (zeros on padding) and the batch's actions / surfaces / timestamps / mask
         -> hidden [B, L, d_model] float32."""
+        x, mask = self._inputs(items, batch)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.ln_f(x).astype(jnp.float32)
+
+    def encode_last(self, items, batch: Mapping) -> jax.Array:
+        """`encode(items, batch)` at each row's last valid position only -> [B, d_model] float32 (position 0
+        for an empty history). The final block computes its attention query and MLP at that position alone:
+        a model that reads one state per user (the two-tower's query tower) skips the rest of that block."""
+        x, mask = self._inputs(items, batch)
+        *front, final = self.blocks
+        for block in front:
+            x = block(x, mask)
+        return self.ln_f(final.at(x, mask, last_positions(mask))).astype(jnp.float32)
+
+    def _inputs(self, items, batch: Mapping):
+        """The transformer's input stream [B, L, d_model] (items + surface + position + action + time gap,
+        after dropout) and the bool mask [B, L]."""
         cfg = self.cfg
         mask = jnp.asarray(batch["mask"], bool)
         b, l = mask.shape
@@ -475,10 +520,7 @@ class SequenceEncoder(nnx.Module):
             x = x + self.action_emb(actions)
         if cfg.time_encoding != "none":
             x = x + self.time_features(batch["timestamps"], mask)
-        x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.ln_f(x).astype(jnp.float32)
+        return self.dropout(x), mask
 
 
 class FoundationModel(SequenceEncoder):

@@ -1,5 +1,6 @@
 """The foundation model's fast parts against brute-force references: the byte-mask dropout, the block-causal
-attention, the chunked cross-entropy's gradients, and that cross-entropy split over the batch axes of a mesh."""
+attention, the encoder's last-position path, the chunked cross-entropy's gradients, and that cross-entropy
+split over the batch axes of a mesh."""
 
 import math
 
@@ -75,6 +76,9 @@ def test_block_causal_attention_equals_the_full_masked_product(l):
     heads = _attention_reference(*qkv, mask).transpose(0, 2, 1, 3).reshape(3, l, 16)
     want = np.asarray(attn.out(jnp.asarray(heads, jnp.float32)))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    at = rng.integers(0, l, 3)  # any query position, not only a row's last valid one: causal, too
+    one = attn.at(x, jnp.asarray(mask), jnp.asarray(at))
+    np.testing.assert_allclose(np.asarray(one), want[[0, 1, 2], at], atol=2e-5)
 
 
 def test_block_causal_attention_gradients_equal_one_block(monkeypatch):
@@ -93,6 +97,69 @@ def test_block_causal_attention_gradients_equal_one_block(monkeypatch):
     whole = grads()
     for a, b in zip(jax.tree.leaves(blocked), jax.tree.leaves(whole)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def _encoder_batch(rng, b, l):
+    """Masks of every shape `last_positions` meets: full, right-padded, holes, empty, one event at 0."""
+    mask = rng.random((b, l)) < 0.8
+    mask[0] = True
+    mask[1, l // 2 + 1 :] = False
+    mask[2] = False  # empty history: position 0
+    mask[3] = False
+    mask[3, 0] = True
+    return {
+        "mask": jnp.asarray(mask),
+        "actions": jnp.asarray(rng.integers(0, 5, (b, l)), jnp.int32),
+        "surfaces": jnp.asarray(rng.integers(0, 2, (b, l)), jnp.int32),
+        "timestamps": jnp.asarray(np.cumsum(rng.integers(0, 10_000, (b, l)), axis=1), jnp.int32),
+    }
+
+
+@pytest.mark.parametrize(("layers", "l"), [(1, 1), (2, 7), (2, 65), (3, 200)])
+def test_encode_last_equals_encode_at_the_last_valid_position_gradients_included(layers, l):
+    cfg = fm.FoundationConfig.smoke(
+        d_model=16, num_heads=2, num_layers=layers, item_dim=8, max_seq_len=max(l, 2), dropout=0.3
+    )
+    model = fm.SequenceEncoder(cfg, rngs=nnx.Rngs(0))
+    model.eval()  # dropout off: both paths are deterministic
+    rng = np.random.default_rng(l)
+    batch = _encoder_batch(rng, 6, l)
+    items = jnp.asarray(rng.normal(size=(6, l, cfg.item_out_dim)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 16)), jnp.float32)
+    last = np.asarray(fm.last_positions(batch["mask"]))
+    mask = np.asarray(batch["mask"])
+    want_last = [max(np.flatnonzero(row), default=0) for row in mask]  # brute force
+    np.testing.assert_array_equal(last, want_last)
+
+    def full(m, items):
+        hidden = m.encode(items, batch)
+        return jnp.sum(w * jnp.take_along_axis(hidden, jnp.asarray(last)[:, None, None], axis=1)[:, 0])
+
+    def at_last(m, items):
+        return jnp.sum(w * m.encode_last(items, batch))
+
+    @nnx.jit  # one compile for both paths; op by op, autodiff of the encoder takes tens of seconds
+    def both(m, items):
+        return tuple(nnx.value_and_grad(f, argnums=(0, 1))(m, items) for f in (at_last, full))
+
+    (got_value, got), (want_value, want) = both(model, items)
+    np.testing.assert_allclose(float(got_value), float(want_value), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+def test_encode_last_in_training_draws_dropout_and_stays_finite():
+    cfg = fm.FoundationConfig.smoke(d_model=16, num_heads=2, num_layers=2, item_dim=8, max_seq_len=30, dropout=0.5)
+    model = fm.SequenceEncoder(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batch = _encoder_batch(rng, 6, 30)
+    items = jnp.asarray(rng.normal(size=(6, 30, cfg.item_out_dim)), jnp.float32)
+    encode_last = nnx.jit(lambda m, items: m.encode_last(items, batch))
+    a, b = np.asarray(encode_last(model, items)), np.asarray(encode_last(model, items))
+    assert a.shape == (6, 16) and np.isfinite(a).all()
+    assert not np.array_equal(a, b)  # each call draws new masks
+    model.eval()
+    np.testing.assert_array_equal(encode_last(model, items), encode_last(model, items))
 
 
 # ------------------------------------------------------------------------------------- cross-entropy
