@@ -552,8 +552,7 @@ class FoundationModel(SequenceEncoder):
         items = self.item_vectors(embeddings, mask)
         hidden = self.encode(items, batch)
         unit = self.cfg.similarity == "cosine"
-        query = self.query(hidden)
-        query = _l2norm(query) if unit else query
+        query = self.query_vector(hidden)
         item_n = _l2norm(items)
         nxt = self.engage_item(item_n[:, 1:])
         z = jax.nn.gelu(self.engage_hidden(jnp.concatenate([hidden[:, :-1], nxt], axis=-1)))
@@ -563,14 +562,32 @@ class FoundationModel(SequenceEncoder):
         out = {"hidden": hidden, "query": query, "item": item_n, "engage_logits": engage}
         corpus = corpus_feature(self.cfg)
         if self.cfg.seen_item_bias:
-            bias = self.cfg.seen_item_bias_scale * self.seen_bias[...]
-            out["seen_bias"] = jnp.broadcast_to(bias, mask.shape[:1])  # batch-major, as all outputs
+            out["seen_bias"] = jnp.broadcast_to(self.seen_offset(), mask.shape[:1])  # batch-major, as all outputs
         if corpus is not None:
-            vectors = jnp.asarray(embeddings[corpus], jnp.float32)
-            out["corpus"] = _l2norm(vectors) if unit else vectors
+            out["corpus"] = self.corpus_vectors(embeddings)
             if not unit:
                 out["item"] = jnp.where(mask[..., None], combine_items(self.cfg, embeddings), 0.0)
         return out
+
+    def last_query(self, embeddings: Mapping, batch: Mapping) -> jax.Array:
+        """The retrieval query after each row's last valid event [B, E]: `__call__`'s `query` there, through
+        `encode_last` and without the engagement head (ranking reads nothing else)."""
+        mask = jnp.asarray(batch["mask"], bool)
+        return self.query_vector(self.encode_last(self.item_vectors(embeddings, mask), batch))
+
+    def query_vector(self, hidden) -> jax.Array:
+        """hidden [..., d_model] -> the retrieval query [..., E] (L2-normalised under cosine similarity)."""
+        query = self.query(hidden)
+        return _l2norm(query) if self.cfg.similarity == "cosine" else query
+
+    def corpus_vectors(self, embeddings: Mapping) -> jax.Array:
+        """The batch-laid corpus lookup [B, C, E] (full_softmax), normalised like the queries."""
+        vectors = jnp.asarray(embeddings[corpus_feature(self.cfg)], jnp.float32)
+        return _l2norm(vectors) if self.cfg.similarity == "cosine" else vectors
+
+    def seen_offset(self) -> jax.Array:
+        """The trained seen-item offset: `seen_item_bias_scale` x one scalar parameter."""
+        return self.cfg.seen_item_bias_scale * self.seen_bias[...]
 
 
 def _l2norm(x, eps: float = 1e-6):
@@ -640,10 +657,9 @@ def next_items(cfg: FoundationConfig, batch: Mapping):
     return nxt, valid & (nxt >= cfg.reserved_rows)
 
 
-def corpus_matrix(cfg: FoundationConfig, out: Mapping) -> jax.Array:
-    """[item_rows, E]: the vector of every table row, from the forward's batch-laid `corpus` lookup."""
-    c = out["corpus"]
-    return c.reshape(-1, c.shape[-1])[: cfg.item_rows]
+def corpus_matrix(cfg: FoundationConfig, corpus) -> jax.Array:
+    """[item_rows, E]: the vector of every table row, from the batch-laid `corpus` lookup [B, C, E]."""
+    return corpus.reshape(-1, corpus.shape[-1])[: cfg.item_rows]
 
 
 def candidate_scores(cfg: FoundationConfig, query, corpus, seen=None, seen_bias=None):
@@ -708,7 +724,7 @@ def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
     else:
         first, bias = jnp.zeros((pos.shape[0], 0), jnp.int32), jnp.zeros((), jnp.float32)
     xent = CrossEntropy(cfg.temperature, cfg.reserved_rows, cfg.recall_k, cfg.seen_item_bias)
-    args = (query, corpus_matrix(cfg, out), bias, nxt, valid, pos, first)
+    args = (query, corpus_matrix(cfg, out["corpus"]), bias, nxt, valid, pos, first)
     mesh = batch_mesh(pos.shape[0])
     if mesh is None:
         nll, hits = softmax_cross_entropy(xent, *args)
@@ -839,18 +855,17 @@ softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_
 
 def foundation_score(model: FoundationModel, embeddings: Mapping, batch: Mapping):
     """Full-corpus ranking (`jaxscale.evaluate`): (scores [B, item_rows], target rows [B], -1 when none).
-    The user is the query after the last event of the history; the candidates are every table row except
-    the reserved ones (-inf). Needs retrieval_loss='full_softmax' (the corpus rides in the lookup)."""
+    The user is the query after the last valid event of the history (`FoundationModel.last_query`); the
+    candidates are every table row except the reserved ones (-inf). Needs retrieval_loss='full_softmax' (the
+    corpus rides in the lookup)."""
     cfg = model.cfg
     if corpus_feature(cfg) is None:
         raise ValueError("foundation_score needs FoundationConfig.retrieval_loss='full_softmax'")
-    out = model(embeddings, batch)
     mask = jnp.asarray(batch["mask"], bool)
-    last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
-    query = jnp.take_along_axis(out["query"], last[:, None, None], axis=1)[:, 0]
+    query = model.last_query(embeddings, batch)
     seen = seen_items(cfg, batch, causal=False) if cfg.seen_item_bias else None
-    bias = out["seen_bias"][0] if cfg.seen_item_bias else None
-    scores = candidate_scores(cfg, query, corpus_matrix(cfg, out), seen, bias)
+    bias = model.seen_offset() if cfg.seen_item_bias else None
+    scores = candidate_scores(cfg, query, corpus_matrix(cfg, model.corpus_vectors(embeddings)), seen, bias)
     if TARGET_KEY in batch:
         target = table_rows(cfg, batch[TARGET_KEY])
     else:

@@ -178,6 +178,46 @@ def test_encode_last_in_training_draws_dropout_and_stays_finite():
     np.testing.assert_array_equal(encode_last(model, items), encode_last(model, items))
 
 
+@pytest.mark.parametrize(("similarity", "seen"), [("cosine", True), ("dot", False), ("dot", True)])
+def test_foundation_score_equals_the_full_forward_at_the_last_event(similarity, seen):
+    """Ranking scores through `last_query` (encode_last, no engagement head) = the definition: the full
+    forward's query at the history's last event against every row, the offset on the rows in the history."""
+    rows, l, b = 23, 9, 6
+    cfg = fm.FoundationConfig(
+        item_rows=rows, item_dim=8, d_model=16, num_heads=2, num_layers=2, max_seq_len=l,
+        retrieval_loss="full_softmax", similarity=similarity, temperature=0.3, reserved_rows=2,
+        seen_item_bias=seen, seen_item_bias_scale=3.0, dropout=0.3,
+    )  # fmt: skip
+    model = fm.FoundationModel(cfg, rngs=nnx.Rngs(0))
+    model.eval()
+    if seen:
+        model.seen_bias[...] = jnp.float32(-0.4)
+    rng = np.random.default_rng(1)
+    lengths = np.array([0, 1, 4, l, 7, 2])  # an empty history ranks from position 0
+    mask = np.arange(l)[None] < lengths[:, None]
+    batch = dict(_encoder_batch(rng, b, l), mask=jnp.asarray(mask))
+    batch["item_ids"] = np.where(mask, rng.integers(2, rows, (b, l)), -1).astype(np.int32)
+    batch["target_item_ids"] = rng.integers(2, rows, b).astype(np.int32)
+    table = rng.normal(size=(rows, 8)).astype(np.float32)
+    emb = {
+        f: jnp.asarray(table[np.maximum(v, 0)] * (v >= 0)[..., None]) for f, v in fm.foundation_ids(cfg, batch).items()
+    }
+
+    scores, target = nnx.jit(fm.foundation_score)(model, emb, batch)
+
+    out = nnx.jit(lambda m, emb: m(emb, batch))(model, emb)
+    query = np.asarray(out["query"])[np.arange(b), np.maximum(lengths - 1, 0)]
+    corpus = np.asarray(out["corpus"]).reshape(-1, cfg.item_out_dim)[:rows]
+    want = query @ corpus.T / cfg.temperature
+    rows_of = np.asarray(fm.table_rows(cfg, batch["item_ids"]))
+    for u in range(b):
+        if seen:
+            want[u, np.unique(rows_of[u][mask[u]])] += 3.0 * -0.4
+    want[:, :2] = -np.inf
+    np.testing.assert_allclose(np.asarray(scores), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(target), np.asarray(fm.table_rows(cfg, batch["target_item_ids"])))
+
+
 # ------------------------------------------------------------------------------------- cross-entropy
 
 
