@@ -202,7 +202,7 @@ def movielens_1m_recbole_figures() -> list[str]:
         f"RecBole's published SASRec {sasrec_ndcg:.4f} / {sasrec_hr:.4f}",
         f"it reaches {items_only['mean']:.4f}, {items_only['mean'] / sasrec_ndcg:.2f}x that row",
         f"Recall@10 {ctx:.4f}: {ctx / noc:.2f}x the same model without context and {ctx / hint:.2f}x genre_hint",
-        f"run.sh took {m['run']['seconds'] / 60:.0f} minutes on {m['run']['cores']} cores ({m['run']['cpu']};",
+        f"run.sh took {m['run']['seconds'] / 60:.0f} minutes on {m['run']['cores']} cores ({m['run']['cpu']})",
     ]
 
 
