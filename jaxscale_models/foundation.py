@@ -364,9 +364,7 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x, mask):
         b, l, d = x.shape
-        h = self.num_heads
-        # heads-major [B, H, L, d/H] once: XLA:CPU's batched products then run on contiguous per-head blocks
-        q, k, v = jnp.transpose(self.qkv(x).reshape(b, l, 3, h, d // h), (2, 0, 3, 1, 4))
+        q, k, v = self._heads(x)
         n = -(-l // ATTENTION_BLOCK)
         edges = [round(i * l / n) for i in range(n + 1)]
         out = [
@@ -379,21 +377,26 @@ class CausalSelfAttention(nnx.Module):
         """The attention output at one query position per row, `last` [B] -> [B, d]: what `__call__` gives
         there (keys and values from every position), without the other positions' queries."""
         b, l, d = x.shape
-        h = self.num_heads
-        q, k, v = jnp.transpose(self.qkv(x).reshape(b, l, 3, h, d // h), (2, 0, 3, 1, 4))
+        q, k, v = self._heads(x)
         q = jnp.take_along_axis(q, last[:, None, None, None], axis=2)  # [B, H, 1, d/H]
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(d // h)
-        key = jnp.arange(l)[None]
-        allowed = ((key <= last[:, None]) & mask) | (key == last[:, None])  # [B, L]
-        logits = jnp.where(allowed[:, None, None], logits, jnp.finfo(jnp.float32).min)
-        probs = self.dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
-        return self.out(jnp.einsum("bhqk,bhkd->bhqd", probs, v).reshape(b, d))
+        key, at = jnp.arange(l)[None], last[:, None]
+        allowed = ((key <= at) & mask) | (key == at)  # [B, L]
+        return self.out(self._attend(q, k, v, allowed[:, None]).reshape(b, d))
+
+    def _heads(self, x):
+        """q, k, v heads-major [B, H, L, d/H]: XLA:CPU's batched products then run on contiguous per-head
+        blocks."""
+        b, l, d = x.shape
+        return jnp.transpose(self.qkv(x).reshape(b, l, 3, self.num_heads, d // self.num_heads), (2, 0, 3, 1, 4))
 
     def _block(self, q, k, v, mask, start: int):
         """Queries start..start+len(q) against keys 0..start+len(q): [B, H, q, d/H]."""
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
         at, key = jnp.arange(start, start + q.shape[2])[:, None], jnp.arange(k.shape[2])[None]
-        allowed = ((at >= key)[None] & mask[:, None, :]) | (at == key)[None]
+        return self._attend(q, k, v, ((at >= key)[None] & mask[:, None, :]) | (at == key)[None])
+
+    def _attend(self, q, k, v, allowed):
+        """Softmax attention of q [B, H, Q, d/H] over k, v [B, H, K, d/H] where `allowed` [B, Q, K]."""
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
         logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
         probs = self.dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
         return jnp.einsum("bhqk,bhkd->bhqd", probs, v)
