@@ -718,7 +718,8 @@ def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
     """Cross-entropy of every position's next item against every table row (SASRec's objective).
     Returns (mean loss, recall@recall_k, number of predicted positions).
 
-    Computed by `softmax_cross_entropy` (chunks of examples, gradients in the same pass) at the positions that
+    Computed by `softmax_cross_entropy` (cache-sized chunks of positions, padding skipped, gradients in the
+    same pass) at the positions that
     enter the loss only (`loss_positions`): the same function as scoring [B, L, N] logits and masking."""
     pos, nxt, valid = loss_positions(cfg, batch)
     query = jnp.take_along_axis(out["query"], pos[..., None], axis=1)
@@ -760,27 +761,27 @@ class CrossEntropy:
     recall_k: int
     seen: bool
     chunk_elements: int = 1 << 21
-    """Examples are scored in chunks of about this many logits (8 MiB of float32: cache-sized)."""
+    """Predicted positions are scored in chunks of about this many logits (8 MiB of float32: cache-sized)."""
 
 
-def _xent_chunks(x: CrossEntropy, arrays, per_example: int):
-    """Splits [B, ...] arrays into [chunks, c, ...] (B padded with invalid rows to a multiple of c)."""
-    b = arrays[0].shape[0]
-    c = max(1, min(b, x.chunk_elements // max(per_example, 1)))
-    n = -(-b // c)
-    pad = n * c - b
+XENT_SPAN = 16
+"""Positions per unit of `softmax_cross_entropy`'s work: a span of one example's consecutive positions.
+Spans without a predicted position are skipped; a right-padded history wastes at most XENT_SPAN - 1."""
 
-    def split(a):
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
-        return a.reshape((n, c) + a.shape[1:])
 
-    return [split(a) for a in arrays], b
+def _live_first(live) -> jax.Array:
+    """int32 [S]: a permutation of the spans that puts the live ones first, each group in its original order
+    (a stable partition by counting, not a sort)."""
+    count = jnp.sum(live, dtype=jnp.int32)
+    dest = jnp.where(live, jnp.cumsum(live, dtype=jnp.int32) - 1, count + jnp.cumsum(~live, dtype=jnp.int32) - 1)
+    return jnp.zeros_like(dest).at[dest].set(jnp.arange(live.shape[0], dtype=jnp.int32), unique_indices=True)
 
 
 def _xent_chunk(x: CrossEntropy, q, corpus, bias, target, valid, pos, first, grads: bool):
-    """One chunk over the candidate rows (the reserved ones sliced off; `q` already divided by the
-    temperature). The elementwise work is three passes over the [c, P, N] scores (max and hit count; exp
-    sums; the gradient), with the softmax's normaliser, the one-hot and the valid mask folded into the last."""
+    """One chunk of spans [c, u, E] over the candidate rows (the reserved ones sliced off; `q` already
+    divided by the temperature; `first` [c, N] of each span's example). The elementwise work is three passes
+    over the [c, u, N] scores (max and hit count; exp sums; the gradient), with the softmax's normaliser, the
+    one-hot and the valid mask folded into the last."""
     logits = jnp.einsum("bpe,ne->bpn", q, corpus, preferred_element_type=jnp.float32)
     if x.seen:
         seen = pos[..., None] >= first[:, None, :]
@@ -805,37 +806,69 @@ def _xent_chunk(x: CrossEntropy, q, corpus, bias, target, valid, pos, first, gra
 
 
 def _xent_scan(x: CrossEntropy, query, corpus, bias, nxt, valid, pos, first, grads: bool):
-    """Scores against the candidate rows only, chunk by chunk; returns the sums (and the gradients with
-    respect to the unscaled query and the full corpus, reserved rows' zero)."""
+    """Scores the spans that hold a predicted position against the candidate rows, chunk by chunk; returns
+    the sums (and the gradients with respect to the unscaled query and the full corpus, reserved rows' zero).
+
+    The positions go in spans of `XENT_SPAN`, the live spans first (`_live_first`), and a loop runs over the
+    chunks that hold a live one: a right-padded batch pays for the positions it predicts, not for its padding
+    (ML-1M's 200-event windows are about half padding)."""
     r = x.reserved
     cand = corpus[r:]
-    target = jnp.clip(nxt - r, 0, cand.shape[0] - 1)
+    b, p = valid.shape
     valid = valid & (nxt >= r)  # a reserved row is never a candidate, so it is never a target
-    first = first[:, r:] if x.seen else first
-    q = query / x.temperature
-    (q, t, v, p, f), b = _xent_chunks(x, [q, target, valid, pos, first], query.shape[1] * cand.shape[0])
+    u = min(XENT_SPAN, p)
+    per = -(-p // u)  # spans per example
+    spans = b * per
+    c = max(1, min(spans, x.chunk_elements // max(u * cand.shape[0], 1)))
+    n = -(-spans // c)
+    live = jnp.any(jnp.pad(valid, [(0, 0), (0, per * u - p)]).reshape(spans, u), axis=1)
+    order = _live_first(live)
 
-    def body(carry, chunk):
-        out = _xent_chunk(x, chunk[0], cand, bias, *chunk[1:], grads=grads)
-        return tuple(c + o for c, o in zip(carry, out[:2] + out[3:])), (out[2] if grads else None)
+    def units(a):  # [B, P, ...] -> [n * c, u, ...]: spans, live first, padded with invalid ones
+        a = jnp.pad(a, [(0, 0), (0, per * u - p)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape((spans, u) + a.shape[2:])[order]
+        return jnp.pad(a, [(0, n * c - spans)] + [(0, 0)] * (a.ndim - 1))
+
+    q = units(query / x.temperature)
+    target, ok, at = units(jnp.clip(nxt - r, 0, cand.shape[0] - 1)), units(valid), units(pos)
+    example = jnp.pad((jnp.arange(spans, dtype=jnp.int32) // per)[order], (0, n * c - spans))
+    first = first[:, r:] if x.seen else first
+    chunks = -(-jnp.sum(live, dtype=jnp.int32) // c)  # the chunks that hold a live span
+
+    def body(state):
+        i, sums, dq = state
+
+        def take(a):
+            return jax.lax.dynamic_slice_in_dim(a, i * c, c)
+
+        f = first[take(example)] if x.seen else first
+        out = _xent_chunk(x, take(q), cand, bias, take(target), take(ok), take(at), f, grads=grads)
+        sums = tuple(s + o for s, o in zip(sums, out[:2] + out[3:]))
+        if grads:
+            dq = jax.lax.dynamic_update_slice_in_dim(dq, out[2], i * c, 0)
+        return i + 1, sums, dq
 
     # zeros like the query: the same varying axes under `shard_map` as what the chunks add to them
-    zero = (jnp.zeros_like(q, shape=()), jnp.zeros_like(q, jnp.int32, shape=()))
+    sums = (jnp.zeros_like(q, shape=()), jnp.zeros_like(q, jnp.int32, shape=()))
     if grads:
-        zero = zero + (jnp.zeros_like(q, shape=cand.shape[::-1]), jnp.zeros_like(q, shape=()))
-    carry, dq = jax.lax.scan(body, zero, (q, t, v, p, f))
+        sums = sums + (jnp.zeros_like(q, shape=cand.shape[::-1]), jnp.zeros_like(q, shape=()))
+    dq = jnp.zeros_like(q) if grads else jnp.zeros_like(q, shape=())
+    _, sums, dq = jax.lax.while_loop(lambda s: s[0] < chunks, body, (jnp.zeros_like(chunks), sums, dq))
     if not grads:
-        return carry
-    nll, hits, dc_t, db = carry
+        return sums
+    nll, hits, dc_t, db = sums
     dc = jnp.concatenate([jnp.zeros((r, corpus.shape[1]), jnp.float32), dc_t.T])
-    return (nll, hits, dc, db), dq.reshape((-1,) + query.shape[1:])[:b] / x.temperature
+    # back to [B, P, E]: span k of the partition is span order[k]; the spans never scored get 0
+    dq = jnp.zeros_like(dq[:spans]).at[order].set(dq[:spans], unique_indices=True)
+    return (nll, hits, dc, db), dq.reshape(b, per * u, -1)[:, :p] / x.temperature
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def softmax_cross_entropy(x: CrossEntropy, query, corpus, bias, nxt, valid, pos, first):
     """(summed negative log-likelihood, hits) of the next items `nxt` [B, P] at the `valid` positions, scored
     against every row of `corpus` [N, E] by `query` [B, P, E] (plus `bias` where `pos` >= `first` [B, N]: the
-    row was seen by then). The logits are never materialised whole: examples go in cache-sized chunks, and
+    row was seen by then). The logits are never materialised whole: positions go in cache-sized chunks (of
+    `XENT_SPAN`-position spans; spans with no valid position are never scored), and
     under differentiation each chunk's gradients (softmax - one-hot) are formed in the same pass, so the
     [B, P, N] scores are computed once, not kept for the backward pass."""
     return _xent_scan(x, query, corpus, bias, nxt, valid, pos, first, grads=False)

@@ -264,6 +264,42 @@ def test_chunked_cross_entropy_value_and_gradients_equal_the_dense_definition(se
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("seed,p,empty", [(3, 37, False), (4, 16, False), (5, 21, True)])
+def test_cross_entropy_skips_padding_and_still_equals_the_dense_definition(seed, p, empty):
+    """Right-padded histories (a few long, most short; `empty`: one row with no valid position, or all of
+    them): spans of XENT_SPAN positions without a valid one are never scored, the chunks that are left run in
+    a loop. Value, hits and every gradient equal the dense definition, the padding's query gradient is 0."""
+    b, e, n = 6, 4, 11
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0 if empty else 1, p + 1, b)
+    lengths[0] = p  # a full row: its spans all live
+    args = list(_xent_inputs(seed, b=b, p=p, e=e, n=n))
+    args[4] = jnp.asarray(np.arange(p)[None] < lengths[:, None])
+    x = fm.CrossEntropy(0.5, 2, 3, True, chunk_elements=3 * fm.XENT_SPAN * (n - 2))  # 3 spans a chunk
+    cases = [args, args[:4] + [jnp.zeros_like(args[4])] + args[5:]] if empty else [args]
+    for a in cases:
+        got, want = fm.softmax_cross_entropy(x, *a), _dense_xent(x, *a)
+        assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-5, abs=1e-6) and int(got[1]) == int(want[1])
+
+        def grad(f, a=a):
+            return jax.grad(lambda q, c, bias: f(x, q, c, bias, *a[3:])[0], argnums=(0, 1, 2))(*a[:3])
+
+        got_g, want_g = grad(fm.softmax_cross_entropy), grad(_dense_xent)
+        for g, w in zip(got_g, want_g):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
+        assert not np.any(np.asarray(got_g[0])[~np.asarray(a[4])])
+
+
+def test_live_spans_come_first_in_their_order():
+    """The partition the cross-entropy's loop relies on: a permutation, live spans first, each group stable
+    (the loop stops after ceil(live / chunk) chunks, so a live span past that point would go unscored)."""
+    rng = np.random.default_rng(7)
+    for live in [rng.random(50) < 0.3, np.zeros(9, bool), np.ones(9, bool)]:
+        order = np.asarray(fm._live_first(jnp.asarray(live)))
+        want = np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])
+        np.testing.assert_array_equal(order, want)
+
+
 def _softmax_loss(cfg, b, seed):
     """(f(query, corpus, seen_bias) -> (loss, recall, count), args) on a random right-padded batch."""
     rng = np.random.default_rng(seed)
