@@ -36,3 +36,23 @@ def test_records_best_and_appends_without_duplicates(tmp_path):
     again = _tune("--out", out, "--append", f"B={b}:z=3")
     assert again.returncode != 0 and "'B'" in again.stderr
     assert [r["name"] for r in json.loads(out.read_text())["runs"]] == ["A", "B"]  # the record is untouched
+
+
+def test_a_run_from_another_config_keeps_it_and_the_write_up_names_it(tmp_path):
+    """--config: appended runs that start from another config carry it; the base and older runs stay."""
+    import importlib.util
+
+    a = _run_dir(tmp_path / "a", [(100, 0.05)])
+    c = _run_dir(tmp_path / "c", [(250, 0.09), (500, 0.1)])
+    out = tmp_path / "tuning.json"
+    assert _tune("--out", out, "--base", "the start", f"A={a}:x=1").returncode == 0
+    proc = _tune("--out", out, "--append", "--config", "other.yaml", f"C={c}:train.steps=3000")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["base"] == "the start" and "config" not in record["runs"][0]
+    assert record["runs"][1]["config"] == "other.yaml" and record["runs"][1]["best"] == 0.1
+    spec = importlib.util.spec_from_file_location("write_up", SCRIPT.with_name("write_up.py"))
+    write_up = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_up)
+    rows = write_up.tuning_table(record)
+    assert "| A | x=1 | 0.0500 |" in rows[4] and "| C | config other.yaml; train.steps=3000 | 0.1000 | 500 |" in rows[5]

@@ -149,10 +149,10 @@ def tuning_table(t: dict) -> list[str]:
     lines.append("| run | overrides | best valid NDCG@10 | at step | steps run |")
     lines.append("|---|---|---|---|---|")
     for r in t["runs"]:
-        lines.append(
-            f"| {r['name']} | {', '.join(r['overrides']) or '(none)'} | {_f(r['best'])} | {r['best_step']} | "
-            f"{r['steps']} |"
-        )
+        overrides = ", ".join(r["overrides"]) or "(none)"
+        if r.get("config"):  # a run that started from another config than the base
+            overrides = f"config {r['config']}; {overrides}"
+        lines.append(f"| {r['name']} | {overrides} | {_f(r['best'])} | {r['best_step']} | {r['steps']} |")
     return lines
 
 
