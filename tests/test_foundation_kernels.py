@@ -2,6 +2,7 @@
 attention, the encoder's last-position path, the chunked cross-entropy's gradients, and that cross-entropy
 split over the batch axes of a mesh."""
 
+import dataclasses
 import math
 
 import jax
@@ -325,14 +326,22 @@ def _softmax_loss(cfg, b, seed):
     return f, args
 
 
-def test_full_softmax_split_over_the_batch_axes_equals_one_device(mesh):
+@dataclasses.dataclass(frozen=True)
+class _TwoSpanChunks(fm.CrossEntropy):
+    chunk_elements: int = 2 * fm.XENT_SPAN * (37 - 2)  # two spans of the test's 35 candidates a chunk
+
+
+def test_full_softmax_split_over_the_batch_axes_equals_one_device(mesh, monkeypatch):
     """Under the trainer's mesh context each device scores its own examples (`shard_map`): the loss, recall,
-    count and the gradients of query, corpus and offset equal the single-device computation."""
+    count and the gradients of query, corpus and offset equal the single-device computation. Histories of 40
+    (three spans of XENT_SPAN) with random lengths: each device skips its own padding spans, so the devices'
+    loops run different numbers of chunks (two spans a chunk)."""
+    monkeypatch.setattr(fm, "CrossEntropy", _TwoSpanChunks)
     cfg = fm.FoundationConfig(
         item_rows=37,
         item_dim=8,
         d_model=8,
-        max_seq_len=6,
+        max_seq_len=40,
         retrieval_loss="full_softmax",
         similarity="dot",
         temperature=0.5,
