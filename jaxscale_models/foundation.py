@@ -719,8 +719,8 @@ def full_softmax(cfg: FoundationConfig, out: Mapping, batch: Mapping):
     Returns (mean loss, recall@recall_k, number of predicted positions).
 
     Computed by `softmax_cross_entropy` (cache-sized chunks of positions, padding skipped, gradients in the
-    same pass) at the positions that
-    enter the loss only (`loss_positions`): the same function as scoring [B, L, N] logits and masking."""
+    same pass) at the positions that enter the loss only (`loss_positions`): the same function as scoring
+    [B, L, N] logits and masking."""
     pos, nxt, valid = loss_positions(cfg, batch)
     query = jnp.take_along_axis(out["query"], pos[..., None], axis=1)
     if cfg.seen_item_bias:
@@ -868,9 +868,9 @@ def softmax_cross_entropy(x: CrossEntropy, query, corpus, bias, nxt, valid, pos,
     """(summed negative log-likelihood, hits) of the next items `nxt` [B, P] at the `valid` positions, scored
     against every row of `corpus` [N, E] by `query` [B, P, E] (plus `bias` where `pos` >= `first` [B, N]: the
     row was seen by then). The logits are never materialised whole: positions go in cache-sized chunks (of
-    `XENT_SPAN`-position spans; spans with no valid position are never scored), and
-    under differentiation each chunk's gradients (softmax - one-hot) are formed in the same pass, so the
-    [B, P, N] scores are computed once, not kept for the backward pass."""
+    `XENT_SPAN`-position spans; spans with no valid position are never scored), and under differentiation
+    each chunk's gradients (softmax - one-hot) are formed in the same pass, so the [B, P, N] scores are
+    computed once, not kept for the backward pass."""
     return _xent_scan(x, query, corpus, bias, nxt, valid, pos, first, grads=False)
 
 
