@@ -2,6 +2,7 @@
 come from the run's metrics log, and --append adds runs to a record without losing or duplicating any."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,20 +40,25 @@ def test_records_best_and_appends_without_duplicates(tmp_path):
 
 
 def test_a_run_from_another_config_keeps_it_and_the_write_up_names_it(tmp_path):
-    """--config: appended runs that start from another config carry it; the base and older runs stay."""
-    import importlib.util
-
+    """--config: appended runs that start from another config carry it; the base and older runs stay; the
+    write-up (run as the script it is, on a copy of the docs) names the config in the run's row."""
     a = _run_dir(tmp_path / "a", [(100, 0.05)])
     c = _run_dir(tmp_path / "c", [(250, 0.09), (500, 0.1)])
-    out = tmp_path / "tuning.json"
+    results = tmp_path / "results"
+    results.mkdir()
+    out = results / "movielens_ml1m_tuning.json"
     assert _tune("--out", out, "--base", "the start", f"A={a}:x=1").returncode == 0
     proc = _tune("--out", out, "--append", "--config", "other.yaml", f"C={c}:train.steps=3000")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     assert record["base"] == "the start" and "config" not in record["runs"][0]
     assert record["runs"][1]["config"] == "other.yaml" and record["runs"][1]["best"] == 0.1
-    spec = importlib.util.spec_from_file_location("write_up", SCRIPT.with_name("write_up.py"))
-    write_up = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(write_up)
-    rows = write_up.tuning_table(record)
-    assert "| A | x=1 | 0.0500 |" in rows[4] and "| C | config other.yaml; train.steps=3000 | 0.1000 | 500 |" in rows[5]
+    shutil.copy(ROOT / "experiments" / "results" / "movielens_metrics.json", results)
+    doc = tmp_path / "movielens.md"
+    shutil.copy(ROOT / "docs" / "movielens.md", doc)
+    pngs = ["--png", str(tmp_path / "a.png"), "--ml1m-png", str(tmp_path / "b.png")]
+    cmd = [sys.executable, str(SCRIPT.with_name("write_up.py")), "--results", str(results), "--doc", str(doc), *pngs]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    text = doc.read_text()
+    assert "| A | x=1 | 0.0500 | 100 |" in text
+    assert "| C | config other.yaml; train.steps=3000 | 0.1000 | 500 |" in text
