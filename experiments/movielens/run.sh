@@ -107,7 +107,7 @@ FOUNDATION="$ROOT/jaxscale/configs/movielens_foundation.yaml"
 TWO_TOWER="$ROOT/jaxscale/configs/movielens_two_tower.yaml"
 # ML-1M's two-tower was still rising on validation at the config's 400 steps (the curve in the record): on ml-1m
 # both two-towers, with and without context, train 600 steps, what the 60-minute budget leaves beside the
-# foundation model's 2,000 on 2 cores (their query tower runs its last block at the last event only:
+# foundation model's 3,000 on 2 cores (their query tower runs its last block at the last event only:
 # SequenceEncoder.encode_last). MOVIELENS_FAST's 40 steps still win: they come last
 TWO_TOWER_STEPS=()
 [[ $DATASET == ml-1m ]] && TWO_TOWER_STEPS=("train.steps=600")
