@@ -5,6 +5,7 @@ from the top-k Parquet file and the raw ratings equal the JSON; the sharded scor
 reference; the popularity baseline equals counting by hand; the full-softmax loss equals a brute force."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -418,6 +419,18 @@ def test_the_ml1m_config_is_the_literature_protocols(tmp_path):
     with pytest.raises(ConfigError, match=r"max_seq_len.*recbole.*50"):
         load_config(path, ["data.sequences.protocol=recbole"])
     assert "movielens1m_foundation.yaml" in (ROOT / "experiments" / "movielens" / "run.sh").read_text()
+
+
+def test_the_ml1m_records_trained_the_steps_run_sh_sets():
+    """run.sh trains the ML-1M config's own steps under `recbole` and sets its own under `literature`; the
+    recorded runs trained exactly those (a record of other steps is not what run.sh reproduces)."""
+    text = (ROOT / "experiments" / "movielens" / "run.sh").read_text()
+    (literature,) = re.findall(r'PROTOCOL == literature \]\] && FOUNDATION_STEPS=\("train\.steps=(\d+)"\)', text)
+    config = load_config(str(CONFIGS / "movielens1m_foundation.yaml"), ["data.sequences.protocol=literature"])
+    results = ROOT / "experiments" / "results"
+    for name, steps in (("literature", int(literature)), ("recbole", config.train.steps)):
+        record = json.loads((results / f"movielens_ml1m_{name}.json").read_text())
+        assert record["models"]["foundation"]["steps"] == steps, name
 
 
 def test_genre_hint_ranks_the_context_genre_by_train_count(movielens, tmp_path):
