@@ -391,15 +391,20 @@ def strongest_row_lines(protocol: str, ndcg: float, hr: float) -> list[str]:
             f"{ndcg / best_ndcg:.2f}x, HR@10 {hr / best_hr:.2f}x, {verdict}."]  # fmt: skip
 
 
+def record_config(fairness: dict) -> dict:
+    """The config file the record names (a path relative to the repository), as written."""
+    return yaml.safe_load((ROOT / fairness["config"]).read_text())
+
+
 def foundation_config(fairness: dict) -> dict:
-    """The `model.foundation` section of the config the record names (a path relative to the repository)."""
-    return yaml.safe_load((ROOT / fairness["config"]).read_text())["model"]["foundation"]
+    """The `model.foundation` section of the config the record names."""
+    return record_config(fairness)["model"]["foundation"]
 
 
 def config_steps(fairness: dict) -> int:
     """The training steps fairness.py trained each variant for: the config the record names, or the record's
     own `train.steps` override."""
-    steps = yaml.safe_load((ROOT / fairness["config"]).read_text())["train"]["steps"]
+    steps = record_config(fairness)["train"]["steps"]
     for override in fairness.get("overrides") or ():
         if override.startswith("train.steps="):
             steps = override.split("=", 1)[1]
@@ -452,9 +457,8 @@ def ml1m_section(records: dict, tuning: dict | None = None, fairness: dict | Non
         lines += ["", f"- Foundation model test NDCG@10 {f:.4f} vs the published SASRec row {target:.4f} "
                   f"({f / target:.2f}x): the target {verdict}."]  # fmt: skip
         lines += strongest_row_lines(protocol, f, m["models"]["foundation"]["test"]["recall@10"])
+        peer, steps = PEER[protocol], m["models"]["foundation"].get("steps")
         for ablation in fairness.get(protocol, ()):
-            peer = PEER[protocol]
-            steps = m["models"]["foundation"].get("steps")
             lines += ablation_lines(ablation, target, m["mask_history"], peer, f"the published {peer} row", steps)
             lines.append("")
         lines += two_tower_lines(m)
