@@ -1,10 +1,15 @@
 """Small MovieLens datasets for tests: ml-100k's u.data + u.item layout with many tied timestamps, random logs
 in every importer layout, and brute-force references: leave-one-out targets and protocol filters."""
 
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
 
 USERS, MOVIES = 40, 60
 
@@ -146,3 +151,15 @@ def protocol_reference(rows, p) -> list[int]:
         side, key = weak[0]
         kept = [i for i in kept if rows[i][0 if side == "user" else 1] != key]
     return kept
+
+
+def render_write_up(tmp_path: Path, results: Path) -> str:
+    """experiments/movielens/write_up.py run as the script it is on RESULTS, into a copy of docs/movielens.md
+    (and its figures under tmp_path): the rendered text (tests import no experiment module)."""
+    doc = tmp_path / "movielens.md"
+    shutil.copy(ROOT / "docs" / "movielens.md", doc)
+    pngs = ["--png", str(tmp_path / "curve.png"), "--ml1m-png", str(tmp_path / "ml1m_curve.png")]
+    script = ROOT / "experiments" / "movielens" / "write_up.py"
+    cmd = [sys.executable, str(script), "--results", str(results), "--doc", str(doc), *pngs]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    return doc.read_text()

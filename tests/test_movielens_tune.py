@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from movielens_helpers import render_write_up
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "movielens" / "tune.py"
 
@@ -54,11 +56,6 @@ def test_a_run_from_another_config_keeps_it_and_the_write_up_names_it(tmp_path):
     assert record["base"] == "the start" and "config" not in record["runs"][0]
     assert record["runs"][1]["config"] == "other.yaml" and record["runs"][1]["best"] == 0.1
     shutil.copy(ROOT / "experiments" / "results" / "movielens_metrics.json", results)
-    doc = tmp_path / "movielens.md"
-    shutil.copy(ROOT / "docs" / "movielens.md", doc)
-    pngs = ["--png", str(tmp_path / "a.png"), "--ml1m-png", str(tmp_path / "b.png")]
-    cmd = [sys.executable, str(SCRIPT.with_name("write_up.py")), "--results", str(results), "--doc", str(doc), *pngs]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
-    text = doc.read_text()
+    text = render_write_up(tmp_path, results)
     assert "| A | x=1 | 0.0500 | 100 |" in text
     assert "| C | config other.yaml; train.steps=3000 | 0.1000 | 500 |" in text

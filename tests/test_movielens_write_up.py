@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+from movielens_helpers import render_write_up
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
-SCRIPT = ROOT / "experiments" / "movielens" / "write_up.py"
-
-
-def _render(tmp_path: Path, results: Path) -> str:
-    doc = tmp_path / "movielens.md"
-    shutil.copy(ROOT / "docs" / "movielens.md", doc)
-    pngs = ["--png", str(tmp_path / "curve.png"), "--ml1m-png", str(tmp_path / "ml1m_curve.png")]
-    cmd = [sys.executable, str(SCRIPT), "--results", str(results), "--doc", str(doc), *pngs]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
-    return doc.read_text()
 
 
 def test_the_docs_are_what_write_up_renders_from_the_records(tmp_path):
-    assert _render(tmp_path, RESULTS) == (ROOT / "docs" / "movielens.md").read_text()
+    assert render_write_up(tmp_path, RESULTS) == (ROOT / "docs" / "movielens.md").read_text()
 
 
 def test_the_ml1m_verdicts_follow_the_numbers(tmp_path):
@@ -41,21 +30,21 @@ def test_the_ml1m_verdicts_follow_the_numbers(tmp_path):
         "models": {"foundation": {"test": {"ndcg@10": 0.1820, "recall@10": 0.3}}},
     }  # fmt: skip
     (results / "movielens_ml1m_literature.json").write_text(json.dumps(record))
-    text = _render(tmp_path, results)
+    text = render_write_up(tmp_path, results)
     assert "the target is missed" in text and "over the 60-minute budget" in text
     record["models"]["foundation"]["test"]["ndcg@10"] = 0.1821
     record["run"]["seconds"] = 3600
     (results / "movielens_ml1m_literature.json").write_text(json.dumps(record))
-    text = _render(tmp_path, results)
+    text = render_write_up(tmp_path, results)
     assert "the target is met" in text and "within the 60-minute budget" in text
     # the strongest published row (SASRec+ with 3,000 negatives, 0.1857 / 0.3159) is read on both figures
     assert "SASRec+ with 3,000 negatives (0.1857 / 0.3159): NDCG@10 0.98x, HR@10 0.95x, not above it on either" in text
     record["models"]["foundation"]["test"] = {"ndcg@10": 0.1858, "recall@10": 0.3}
     (results / "movielens_ml1m_literature.json").write_text(json.dumps(record))
-    assert "1.00x, HR@10 0.95x, above it on NDCG@10 only." in _render(tmp_path, results)
+    assert "1.00x, HR@10 0.95x, above it on NDCG@10 only." in render_write_up(tmp_path, results)
     record["models"]["foundation"]["test"] = {"ndcg@10": 0.1858, "recall@10": 0.316}
     (results / "movielens_ml1m_literature.json").write_text(json.dumps(record))
-    assert "1.00x, HR@10 1.00x, above it on both." in _render(tmp_path, results)
+    assert "1.00x, HR@10 1.00x, above it on both." in render_write_up(tmp_path, results)
 
 
 def test_the_two_tower_verdicts_follow_the_numbers(tmp_path):
@@ -78,7 +67,7 @@ def test_the_two_tower_verdicts_follow_the_numbers(tmp_path):
 
     for context, no_context, hint, alone in [(0.2601, 0.13, "met", "met"), (0.2599, 0.1301, "missed", "missed")]:
         (results / "movielens_ml1m_literature.json").write_text(json.dumps(record(context, no_context)))
-        text = _render(tmp_path, results)
+        text = render_write_up(tmp_path, results)
         assert f"the targets: 1.3x the hint {hint}, 2x no context {alone}." in text
 
 
@@ -113,7 +102,7 @@ def test_an_unmasked_protocols_ablation_reads_its_own_masking_and_its_peer(tmp_p
             "paired": [],
         }  # fmt: skip
         (results / "movielens_ml1m_recbole_fairness.json").write_text(json.dumps(ablation))
-        text = _render(tmp_path, results)
+        text = render_write_up(tmp_path, results)
         assert "| variant | test NDCG@10, history not masked | per seed | history masked |" in text
         assert f"| foundation_items_only | {items_only:.4f} | {items_only:.4f} | 0.2000 |" in text
         assert "which this protocol does not mask: a mechanism SASRec does not have" in text
@@ -145,7 +134,7 @@ def test_the_ml100k_seed_target_follows_the_seeds_and_the_means(tmp_path):
         }
         record = {"config": "jaxscale/configs/movielens_foundation.yaml", "machine": {}, "variants": variants}
         (results / "movielens_fairness.json").write_text(json.dumps(record | {"paired": []}))
-        return _render(tmp_path, results)
+        return render_write_up(tmp_path, results)
 
     text = render([0.09], 3)
     assert "no variant with SASRec's inputs only is in this record" in text  # unmasked: the offset is one
@@ -180,7 +169,7 @@ def test_the_offsets_parametrisation_is_said_for_both_sides(tmp_path):
         if record_scale is not None:
             record["seen_item_bias_scale"] = record_scale
         (results / "movielens_fairness.json").write_text(json.dumps(record))
-        return _render(tmp_path, results)
+        return render_write_up(tmp_path, results)
 
     both = f"{shipped:g} in this record's foundation runs, the same for sasrec_seen_offset, whose learned offset per"
     text = render([float(shipped)], shipped)
