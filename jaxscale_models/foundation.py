@@ -43,6 +43,7 @@ from jaxscale.engine.tables import TableConfig
 from jaxscale.training.config import check_choice, check_float, check_int, field_error
 from jaxscale.training.ranking import auc
 from jaxscale.training.registry import ModelSpec
+from jaxscale_models.linear import Linear
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
 RETRIEVAL_LOSSES = ("in_batch", "full_softmax")
@@ -356,10 +357,10 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
         d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_heads
-        self.qkv = nnx.Linear(d, 3 * d, dtype=dt, rngs=rngs)
+        self.qkv = Linear(d, 3 * d, dtype=dt, rngs=rngs)
         # GPT-2 scales residual projections by 1/sqrt(2 * layers) so depth doesn't blow up the stream.
         init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-        self.out = nnx.Linear(d, d, dtype=dt, kernel_init=init, rngs=rngs)
+        self.out = Linear(d, d, dtype=dt, kernel_init=init, rngs=rngs)
         self.dropout = ByteDropout(cfg.dropout, rngs=rngs)
 
     def __call__(self, x, mask):
@@ -410,9 +411,9 @@ class Block(nnx.Module):
         self.ln1 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
-        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, dtype=dt, rngs=rngs)
+        self.fc = Linear(d, cfg.mlp_ratio * d, dtype=dt, rngs=rngs)
         init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-        self.proj = nnx.Linear(cfg.mlp_ratio * d, d, dtype=dt, kernel_init=init, rngs=rngs)
+        self.proj = Linear(cfg.mlp_ratio * d, d, dtype=dt, kernel_init=init, rngs=rngs)
         self.dropout = ByteDropout(cfg.dropout, rngs=rngs)
 
     def __call__(self, x, mask):
@@ -452,9 +453,9 @@ class SequenceEncoder(nnx.Module):
         if cfg.item_reshape == "half_dim":
             # Bandwidth-aware tables return item_dim/2 per lookup (half the all-to-all bytes); this local
             # projection restores item_dim after the all-to-all, with no communication.
-            self.item_up = nnx.Linear(cfg.item_dim // 2, cfg.item_dim, dtype=dt, rngs=rngs)
+            self.item_up = Linear(cfg.item_dim // 2, cfg.item_dim, dtype=dt, rngs=rngs)
         self.item_ln = nnx.LayerNorm(e, rngs=rngs)
-        self.item_in = nnx.Linear(e, d, dtype=dt, rngs=rngs)
+        self.item_in = Linear(e, d, dtype=dt, rngs=rngs)
         emb_init = nnx.initializers.normal(0.02)
         if cfg.action_inputs:
             self.action_emb = nnx.Embed(cfg.num_actions, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
@@ -463,7 +464,7 @@ class SequenceEncoder(nnx.Module):
         if cfg.time_encoding == "log_bucket":
             self.time_emb = nnx.Embed(cfg.time_buckets, d, dtype=dt, embedding_init=emb_init, rngs=rngs)
         elif cfg.time_encoding == "sinusoidal":
-            self.time_proj = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+            self.time_proj = Linear(d, d, dtype=dt, rngs=rngs)
         self.dropout = ByteDropout(cfg.dropout, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.ln_f = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
@@ -543,10 +544,10 @@ class FoundationModel(SequenceEncoder):
     def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)  # the encoder's parameters first: creation order fixes their init
         d, e = cfg.d_model, cfg.item_out_dim
-        self.query = nnx.Linear(d, e, rngs=rngs)
-        self.engage_item = nnx.Linear(e, d, rngs=rngs)
-        self.engage_hidden = nnx.Linear(2 * d, d, rngs=rngs)
-        self.engage_out = nnx.Linear(d, 1, rngs=rngs)
+        self.query = Linear(d, e, rngs=rngs)
+        self.engage_item = Linear(e, d, rngs=rngs)
+        self.engage_hidden = Linear(2 * d, d, rngs=rngs)
+        self.engage_out = Linear(d, 1, rngs=rngs)
         if cfg.seen_item_bias:
             self.seen_bias = nnx.Param(jnp.zeros((), jnp.float32))
 

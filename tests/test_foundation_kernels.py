@@ -1,9 +1,10 @@
-"""The foundation model's fast parts against brute-force references: the byte-mask dropout, the block-causal
-attention, the encoder's last-position path, the chunked cross-entropy's gradients, and that cross-entropy
-split over the batch axes of a mesh."""
+"""The foundation model's fast parts against brute-force references: the byte-mask dropout, the 2-D dense
+layers, the block-causal attention, the encoder's last-position path, the chunked cross-entropy's gradients,
+and that cross-entropy split over the batch axes of a mesh."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 
 import jaxscale
 from jaxscale_models import foundation as fm
+from jaxscale_models.linear import Linear, flat_dot_general
 
 # ------------------------------------------------------------------------------------------- dropout
 
@@ -47,6 +49,83 @@ def test_byte_dropout_eval_identity_and_exact_fallbacks():
     b = nnx.Dropout(0.5)(x, rngs=key)
     np.testing.assert_array_equal(a, b)
     assert fm.ByteDropout(0.2, rngs=nnx.Rngs(dropout=0))(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+# -------------------------------------------------------------------------------------- dense layers
+
+
+def _linear_dims(x):
+    return (((x.ndim - 1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (4, 5), (2, 3, 4), (0, 3)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_dot_general_value_and_gradients_equal_dot_general(lead, dtype):
+    """`flat_dot_general` (2-D products, its own VJP) against `jax.lax.dot_general` and jax's autodiff of it,
+    for inputs of rank 1 to 4 (an empty batch included) and both dtypes nnx.Linear computes in."""
+    rng = np.random.default_rng(len(lead) + 7 * sum(lead))
+    d, f = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    x = jnp.asarray(rng.normal(size=(*lead, d)), dtype)
+    w = jnp.asarray(rng.normal(size=(d, f)), dtype)
+    cot = jnp.asarray(rng.normal(size=(*lead, f)), dtype)
+
+    def run(dot):
+        y, vjp = jax.vjp(lambda a, b: dot(a, b, _linear_dims(a)), x, w)
+        return (y, *vjp(cot))
+
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    for got, want in zip(run(flat_dot_general), run(jax.lax.dot_general)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_flat_dot_general_passes_other_products_to_dot_general():
+    """A product that is not nnx.Linear's (a batch axis; the lhs's first axis contracted) is dot_general's."""
+    rng = np.random.default_rng(0)
+    a, b = jnp.asarray(rng.normal(size=(3, 4, 5))), jnp.asarray(rng.normal(size=(3, 5, 2)))
+    dims = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(flat_dot_general(a, b, dims), jax.lax.dot_general(a, b, dims))
+    c, m = jnp.asarray(rng.normal(size=(4, 6))), jnp.asarray(rng.normal(size=(4, 2)))
+    dims = (((0,), (0,)), ((), ()))
+    np.testing.assert_array_equal(flat_dot_general(c, m, dims), jax.lax.dot_general(c, m, dims))
+
+
+def test_linear_is_nnx_linear_with_the_same_state_outputs_and_gradients():
+    """`Linear` has nnx.Linear's parameters (a checkpoint of one restores into the other) and equal outputs
+    and parameter gradients on a [B, L, d] input."""
+    ours, theirs = Linear(6, 5, rngs=nnx.Rngs(3)), nnx.Linear(6, 5, rngs=nnx.Rngs(3))
+    s_ours, s_theirs = nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param)
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+    for a, b in zip(jax.tree.leaves(s_ours), jax.tree.leaves(s_theirs)):
+        np.testing.assert_array_equal(a, b)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 7, 6)), jnp.float32)
+
+    def loss(model):
+        return jnp.sum(jnp.tanh(model(x)) * jnp.arange(5.0))
+
+    for a, b in zip(jax.tree.leaves(nnx.grad(loss)(ours)), jax.tree.leaves(nnx.grad(loss)(theirs))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), rtol=1e-6, atol=1e-6)
+
+
+def _contractions(text: str) -> list[str]:
+    return re.findall(r"contracting_dims = \[([\d, ]*)\]", text)
+
+
+def test_linear_kernel_gradient_is_one_2d_product_as_lowered():
+    """The point of `Linear`: the gradient it hands XLA for a [B, L, d] layer has only one-axis
+    contractions (nnx.Linear's kernel gradient contracts B and L together, which XLA:CPU answered with
+    strided transposing copies on the foundation step: docs/benchmarks.md)."""
+    x = jnp.ones((4, 7, 6), jnp.float32)
+
+    def lowered(model):
+        graph, params = nnx.split(model)
+        grad = jax.grad(lambda p, a: jnp.sum(nnx.merge(graph, p)(a) ** 2), argnums=(0, 1))
+        return jax.jit(grad).lower(params, x).as_text()
+
+    ours, theirs = (_contractions(lowered(m(6, 5, rngs=nnx.Rngs(0)))) for m in (Linear, nnx.Linear))
+    assert len(ours) == 3 and all("," not in c for c in ours), ours  # forward, input and kernel gradient
+    assert any("," in c for c in theirs), theirs  # the reference really is the two-axis product
 
 
 # ----------------------------------------------------------------------------------------- attention
