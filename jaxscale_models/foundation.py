@@ -327,6 +327,17 @@ class ByteDropout(nnx.Dropout):
         keep = byte_keep_mask(self.rngs(), self.rate, inputs.shape)
         return jnp.where(keep, inputs * jnp.asarray(256.0 / (256 - drop), inputs.dtype), jnp.zeros((), inputs.dtype))
 
+    def byte_mask(self, shape) -> tuple[jax.Array | None, float] | None:
+        """What `__call__` on an input of `shape` would apply, for a caller that applies it itself: (None, 1.0)
+        when it passes inputs through, (keep mask, scale of the kept) when it draws a byte mask (the same draw
+        `__call__` makes), None when it takes `nnx.Dropout`'s exact path (the caller then calls it)."""
+        drop = byte_threshold(self.rate)
+        if self.deterministic or self.rate == 0:
+            return None, 1.0
+        if self.broadcast_dims or not 0 < drop < 256:
+            return None
+        return byte_keep_mask(self.rngs(), self.rate, shape), 256.0 / (256 - drop)
+
 
 def byte_threshold(rate: float) -> int:
     """The drop threshold of `ByteDropout` on a byte (0..256): the applied rate is this over 256 (rates that
@@ -396,11 +407,77 @@ class CausalSelfAttention(nnx.Module):
         return self._attend(q, k, v, ((at >= key)[None] & mask[:, None, :]) | (at == key)[None])
 
     def _attend(self, q, k, v, allowed):
-        """Softmax attention of q [B, H, Q, d/H] over k, v [B, H, K, d/H] where `allowed` [B, Q, K]."""
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-        logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
-        probs = self.dropout(jax.nn.softmax(logits, axis=-1)).astype(v.dtype)
-        return jnp.einsum("bhqk,bhkd->bhqd", probs, v)
+        """Softmax attention of q [B, H, Q, d/H] over k, v [B, H, K, d/H] where `allowed` [B, Q, K], the
+        probabilities dropped out: `softmax_attention` with the dropout's byte mask (the autodiff definition,
+        `attention_reference`, where the dropout takes nnx.Dropout's exact path)."""
+        drop = self.dropout.byte_mask((*q.shape[:3], k.shape[2]))
+        if drop is None:
+            return attention_reference(q, k, v, allowed, self.dropout)
+        keep, scale = drop
+        return softmax_attention(q, k, v, allowed, keep, scale)
+
+
+def attention_reference(q, k, v, allowed, dropout=None):
+    """Softmax attention by its definition (jax's autodiff differentiates it): q [B, H, Q, d/H] over k, v
+    [B, H, K, d/H] where `allowed` [B, Q, K], `dropout` (a callable) applied to the probabilities."""
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = (dropout(probs) if dropout is not None else probs).astype(v.dtype)
+    return jnp.einsum("bhqk,bhkd->bhqd", probs, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def softmax_attention(q, k, v, allowed, keep, scale: float):
+    """`attention_reference` with the dropout given as its mask: the kept probabilities (`keep` [B, H, Q, K],
+    or None for no dropout) weigh the values, and the output is multiplied by `scale` (dropout's 1 / keep
+    rate) on [B, H, Q, d/H], not on the [B, H, Q, K] probabilities; the 1/sqrt(d/H) is folded into q.
+
+    Its VJP is written out (FlashAttention's): dS = P * (dP - rowsum(dO * O)), the row sum taken over the
+    d/H values of the output instead of over the K probabilities, and no other pass over the probabilities
+    than the products' and that one. Equal to jax's autodiff of the definition (tests/test_foundation_kernels.py)."""
+    return _attention_forward(q, k, v, allowed, keep, scale)[0]
+
+
+def _attention_forward(q, k, v, allowed, keep, scale):
+    qs = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", qs, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(allowed[:, None], logits, jnp.finfo(jnp.float32).min)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - top)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    kept = probs if keep is None else jnp.where(keep, probs, 0.0)
+    out = jnp.einsum("bhqk,bhkd->bhqd", kept.astype(v.dtype), v, preferred_element_type=jnp.float32) * scale
+    return out.astype(v.dtype), (qs, k, v, keep, probs, out)
+
+
+def _softmax_attention_fwd(q, k, v, allowed, keep, scale):
+    out, res = _attention_forward(q, k, v, allowed, keep, scale)
+    return out, (*res, allowed)
+
+
+def _softmax_attention_bwd(scale, res, d_out):
+    qs, k, v, keep, probs, out, allowed = res
+    g = d_out.astype(jnp.float32)
+    kept = probs if keep is None else jnp.where(keep, probs, 0.0)
+    dv = jnp.einsum("bhqk,bhqd->bhkd", kept, g * scale).astype(v.dtype)
+    d_kept = jnp.einsum("bhqd,bhkd->bhqk", g * scale, v, preferred_element_type=jnp.float32)
+    d_probs = d_kept if keep is None else jnp.where(keep, d_kept, 0.0)
+    delta = jnp.sum(g * out, axis=-1, keepdims=True)  # = rowsum(d_probs * probs): sum_k dP P = sum_d dO O
+    d_logits = probs * (d_probs - delta)
+    dq = jnp.einsum("bhqk,bhkd->bhqd", d_logits, k) * (1 / math.sqrt(qs.shape[-1]))
+    dk = jnp.einsum("bhqk,bhqd->bhkd", d_logits, qs)
+    no_grad = np.zeros(allowed.shape, jax.dtypes.float0)
+    return (
+        dq.astype(qs.dtype),
+        dk.astype(k.dtype),
+        dv,
+        no_grad,
+        None if keep is None else np.zeros(keep.shape, jax.dtypes.float0),
+    )
+
+
+softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
 
 class Block(nnx.Module):

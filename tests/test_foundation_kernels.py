@@ -179,6 +179,76 @@ def test_block_causal_attention_gradients_equal_one_block(monkeypatch):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def _attention_inputs(seed, b, h, q, k, d, dtype="float32"):
+    """Random heads, a random key mask that always allows each query its own (last) key, and a dropout
+    keep mask: the shapes of one query block (q <= k) or of `at` (q = 1)."""
+    rng = np.random.default_rng(seed)
+    qkv = [jnp.asarray(rng.normal(size=(b, h, n, d)), dtype) for n in (q, k, k)]
+    allowed = rng.random((b, q, k)) < 0.6
+    allowed[..., -1] = True
+    keep = rng.random((b, h, q, k)) < 0.8
+    return (*qkv, jnp.asarray(allowed), jnp.asarray(keep))
+
+
+@pytest.mark.parametrize(("b", "h", "q", "k", "d"), [(2, 2, 5, 9, 4), (3, 1, 1, 7, 8), (1, 3, 16, 16, 2)])
+@pytest.mark.parametrize("dropout", [True, False])
+def test_softmax_attention_value_and_gradients_equal_autodiff_of_the_definition(b, h, q, k, d, dropout):
+    """`softmax_attention` (its VJP written out) against jax's autodiff of `attention_reference` with the
+    same dropout mask applied to the probabilities, gradients of q, k and v."""
+    qa, ka, va, allowed, keep = _attention_inputs(q * k + d, b, h, q, k, d)
+    keep, scale = (keep, 1.25) if dropout else (None, 1.0)
+    drop = (lambda p: jnp.where(keep, p * scale, 0.0)) if dropout else None
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(b, h, q, d)), jnp.float32)
+
+    def ours(qa, ka, va):
+        return jnp.sum(fm.softmax_attention(qa, ka, va, allowed, keep, scale) * w)
+
+    def theirs(qa, ka, va):
+        return jnp.sum(fm.attention_reference(qa, ka, va, allowed, drop) * w)
+
+    np.testing.assert_allclose(float(ours(qa, ka, va)), float(theirs(qa, ka, va)), rtol=1e-5)
+    got = jax.grad(ours, argnums=(0, 1, 2))(qa, ka, va)
+    want = jax.grad(theirs, argnums=(0, 1, 2))(qa, ka, va)
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_attention_in_bfloat16_keeps_its_dtypes_and_tracks_float32():
+    qa, ka, va, allowed, keep = _attention_inputs(3, 2, 2, 6, 6, 8)
+    low = [a.astype(jnp.bfloat16) for a in (qa, ka, va)]
+
+    def loss(*a):
+        return jnp.sum(fm.softmax_attention(*a, allowed, keep, 1.25).astype(jnp.float32))
+
+    assert fm.softmax_attention(*low, allowed, keep, 1.25).dtype == jnp.bfloat16
+    for a, c in zip(jax.grad(loss, argnums=(0, 1, 2))(*low), jax.grad(loss, argnums=(0, 1, 2))(qa, ka, va)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c), rtol=0.1, atol=0.1)
+
+
+def test_attention_in_training_draws_the_dropout_mask_its_dropout_layer_would():
+    """In training the layer applies `ByteDropout.byte_mask`'s draw: the same mask the dropout layer itself
+    draws from the same rng state, so the output equals the definition with the layer's own dropout."""
+    cfg = fm.FoundationConfig.smoke(d_model=16, num_heads=2, max_seq_len=70, dropout=0.3)
+    attn = fm.CausalSelfAttention(cfg, rngs=nnx.Rngs(0, dropout=5))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 70, 16)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 70)) < 0.9)
+    twin = nnx.clone(attn)
+    got = attn(x, mask)
+
+    def reference_attend(q, k, v, allowed):
+        return fm.attention_reference(q, k, v, allowed, twin.dropout)
+
+    twin._attend = reference_attend  # the same rng state: the same draws, applied by the definition
+    want = twin(x, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    attn.eval()
+    twin.eval()  # no dropout: the kernel without a mask against the definition
+    assert attn.dropout.byte_mask((2, 2, 3, 3)) == (None, 1.0)
+    np.testing.assert_allclose(np.asarray(attn(x, mask)), np.asarray(twin(x, mask)), rtol=1e-5, atol=1e-6)
+
+
 def _encoder_batch(rng, b, l):
     """Masks of every shape `last_positions` meets: full, right-padded, holes, empty, one event at 0."""
     mask = rng.random((b, l)) < 0.8
