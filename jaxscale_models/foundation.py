@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.engine.mesh import BATCH_AXES, batch_mesh
@@ -43,7 +44,7 @@ from jaxscale.engine.tables import TableConfig
 from jaxscale.training.config import check_choice, check_float, check_int, field_error
 from jaxscale.training.ranking import auc
 from jaxscale.training.registry import ModelSpec
-from jaxscale_models.linear import Linear
+from jaxscale_models.layers import LayerNorm, Linear
 
 TIME_ENCODINGS = ("log_bucket", "sinusoidal", "none")
 RETRIEVAL_LOSSES = ("in_batch", "full_softmax")
@@ -348,9 +349,26 @@ def byte_threshold(rate: float) -> int:
 def byte_keep_mask(key, rate: float, shape) -> jax.Array:
     """bool `shape`: True where the element's random byte is >= `byte_threshold(rate)` (kept)."""
     *lead, last = shape
-    words = jax.random.bits(key, (*lead, -(-last // 4)), jnp.uint32)
+    words = threefry_words(key, (*lead, -(-last // 4)))
     octets = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*lead, -1)[..., :last]
     return octets >= np.uint8(byte_threshold(rate))
+
+
+def threefry_words(key, shape) -> jax.Array:
+    """uint32 `shape` of random words: threefry-2x32 in counter mode, both 32-bit halves of each block kept
+    (word 2j and 2j+1 of a row are the block of counter (0, j), j numbered over the whole array), where
+    `jax.random.bits` XORs the halves into one word: half the hashing for the same bits. The counter is each
+    element's own index, so the words do not depend on how the array is sharded. Other key kinds (or more
+    than 2^32 blocks) draw `jax.random.bits`."""
+    *lead, last = shape
+    half = -(-last // 2)
+    blocks = math.prod(lead) * half
+    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    if data.shape != (2,) or data.dtype != jnp.uint32 or blocks >= 2**32:
+        return jax.random.bits(key, shape, jnp.uint32)
+    counter = jax.lax.iota(jnp.uint32, blocks).reshape(*lead, half)
+    hi, lo = threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(counter), counter)
+    return jnp.stack([hi, lo], axis=-1).reshape(*lead, 2 * half)[..., :last]
 
 
 ATTENTION_BLOCK = 64
@@ -485,9 +503,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: FoundationConfig, *, rngs: nnx.Rngs):
         d, dt = cfg.d_model, jnp.dtype(cfg.dtype)
-        self.ln1 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.ln1 = LayerNorm(d, dtype=dt, rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.ln2 = LayerNorm(d, dtype=dt, rngs=rngs)
         self.fc = Linear(d, cfg.mlp_ratio * d, dtype=dt, rngs=rngs)
         init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
         self.proj = Linear(cfg.mlp_ratio * d, d, dtype=dt, kernel_init=init, rngs=rngs)
@@ -531,7 +549,7 @@ class SequenceEncoder(nnx.Module):
             # Bandwidth-aware tables return item_dim/2 per lookup (half the all-to-all bytes); this local
             # projection restores item_dim after the all-to-all, with no communication.
             self.item_up = Linear(cfg.item_dim // 2, cfg.item_dim, dtype=dt, rngs=rngs)
-        self.item_ln = nnx.LayerNorm(e, rngs=rngs)
+        self.item_ln = LayerNorm(e, rngs=rngs)
         self.item_in = Linear(e, d, dtype=dt, rngs=rngs)
         emb_init = nnx.initializers.normal(0.02)
         if cfg.action_inputs:
@@ -544,7 +562,7 @@ class SequenceEncoder(nnx.Module):
             self.time_proj = Linear(d, d, dtype=dt, rngs=rngs)
         self.dropout = ByteDropout(cfg.dropout, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.ln_f = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
+        self.ln_f = LayerNorm(d, dtype=dt, rngs=rngs)
 
     def time_features(self, timestamps, mask):
         """Encodes the gap (seconds) since the previous valid event; 0 for the first event."""

@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxscale
 from jaxscale_models import foundation as fm
-from jaxscale_models.linear import Linear, flat_dot_general
+from jaxscale_models.layers import LayerNorm, Linear, flat_dot_general
 
 # ------------------------------------------------------------------------------------------- dropout
 
@@ -49,6 +49,43 @@ def test_byte_dropout_eval_identity_and_exact_fallbacks():
     b = nnx.Dropout(0.5)(x, rngs=key)
     np.testing.assert_array_equal(a, b)
     assert fm.ByteDropout(0.2, rngs=nnx.Rngs(dropout=0))(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(9,), (3, 5), (2, 3, 8), (4, 1)])
+def test_threefry_words_are_both_halves_of_jaxs_threefry_blocks(shape):
+    """Word 2j and 2j+1 of a row are the two halves of threefry's block for counter j over the whole array:
+    their XOR is what `jax.random.bits` draws for block j (the same key schedule and counters); a shorter
+    last axis is the longer one's prefix; raw uint32 keys draw what typed keys do; other key kinds fall back
+    to `jax.random.bits`."""
+    key = jax.random.key(7)
+    *lead, last = shape
+    half = -(-last // 2)
+    even = np.asarray(fm.threefry_words(key, (*lead, 2 * half))).reshape(*lead, half, 2)
+    blocks = np.asarray(jax.random.bits(key, (math.prod(lead) * half,), jnp.uint32)).reshape(*lead, half)
+    np.testing.assert_array_equal(even[..., 0] ^ even[..., 1], blocks)
+    words = np.asarray(fm.threefry_words(key, shape))
+    np.testing.assert_array_equal(words, even.reshape(*lead, 2 * half)[..., :last])
+    np.testing.assert_array_equal(fm.threefry_words(jax.random.PRNGKey(7), shape), words)
+    rbg = jax.random.key(7, impl="rbg")
+    np.testing.assert_array_equal(fm.threefry_words(rbg, shape), jax.random.bits(rbg, shape, jnp.uint32))
+
+
+def test_threefry_words_are_uniform_and_do_not_depend_on_the_sharding():
+    """Bytes uniform over 0..255 (chi-square, 255 degrees of freedom, far tail) with no byte position of a
+    word favoured; the same words when the array is computed sharded over 8 devices."""
+    words = np.asarray(fm.threefry_words(jax.random.key(11), (256, 1024)))
+    octets = words.view(np.uint8).reshape(-1, 4)
+    for column in range(4):
+        counts = np.bincount(octets[:, column], minlength=256)
+        expected = octets.shape[0] / 256
+        assert ((counts - expected) ** 2 / expected).sum() < 400
+    mesh = jax.make_mesh((8,), ("b",))
+    sharded = jax.jit(
+        lambda k: fm.threefry_words(k, (256, 1024)),
+        out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b")),
+    )(jax.random.key(11))
+    assert len(sharded.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(sharded), words)
 
 
 # -------------------------------------------------------------------------------------- dense layers
@@ -126,6 +163,39 @@ def test_linear_kernel_gradient_is_one_2d_product_as_lowered():
     ours, theirs = (_contractions(lowered(m(6, 5, rngs=nnx.Rngs(0)))) for m in (Linear, nnx.Linear))
     assert len(ours) == 3 and all("," not in c for c in ours), ours  # forward, input and kernel gradient
     assert any("," in c for c in theirs), theirs  # the reference really is the two-axis product
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 16), (0, 8)])
+def test_layer_norm_equals_nnx_layer_norm_values_and_gradients(shape):
+    """`LayerNorm` (the fused backward) against nnx.LayerNorm and jax's autodiff of it: output, input
+    gradient, scale and bias gradients, on inputs with a large common offset (where the variance about the
+    mean matters)."""
+    rng = np.random.default_rng(len(shape) + sum(shape))
+    d = shape[-1]
+    ours, theirs = LayerNorm(d, rngs=nnx.Rngs(0)), nnx.LayerNorm(d, rngs=nnx.Rngs(0))
+    params = {"scale": rng.normal(size=d), "bias": rng.normal(size=d)}
+    for layer in (ours, theirs):
+        layer.scale[...] = jnp.asarray(params["scale"], jnp.float32)
+        layer.bias[...] = jnp.asarray(params["bias"], jnp.float32)
+    x = jnp.asarray(rng.normal(size=shape) * 3 + 5, jnp.float32)
+    w = jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.tanh(layer(x)) * w)
+
+    np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), rtol=1e-5, atol=1e-5)
+    got, want = (nnx.grad(loss, argnums=(0, 1))(m, x) for m in (ours, theirs))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_norm_other_cases_are_nnx_layer_norms_own():
+    """bfloat16 inputs, no bias, a mask: nnx.LayerNorm's computation, bit for bit."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6)), jnp.float32)
+    cases = [({}, x.astype(jnp.bfloat16), {}), ({"use_bias": False}, x, {}), ({}, x, {"mask": x > 0})]
+    for kwargs, inputs, call in cases:
+        ours, theirs = LayerNorm(6, rngs=nnx.Rngs(0), **kwargs), nnx.LayerNorm(6, rngs=nnx.Rngs(0), **kwargs)
+        np.testing.assert_array_equal(np.asarray(ours(inputs, **call)), np.asarray(theirs(inputs, **call)))
 
 
 # ----------------------------------------------------------------------------------------- attention
