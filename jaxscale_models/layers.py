@@ -33,15 +33,15 @@ def _is_last_axis_by_first(lhs, rhs, dimension_numbers) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _flat_matmul(x, w, precision, preferred_element_type):
+def _matmul_2d_kernel_grad(x, w, precision, preferred_element_type):
     return jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
-def _flat_matmul_fwd(x, w, precision, preferred_element_type):
-    return _flat_matmul(x, w, precision, preferred_element_type), (x, w)
+def _matmul_2d_kernel_grad_fwd(x, w, precision, preferred_element_type):
+    return _matmul_2d_kernel_grad(x, w, precision, preferred_element_type), (x, w)
 
 
-def _flat_matmul_bwd(precision, preferred_element_type, res, dy):
+def _matmul_2d_kernel_grad_bwd(precision, preferred_element_type, res, dy):
     x, w = res
     dx = jnp.matmul(dy, w.T.astype(dy.dtype), precision=precision).astype(x.dtype)
     rows, drows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
@@ -49,22 +49,23 @@ def _flat_matmul_bwd(precision, preferred_element_type, res, dy):
     return dx, dw
 
 
-_flat_matmul.defvjp(_flat_matmul_fwd, _flat_matmul_bwd)
+_matmul_2d_kernel_grad.defvjp(_matmul_2d_kernel_grad_fwd, _matmul_2d_kernel_grad_bwd)
 
 
 def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """`jax.lax.dot_general` for `nnx.Linear`'s product (last axis of `lhs` by the first of a 2-D `rhs`) as one
-    2-D product over the flattened leading axes, with a custom VJP that keeps its two gradients 2-D products
-    too. Any other product, or an `out_sharding`, goes to `jax.lax.dot_general` unchanged."""
+    """`jax.lax.dot_general` for `nnx.Linear`'s product (last axis of `lhs` by the first of a 2-D `rhs`): the
+    product and the input's gradient as jax forms them, the kernel's gradient as one 2-D product over the
+    flattened leading axes (its custom VJP). Any other product, or an `out_sharding`, goes to
+    `jax.lax.dot_general` unchanged."""
     if kwargs.get("out_sharding") is not None or not _is_last_axis_by_first(lhs, rhs, dimension_numbers):
         return jax.lax.dot_general(
             lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, **kwargs
         )
-    return _flat_matmul(lhs, rhs, precision, preferred_element_type)
+    return _matmul_2d_kernel_grad(lhs, rhs, precision, preferred_element_type)
 
 
 Linear = functools.partial(nnx.Linear, dot_general=flat_dot_general)
-"""`nnx.Linear` whose products are 2-D (`flat_dot_general`): same parameters and state as `nnx.Linear`."""
+"""`nnx.Linear` whose kernel gradient is one 2-D product (`flat_dot_general`): same parameters and state."""
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
