@@ -94,7 +94,7 @@ def _layer_norm_bwd(epsilon, res, dy):
     return dx, jnp.sum(d_rows * rows, axis=0), jnp.sum(d_rows, axis=0)
 
 
-layer_norm.defvjp(lambda x, scale, bias, epsilon: _layer_norm_forward(x, scale, bias, epsilon), _layer_norm_bwd)
+layer_norm.defvjp(_layer_norm_forward, _layer_norm_bwd)
 
 
 class LayerNorm(nnx.LayerNorm):
