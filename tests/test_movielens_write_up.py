@@ -182,3 +182,51 @@ def test_the_offsets_parametrisation_is_said_for_both_sides(tmp_path):
     assert "1 in this record's foundation runs, the same for sasrec_seen_offset, whose learned offset this record " \
         "does not hold." in text  # fmt: skip
     assert (f"The foundation config now sets `seen_item_bias_scale: {shipped:g}`" in text) == (shipped != 1)
+
+
+def test_a_re_recording_at_the_configs_scale_is_rendered_beside_the_seed_record(tmp_path):
+    """The seed comparison re-recorded with the shipped config's offset scale (movielens_fairness_config_scale.json)
+    gets its own seeds, paired bootstraps and verdict after the earlier record's, which then says that it follows;
+    without it the earlier record says it has not been re-recorded."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "movielens_metrics.json", results)
+    config = "jaxscale/configs/movielens_foundation.yaml"
+
+    def side(xs):
+        mean = sum(xs) / len(xs)
+        se = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 / len(xs) ** 0.5 if len(xs) > 1 else None
+        return {"ndcg@10": xs, "mean": mean, "se": se}
+
+    def entry(unmasked, masked, **extra):
+        return {"seeds": list(range(len(unmasked))), "unmasked": side(unmasked), "masked": side(masked), **extra}
+
+    old = {"config": config, "machine": {}, "paired": [], "variants": {
+        "foundation": entry([0.08, 0.082, 0.078], [0.094, 0.095, 0.093]),
+        "sasrec": entry([0.055, 0.056], [0.1, 0.11]),
+    }}  # fmt: skip
+    (results / "movielens_fairness.json").write_text(json.dumps(old))
+    assert "and it has not been re-recorded with it." in render_write_up(tmp_path, results)
+    boot = {"mean": -0.0201, "low": -0.03, "high": -0.01, "level": 0.95, "rounds": 10, "users": 943}
+    new = {
+        "config": config, "machine": {}, "overrides": ["mesh.local=2", "train.steps=4000"],
+        "seen_item_bias_scale": 10.0,
+        "variants": {
+            "foundation": entry([0.09, 0.095, 0.1], [0.1, 0.1, 0.103]),
+            "sasrec_seen_offset": entry([0.12], [0.13], seen_offset={"scale": [10.0], "learned": [-0.6]}),
+        },
+        "paired": [{"a": "foundation", "b": "sasrec_seen_offset", "masking": "masked", "ndcg@10_difference": boot}],
+    }  # fmt: skip
+    (results / "movielens_fairness_config_scale.json").write_text(json.dumps(new))
+    text = render_write_up(tmp_path, results)
+    earlier, rescaled = text.split("- Re-recorded at the config's offset scale")
+    assert "; its re-recording at that scale follows." in earlier and "0.0800 +- 0.0012 (3 seeds)" in earlier
+    assert rescaled.startswith(f" (`movielens_fairness_config_scale.json`: fairness.py with {config}, 4,000 steps, "
+                               "overrides mesh.local=2, train.steps=4000; the runs finished so far):")  # fmt: skip
+    assert "- foundation minus sasrec_seen_offset, NDCG@10 with history masked: -0.0201 (paired bootstrap over 943 " \
+        "users, 95% interval -0.0300 to -0.0100)." in rescaled  # fmt: skip
+    assert "history masked: foundation 0.1010 +- 0.0010 (3 seeds); sasrec_seen_offset 0.1300 (1 seed)." in rescaled
+    assert "10 in this record's foundation runs, the same for sasrec_seen_offset, whose learned offset per seed is " \
+        "-0.60." in rescaled  # fmt: skip
+    assert "this record has sasrec 0 seeds, sasrec_seen_offset 1 seed (the foundation model's mean is below " \
+        "sasrec_seen_offset with history not masked, sasrec_seen_offset with history masked)." in rescaled  # fmt: skip

@@ -4,6 +4,8 @@ Every figure is computed here from recorded files, none typed by hand:
   experiments/results/movielens_metrics.json   a copy of run.sh's OUT/metrics.json (+ "run": its timing)
   experiments/results/movielens_tuning.json    the validation-only tuning runs (tune.py)
   experiments/results/movielens_fairness.json  fairness.py's ablations and seeds on ML-100K
+  experiments/results/movielens_fairness_config_scale.json   the same comparison re-recorded with the shipped
+      config's offset scale (when the seed record above predates it), the runs finished so far
   experiments/results/movielens_ml1m_<protocol>.json   run.sh --dataset ml-1m --protocol <protocol>'s metrics.json
   experiments/results/movielens_ml1m_fairness.json, movielens_ml1m_recbole_fairness.json   fairness.py's
       ablations under the literature and recbole protocols
@@ -184,7 +186,7 @@ def curve_png(m: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def render(metrics: dict, tuning: dict | None, fairness: dict | None = None) -> str:
+def render(metrics: dict, tuning: dict | None, fairness: dict | None = None, rescaled: dict | None = None) -> str:
     lines = [""]
     run = metrics.get("run", {})
     lines.append(
@@ -203,7 +205,9 @@ def render(metrics: dict, tuning: dict | None, fairness: dict | None = None) -> 
         else:
             target, row = sasrec["test"]["ndcg@10"], "the SASRec reference's run (its row above)"
         lines += [*ablation_lines(fairness, target, metrics["mask_history"], "SASRec", row), ""]
-        lines += [*seed_target_lines(fairness), ""]
+        lines += [*seed_target_lines(fairness, rescaled is not None), ""]
+    if rescaled:
+        lines += [*rescaled_lines(rescaled), ""]
     lines.append("![validation NDCG@10 against steps](../experiments/results/movielens_curve.png)")
     if tuning:
         lines += ["", "Tuning runs (validation split only; the test split was read once, by run.sh):", ""]
@@ -306,10 +310,11 @@ def _seeds(n: int) -> str:
     return f"{n} seed{'s' if n != 1 else ''}"
 
 
-def seed_target_lines(fairness: dict) -> list[str]:
+def seed_target_lines(fairness: dict, rescaled: bool = False) -> list[str]:
     """The ML-100K seed comparison: under each masking, the foundation model's mean test NDCG@10 against
     SASRec's without and with the seen-item offset, each with the seeds it has, and the target's verdict
-    (`SEED_TARGET` seeds on every side; fewer is said, not read as met)."""
+    (`SEED_TARGET` seeds on every side; fewer is said, not read as met). `rescaled`: a re-recording at the
+    config's offset scale exists (`rescaled_lines`)."""
     variants = fairness["variants"]
     sides = ["foundation", *SASREC_VARIANTS]
     short = [n for n in sides if len(variants.get(n, {}).get("seeds", [])) < SEED_TARGET]
@@ -338,10 +343,10 @@ def seed_target_lines(fairness: dict) -> list[str]:
         f"- Target ({SEED_TARGET} seeds each; the foundation model's mean NDCG@10 >= SASRec's without and with the "
         f"seen-item offset, under each masking): {verdict}."
     )
-    return [*lines, *offset_lines(fairness), "", target]
+    return [*lines, *offset_lines(fairness, rescaled), "", target]
 
 
-def offset_lines(fairness: dict) -> list[str]:
+def offset_lines(fairness: dict, rescaled: bool = False) -> list[str]:
     """How the one-scalar offset was parametrised on each side (the record's scale, the scale each SASRec
     seed was trained with, what SASRec learned) and, when the foundation config's scale is not the record's,
     that its foundation rows are not the shipped config's: a scale that differs is said, never hidden."""
@@ -367,9 +372,29 @@ def offset_lines(fairness: dict) -> list[str]:
         lines.append(
             f"- The foundation config now sets `seen_item_bias_scale: {now:g}` (tuned on validation: the tuning runs "
             f"below); this record was trained with {recorded:g}, so its foundation rows are not the shipped "
-            f"config's (run.sh's row above is) and this comparison has not been re-recorded with it."
+            f"config's (run.sh's row above is)"
+            + ("; its re-recording at that scale follows." if rescaled else " and it has not been re-recorded with it.")
         )
     return lines
+
+
+def rescaled_lines(rescaled: dict) -> list[str]:
+    """The seed comparison re-recorded with the shipped config's offset scale (fairness.py, the runs finished so
+    far): each side's seeds, the paired bootstraps it holds, and the target's verdict on it alone."""
+    label = {"masked": "history masked", "unmasked": "history not masked"}
+    steps = config_steps(rescaled)
+    lines = [
+        f"- Re-recorded at the config's offset scale (`movielens_fairness_config_scale.json`: fairness.py with "
+        f"{rescaled['config']}, {steps:,} steps, overrides {', '.join(rescaled.get('overrides') or ['none'])}; the "
+        f"runs finished so far):"
+    ]
+    for pair in rescaled["paired"]:
+        d = pair["ndcg@10_difference"]
+        lines.append(
+            f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[pair['masking']]}: {d['mean']:+.4f} (paired "
+            f"bootstrap over {d['users']:,} users, {d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f})."
+        )
+    return [*lines, *seed_target_lines(rescaled)]
 
 
 UNIT_SCALE = 1.0
@@ -524,7 +549,8 @@ def main(argv=None) -> int:
     metrics = recorded("movielens_metrics.json", args.metrics)
     doc = Path(args.doc)
     tuning, fairness = recorded("movielens_tuning.json", args.tuning), recorded("movielens_fairness.json")
-    atomic.replace_between(doc, START, END, render(metrics, tuning, fairness))
+    rescaled = recorded("movielens_fairness_config_scale.json")
+    atomic.replace_between(doc, START, END, render(metrics, tuning, fairness, rescaled))
     records = {p: r for p in ML1M_PROTOCOLS if (r := recorded(f"movielens_ml1m_{p}.json")) is not None}
     ablations = {p: [r for f in FAIRNESS[p] if (r := recorded(f)) is not None and r["protocol"] == p] for p in FAIRNESS}
     ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), ablations)
