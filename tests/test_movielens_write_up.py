@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 
 
+def seed_entry(unmasked: list, masked: list, **extra) -> dict:
+    """A fairness record's variant from its per-seed NDCG@10 under each masking (mean, standard error)."""
+
+    def side(xs):
+        mean = sum(xs) / len(xs)
+        se = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 / len(xs) ** 0.5 if len(xs) > 1 else None
+        return {"ndcg@10": xs, "mean": mean, "se": se}
+
+    return {"seeds": list(range(len(unmasked))), "unmasked": side(unmasked), "masked": side(masked), **extra}
+
+
 def test_the_docs_are_what_write_up_renders_from_the_records(tmp_path):
     assert render_write_up(tmp_path, RESULTS) == (ROOT / "docs" / "movielens.md").read_text()
 
@@ -85,12 +96,8 @@ def test_an_unmasked_protocols_ablation_reads_its_own_masking_and_its_peer(tmp_p
     }  # fmt: skip
     (results / "movielens_ml1m_recbole.json").write_text(json.dumps(record))
 
-    def entry(unmasked: float, masked: float) -> dict:
-        return {
-            "seeds": [0],
-            "unmasked": {"ndcg@10": [unmasked], "mean": unmasked, "se": None},
-            "masked": {"ndcg@10": [masked], "mean": masked, "se": None},
-        }
+    def entry(unmasked: float, masked: float) -> dict:  # one seed
+        return seed_entry([unmasked], [masked])
 
     for items_only, verdict in [
         (0.1285, "the lead comes from what SASRec does not have"),
@@ -117,20 +124,12 @@ def test_the_ml100k_seed_target_follows_the_seeds_and_the_means(tmp_path):
     results.mkdir()
     shutil.copy(RESULTS / "movielens_metrics.json", results)
 
-    def entry(unmasked: list, masked: list) -> dict:
-        def side(xs):
-            mean = sum(xs) / len(xs)
-            se = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 / len(xs) ** 0.5 if len(xs) > 1 else None
-            return {"ndcg@10": xs, "mean": mean, "se": se}
-
-        return {"seeds": list(range(len(unmasked))), "unmasked": side(unmasked), "masked": side(masked)}
-
     def render(sasrec_masked: list, offset_seeds: int) -> str:
         variants = {
-            "foundation": entry([0.08, 0.082, 0.078], [0.094, 0.095, 0.093]),
-            "foundation_no_seen_offset": entry([0.06, 0.061, 0.062], [0.09, 0.091, 0.092]),
-            "sasrec": entry([0.055, 0.056, 0.054][: len(sasrec_masked)], sasrec_masked),
-            "sasrec_seen_offset": entry([0.07] * offset_seeds, [0.09] * offset_seeds),
+            "foundation": seed_entry([0.08, 0.082, 0.078], [0.094, 0.095, 0.093]),
+            "foundation_no_seen_offset": seed_entry([0.06, 0.061, 0.062], [0.09, 0.091, 0.092]),
+            "sasrec": seed_entry([0.055, 0.056, 0.054][: len(sasrec_masked)], sasrec_masked),
+            "sasrec_seen_offset": seed_entry([0.07] * offset_seeds, [0.09] * offset_seeds),
         }
         record = {"config": "jaxscale/configs/movielens_foundation.yaml", "machine": {}, "variants": variants}
         (results / "movielens_fairness.json").write_text(json.dumps(record | {"paired": []}))
@@ -192,18 +191,9 @@ def test_a_re_recording_at_the_configs_scale_is_rendered_beside_the_seed_record(
     results.mkdir()
     shutil.copy(RESULTS / "movielens_metrics.json", results)
     config = "jaxscale/configs/movielens_foundation.yaml"
-
-    def side(xs):
-        mean = sum(xs) / len(xs)
-        se = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 / len(xs) ** 0.5 if len(xs) > 1 else None
-        return {"ndcg@10": xs, "mean": mean, "se": se}
-
-    def entry(unmasked, masked, **extra):
-        return {"seeds": list(range(len(unmasked))), "unmasked": side(unmasked), "masked": side(masked), **extra}
-
     old = {"config": config, "machine": {}, "paired": [], "variants": {
-        "foundation": entry([0.08, 0.082, 0.078], [0.094, 0.095, 0.093]),
-        "sasrec": entry([0.055, 0.056], [0.1, 0.11]),
+        "foundation": seed_entry([0.08, 0.082, 0.078], [0.094, 0.095, 0.093]),
+        "sasrec": seed_entry([0.055, 0.056], [0.1, 0.11]),
     }}  # fmt: skip
     (results / "movielens_fairness.json").write_text(json.dumps(old))
     assert "and it has not been re-recorded with it." in render_write_up(tmp_path, results)
@@ -212,8 +202,8 @@ def test_a_re_recording_at_the_configs_scale_is_rendered_beside_the_seed_record(
         "config": config, "machine": {}, "overrides": ["mesh.local=2", "train.steps=4000"],
         "seen_item_bias_scale": 10.0,
         "variants": {
-            "foundation": entry([0.09, 0.095, 0.1], [0.1, 0.1, 0.103]),
-            "sasrec_seen_offset": entry([0.12], [0.13], seen_offset={"scale": [10.0], "learned": [-0.6]}),
+            "foundation": seed_entry([0.09, 0.095, 0.1], [0.1, 0.1, 0.103]),
+            "sasrec_seen_offset": seed_entry([0.12], [0.13], seen_offset={"scale": [10.0], "learned": [-0.6]}),
         },
         "paired": [{"a": "foundation", "b": "sasrec_seen_offset", "masking": "masked", "ndcg@10_difference": boot}],
     }  # fmt: skip

@@ -224,6 +224,16 @@ ABLATIONS = {
 """fairness.py's ablated variants, as the verdict names them."""
 PEER = {"literature": "SASRec+", "recbole": "SASRec"}
 """The published peer row each protocol's foundation target is (TARGETS)."""
+MASKING = {"masked": "history masked", "unmasked": "history not masked"}
+"""fairness.py's maskings, as the write-up names them."""
+
+
+def paired_line(pair: dict) -> str:
+    """One paired bootstrap of a fairness record: a minus b, NDCG@10, its mean and interval."""
+    d = pair["ndcg@10_difference"]
+    interval = f"{d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f}"
+    return (f"- {pair['a']} minus {pair['b']}, NDCG@10 with {MASKING[pair['masking']]}: {d['mean']:+.4f} "
+            f"(paired bootstrap over {d['users']:,} users, {interval}).")  # fmt: skip
 
 
 def ablation_lines(
@@ -243,7 +253,6 @@ def ablation_lines(
     ran = f"{ran.get('backend', '?')} ({where}, jax {ran.get('jax', '?')})"
     spread = "one seed: no spread is measured" if len(seeds) == 1 else "mean +- standard error over seeds"
     own, other = ("masked", "unmasked") if masked else ("unmasked", "masked")
-    label = {"masked": "history masked", "unmasked": "history not masked"}
     offset = f"The seen-item offset (`seen_item_bias: {str(cfg['seen_item_bias']).lower()}`) " + (
         "moves no masked ranking: every history item is removed before ranking (it is still trained with the model)."
         if masked
@@ -262,7 +271,7 @@ def ablation_lines(
         f"The ablation below trains {config} {', '.join(ablated)}, on the same split "
         f"({'seeds' if len(seeds) > 1 else 'seed'} {', '.join(map(str, seeds))}, run on {ran}; {spread}):",
         "",
-        f"| variant | test NDCG@10, {label[own]} | per seed | {label[other]} |",
+        f"| variant | test NDCG@10, {MASKING[own]} | per seed | {MASKING[other]} |",
         "|---|---|---|---|",
     ]
     for name, entry in variants.items():
@@ -272,10 +281,7 @@ def ablation_lines(
         lines.append(f"| {name} | {mean} | {per_seed} | {_f(entry[other]['mean'])} |")
     for pair in fairness["paired"]:
         if pair["masking"] == own:
-            d = pair["ndcg@10_difference"]
-            interval = f"{d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f}"
-            lines += ["", f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[own]}: {d['mean']:+.4f} "
-                      f"(paired bootstrap over {d['users']:,} users, {interval})."]  # fmt: skip
+            lines += ["", paired_line(pair)]
     # each ablation against the peer, then the verdict from the variant with the peer's inputs: items only, or
     # under a masking protocol also no rating/time (the offset it keeps moves no masked ranking)
     lines.append("")
@@ -318,7 +324,6 @@ def seed_target_lines(fairness: dict, rescaled: bool = False) -> list[str]:
     variants = fairness["variants"]
     sides = ["foundation", *SASREC_VARIANTS]
     short = [n for n in sides if len(variants.get(n, {}).get("seeds", [])) < SEED_TARGET]
-    label = {"unmasked": "history not masked", "masked": "history masked"}
     lines, behind = ["- The seeds, side by side (mean test NDCG@10 +- standard error, seeds in brackets):"], []
     for masking in ("unmasked", "masked"):
         cells = []
@@ -328,8 +333,8 @@ def seed_target_lines(fairness: dict, rescaled: bool = False) -> list[str]:
             cells.append(f"{name} {e[masking]['mean']:.4f}{se} ({_seeds(len(e['seeds']))})")
             if name != "foundation" and "foundation" in variants:
                 if variants["foundation"][masking]["mean"] < e[masking]["mean"]:
-                    behind.append(f"{name} with {label[masking]}")
-        lines.append(f"  {label[masking]}: {'; '.join(cells)}.")
+                    behind.append(f"{name} with {MASKING[masking]}")
+        lines.append(f"  {MASKING[masking]}: {'; '.join(cells)}.")
     if short:
         have = ", ".join(f"{n} {_seeds(len(variants.get(n, {}).get('seeds', [])))}" for n in short)
         verdict = f"not established: it needs {SEED_TARGET} seeds of each side, and this record has {have}"
@@ -381,20 +386,13 @@ def offset_lines(fairness: dict, rescaled: bool = False) -> list[str]:
 def rescaled_lines(rescaled: dict) -> list[str]:
     """The seed comparison re-recorded with the shipped config's offset scale (fairness.py, the runs finished so
     far): each side's seeds, the paired bootstraps it holds, and the target's verdict on it alone."""
-    label = {"masked": "history masked", "unmasked": "history not masked"}
     steps = config_steps(rescaled)
     lines = [
         f"- Re-recorded at the config's offset scale (`movielens_fairness_config_scale.json`: fairness.py with "
         f"{rescaled['config']}, {steps:,} steps, overrides {', '.join(rescaled.get('overrides') or ['none'])}; the "
         f"runs finished so far):"
     ]
-    for pair in rescaled["paired"]:
-        d = pair["ndcg@10_difference"]
-        lines.append(
-            f"- {pair['a']} minus {pair['b']}, NDCG@10 with {label[pair['masking']]}: {d['mean']:+.4f} (paired "
-            f"bootstrap over {d['users']:,} users, {d['level']:.0%} interval {d['low']:+.4f} to {d['high']:+.4f})."
-        )
-    return [*lines, *seed_target_lines(rescaled)]
+    return [*lines, *map(paired_line, rescaled["paired"]), *seed_target_lines(rescaled)]
 
 
 UNIT_SCALE = 1.0
