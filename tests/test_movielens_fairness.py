@@ -30,7 +30,13 @@ def _write_topk(path: Path, lists: dict) -> None:
     pq.write_table(pa.table({"user_id": users, "rank": pa.array(ranks, pa.int32()), "item_id": items}), path)
 
 
-def test_summarize_equals_brute_force(tmp_path):
+NAMES = ("foundation", "sasrec", "sasrec_seen_offset")
+
+
+def _finished_runs(tmp_path) -> tuple[dict, dict]:
+    """A store of a small ML-100K layout and, for each variant of NAMES and seeds 0 and 1, the folder a finished
+    run leaves (random top-20 lists under both maskings, SASRec's result.json). Returns (user -> test target,
+    {(name, seed, masking): each user's 1-based target rank, 0 where it is not listed})."""
     rows = write_ml100k(tmp_path / "raw")
     import_movielens(tmp_path / "raw", tmp_path / "events")
     defs = compile_definitions(ROOT / "experiments/movielens/movielens_defs.py", tmp_path / "defs.json")
@@ -42,9 +48,8 @@ def test_summarize_equals_brute_force(tmp_path):
     )
     targets = loo_targets(rows, "test")
     rng = np.random.default_rng(0)
-    want: dict = {}
-    names = ("foundation", "sasrec", "sasrec_seen_offset")
-    for name in names:
+    ranks: dict = {}
+    for name in NAMES:
         for seed in (0, 1):
             if name.startswith("sasrec"):  # what the SASRec script records beside its lists
                 offset = {"seen_item_offset": True, "seen_offset_scale": 10.0, "seen_offset_value": -5.0 - seed}
@@ -60,17 +65,36 @@ def test_summarize_equals_brute_force(tmp_path):
                         items[at] = t
                     lists[u] = items
                 _write_topk(tmp_path / "fairness" / f"{name}_seed{seed}" / f"topk_{masking}.parquet", lists)
-                per_user = [
-                    1 / np.log2(lists[u][:10].index(t) + 2) if t in lists[u][:10] else 0.0
-                    for u, t in sorted(targets.items())
+                ranks[name, seed, masking] = [
+                    lists[u].index(t) + 1 if t in lists[u] else 0 for u, t in sorted(targets.items())
                 ]
-                want[name, seed, masking] = np.array(per_user)
-    out = tmp_path / "fair.json"
+    return targets, ranks
+
+
+def _summarize(tmp_path, out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "experiments/movielens/fairness.py"), str(tmp_path), "--json", str(out)]
-    summarize = [*cmd, "--seeds", "0", "1", "--summarize", "--override", "mesh.local=1"]
-    proc = subprocess.run(summarize, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*cmd, "--summarize", *args], capture_output=True, text=True, timeout=300)
+
+
+def _ndcg(ranks) -> np.ndarray:
+    r = np.array(ranks)
+    return np.where((r > 0) & (r <= 10), 1 / np.log2(np.maximum(r, 1) + 1), 0.0)
+
+
+def test_summarize_equals_brute_force(tmp_path):
+    targets, ranks = _finished_runs(tmp_path)
+    want = {key: _ndcg(r) for key, r in ranks.items()}
+    names = NAMES
+    out = tmp_path / "fair.json"
+    proc = _summarize(tmp_path, out, "--seeds", "0", "1", "--override", "mesh.local=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
+    kept = record["target_ranks"]  # what every figure is computed from, kept per seed
+    assert kept["users"] == sorted(targets)
+    for (name, seed, masking), r in ranks.items():
+        assert kept["runs"][name][str(seed)][masking] == r
+        ran = kept["runs"][name][str(seed)]["machine"]
+        assert ran == {k: record["machine"][k] for k in ("backend", "device", "cpu_model", "usable_cores", "jax")}
     assert record["overrides"] == ["mesh.local=1"]  # what the runs were trained with is recorded
     assert record["config"] == "jaxscale/configs/movielens_foundation.yaml"  # readable from any clone
     assert record["users"] == len(targets) and set(record["variants"]) == set(names)
@@ -92,6 +116,39 @@ def test_summarize_equals_brute_force(tmp_path):
         )
         p = pairs["foundation", "sasrec", m]
         assert p["mean"] == pytest.approx(diff.mean()) and p["low"] <= p["mean"] <= p["high"]
+
+
+def test_keep_recorded_adds_seeds_to_a_record_without_the_earlier_folders(tmp_path):
+    """Seeds summarised in an earlier invocation (another session, another machine: their folders gone here)
+    count with --keep-recorded: the record equals the one made with every folder present. A record made with
+    other overrides, or one without target ranks, is refused with a message that names why."""
+    _finished_runs(tmp_path)
+    full, part = tmp_path / "full.json", tmp_path / "part.json"
+    assert _summarize(tmp_path, full, "--seeds", "0", "1").returncode == 0
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    for name in NAMES:  # seed 1 recorded first, its folders then gone; seed 0 added by a later invocation
+        (tmp_path / "fairness" / f"{name}_seed0").rename(moved / f"{name}_seed0")
+    assert _summarize(tmp_path, part, "--seeds", "0", "1").returncode == 0
+    for name in NAMES:
+        (tmp_path / "fairness" / f"{name}_seed1").rename(moved / f"{name}_seed1")
+        (moved / f"{name}_seed0").rename(tmp_path / "fairness" / f"{name}_seed0")
+    alone = _summarize(tmp_path, tmp_path / "alone.json", "--seeds", "0")  # without the flag: seed 0 alone
+    assert alone.returncode == 0 and json.loads((tmp_path / "alone.json").read_text())["variants"]["sasrec"][
+        "seeds"
+    ] == [0]
+    proc = _summarize(tmp_path, part, "--seeds", "0", "--keep-recorded")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = json.loads(part.read_text()), json.loads(full.read_text())
+    for key in ("variants", "paired", "target_ranks", "users"):
+        assert got[key] == want[key], key
+
+    refused = _summarize(tmp_path, part, "--seeds", "0", "--keep-recorded", "--override", "mesh.local=2")
+    assert refused.returncode != 0 and "overrides" in refused.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({k: v for k, v in want.items() if k != "target_ranks"}))
+    refused = _summarize(tmp_path, old, "--seeds", "0", "--keep-recorded")
+    assert refused.returncode != 0 and "target ranks" in refused.stderr
 
 
 # In a process of its own (the script is run, never imported by the tests): train_foundation with _run recorded.

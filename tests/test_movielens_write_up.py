@@ -220,3 +220,21 @@ def test_a_re_recording_at_the_configs_scale_is_rendered_beside_the_seed_record(
         "-0.60." in rescaled  # fmt: skip
     assert "this record has sasrec 0 seeds, sasrec_seen_offset 1 seed (the foundation model's mean is below " \
         "sasrec_seen_offset with history not masked, sasrec_seen_offset with history masked)." in rescaled  # fmt: skip
+
+
+def test_a_record_whose_seeds_ran_on_two_machines_names_both(tmp_path):
+    """Seeds added to a fairness record from another machine (fairness.py --keep-recorded) keep their own
+    machine, and the ablation's sentence names every machine the record's seeds ran on, once each."""
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    record = json.loads((results / "movielens_fairness.json").read_text())
+    cpu = {"backend": "cpu", "device": "cpu", "cpu_model": "Xeon X", "usable_cores": 2, "jax": "0.10.2"}
+    gpu = {"backend": "gpu", "device": "NVIDIA H200", "cpu_model": "EPYC", "usable_cores": 16, "jax": "0.11.2"}
+    runs = {
+        name: {str(s): {"machine": gpu if s == 2 else cpu} for s in v["seeds"]}
+        for name, v in record["variants"].items()
+    }
+    record["target_ranks"] = {"users": [], "runs": runs}
+    (results / "movielens_fairness.json").write_text(json.dumps(record))
+    text = render_write_up(tmp_path, results)
+    assert "run on cpu (Xeon X, 2 cores, jax 0.10.2) and gpu (NVIDIA H200, jax 0.11.2);" in text

@@ -10,16 +10,21 @@ Reads the store of a finished `experiments/movielens/run.sh OUT` (ml-100k, proto
   same with the foundation model's one-scalar seen-item offset, parametrised as the foundation config's:
   `seen_item_bias_scale` times the trained scalar), every seed.
 Each variant's test top-20 is written under both maskings (history kept; every history item removed); the
-record gives per variant and masking the mean +- standard error over seeds of NDCG@10 and Recall@10, and for
-each pair the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference
-(per-user NDCG averaged over seeds, `jaxscale.training.ranking.paired_bootstrap`). Hours on 2 cores: a recorded run,
-not CI. A variant's folder whose training finished (its `run.json` says so: an earlier invocation, or a link
-to run.sh's own run of that seed, `ln -s OUT/runs/foundation OUT/fairness/foundation_seed0`) is evaluated, not
-trained again; one whose training was killed is resumed from its last checkpoint, never scored half-trained.
+record gives per variant and masking each seed's NDCG@10 and their mean +- standard error, and for each pair
+the foundation model is compared with, a paired bootstrap over users of the NDCG@10 difference (per-user NDCG
+averaged over seeds, `jaxscale.training.ranking.paired_bootstrap`). It keeps what those are computed from,
+every seed's per-user test-target rank in its top-20 (`target_ranks`), so `--keep-recorded` can add seeds
+trained in another session or on another machine to the record without the earlier folders. Hours on 2
+cores: a recorded run, not CI. A variant's folder whose training finished (its `run.json` says so: an
+earlier invocation, or a link to run.sh's own run of that seed, `ln -s OUT/runs/foundation
+OUT/fairness/foundation_seed0`) is evaluated, not trained again; one whose training was killed is resumed
+from its last checkpoint, never scored half-trained.
 
     python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
         [--seeds 0 1 2] [--only foundation sasrec ...] [--config YAML --protocol NAME]
     python experiments/movielens/fairness.py OUT --json F --summarize   # the record from finished runs only
+    python experiments/movielens/fairness.py OUT --json F --keep-recorded --seeds 2 --only sasrec
+        # one more seed, summarised with the seeds F already holds
 """
 
 from __future__ import annotations
@@ -111,27 +116,26 @@ def train_sasrec(out: Path, work: Path, name: str, seed: int, offset_scale: floa
           str(seed), "--json", str(run / "result.json"), *files, *args], run.with_suffix(".log"))  # fmt: skip
 
 
-def sasrec_offsets(work: Path, name: str, seeds: list[int]) -> dict | None:
-    """The SASRec variant's offset per seed, from its result.json: its scale and the value it learned (None
-    for a variant without one). A run that predates the scale option had scale 1."""
-    rows = [json.loads((work / f"{name}_seed{s}" / "result.json").read_text()) for s in seeds]
-    if not any(r.get("seen_item_offset") for r in rows):
+def sasrec_offset(run: Path) -> dict | None:
+    """A SASRec variant seed's offset from its result.json: its scale and the value it learned (None for a
+    variant without one). A run that predates the scale option had scale 1."""
+    r = json.loads((run / "result.json").read_text())
+    if not r.get("seen_item_offset"):
         return None
-    return {
-        "scale": [r.get("seen_offset_scale") or 1.0 for r in rows],
-        "learned": [r["seen_offset_value"] for r in rows],
-    }
+    return {"scale": r.get("seen_offset_scale") or 1.0, "learned": r["seen_offset_value"]}
 
 
-def per_user_ndcg(topk_file: Path, targets: dict) -> np.ndarray:
-    """NDCG@10 of every user of `targets` (sorted by user id) from a top-k Parquet file in raw ids."""
+def target_ranks(topk_file: Path, targets: dict) -> list[int]:
+    """The 1-based rank of each user's test target (users of `targets` sorted by id) in a top-k Parquet file
+    in raw ids; 0 where it is not in the list."""
     t = pq.read_table(topk_file).to_pydict()
     lists: dict = {}
     for u, r, i in zip(t["user_id"], t["rank"], t["item_id"]):
         lists.setdefault(u, {})[r] = i
     users = sorted(targets)
-    top = np.array([[lists[u].get(r, -1) for r in range(1, 11)] for u in users])
-    return ranking.user_ndcg(top, np.array([targets[u] for u in users]), 10)
+    k = max((r for items in lists.values() for r in items), default=1)
+    top = np.array([[lists.get(u, {}).get(r, -1) for r in range(1, k + 1)] for u in users])
+    return ranking.target_ranks(top, np.array([targets[u] for u in users])).tolist()
 
 
 def test_targets(out: Path) -> dict:
@@ -147,26 +151,70 @@ def test_targets(out: Path) -> dict:
     return dict(zip(src.users.tolist(), decode(rows).tolist()))
 
 
-def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> dict:
-    """The record: per variant and masking, per-seed metrics and their mean +- s.e.; paired bootstraps."""
+SEED_MACHINE = ("backend", "device", "cpu_model", "usable_cores", "jax")
+"""What each seed's entry keeps of the machine it was recorded on (the record's `machine` is this invocation's)."""
+
+
+def seed_run(work: Path, name: str, seed: int, targets: dict, here: dict) -> dict | None:
+    """A finished variant seed as the record keeps it: per masking its users' target ranks, a SASRec variant's
+    offset, and the machine it was recorded on (`here`); None when its top-k lists are not in `work`."""
+    run = work / f"{name}_seed{seed}"
+    if not (run / "topk_masked.parquet").exists():
+        return None
+    entry: dict = {m: target_ranks(run / f"topk_{m}.parquet", targets) for m in MASKINGS}
+    ran = {k: here.get(k) for k in SEED_MACHINE}
+    return entry | ({"seen_offset": sasrec_offset(run)} if name in SASREC else {}) | {"machine": ran}
+
+
+def recorded_runs(record: dict, expect: dict, users: list) -> dict:
+    """The variant seeds an earlier record holds ({name: {seed: entry}}), refused unless that record was made
+    with the same config, protocol, overrides and offset scale (`expect`) and ranked the same users."""
+    for key, value in expect.items():
+        if record.get(key) != value:
+            raise SystemExit(f"--keep-recorded: the record's {key} is {record.get(key)!r}, this run's {value!r}")
+    if "target_ranks" not in record:
+        raise SystemExit("--keep-recorded: the record holds no per-user target ranks (made before they were kept)")
+    if record["target_ranks"]["users"] != users:
+        raise SystemExit("--keep-recorded: the record ranked other users than this store's test split")
+    return record["target_ranks"]["runs"]
+
+
+def summarize(
+    out: Path, work: Path, seeds: list[int], here: dict, recorded: dict | None = None, rounds: int = 10_000
+) -> dict:
+    """The record: per variant and masking, per-seed metrics and their mean +- s.e.; paired bootstraps; and
+    every seed's per-user target ranks (what the rest is computed from, so a later run can add seeds). A seed
+    whose folder is not in `work` is taken from `recorded` ({name: {seed: entry}}) when it holds it, and every
+    seed `recorded` holds counts; `here`: the machine this runs on, kept with each seed found in `work`."""
     targets = test_targets(out)
-    variants, per_user = {}, {}
+    users = sorted(targets)
+    runs: dict = {}
     for name in [*FOUNDATION, *SASREC]:
-        runs = [s for s in seeds if (work / f"{name}_seed{s}" / "topk_masked.parquet").exists()]
-        if not runs:
-            continue
-        entry = {"seeds": runs}
+        kept = (recorded or {}).get(name, {})
+        for s in sorted({*seeds, *map(int, kept)}):
+            entry = seed_run(work, name, s, targets, here) or kept.get(str(s))
+            if entry is not None:
+                runs.setdefault(name, {})[str(s)] = entry
+    variants, per_user = {}, {}
+    for name, by_seed in runs.items():
+        done = sorted(by_seed, key=int)
+        entry = {"seeds": [int(s) for s in done]}
         for masking in MASKINGS:
-            users = [per_user_ndcg(work / f"{name}_seed{s}" / f"topk_{masking}.parquet", targets) for s in runs]
-            ndcg = np.array([u.mean() for u in users])
+            ndcg_users = [ranking.ndcg_from_ranks(by_seed[s][masking], 10) for s in done]
+            ndcg = np.array([u.mean() for u in ndcg_users])
             entry[masking] = {
                 "ndcg@10": [float(x) for x in ndcg],
                 "mean": float(ndcg.mean()),
                 "se": float(ndcg.std(ddof=1) / np.sqrt(len(ndcg))) if len(ndcg) > 1 else None,
             }
-            per_user[name, masking] = np.mean(users, axis=0)
+            per_user[name, masking] = np.mean(ndcg_users, axis=0)
         if name in SASREC:
-            entry["seen_offset"] = sasrec_offsets(work, name, runs)
+            offsets = [by_seed[s]["seen_offset"] for s in done]
+            entry["seen_offset"] = (
+                None
+                if not any(offsets)
+                else {"scale": [o["scale"] for o in offsets], "learned": [o["learned"] for o in offsets]}
+            )
         variants[name] = entry
     pairs = []
     for a, b in PAIRS:
@@ -174,7 +222,8 @@ def summarize(out: Path, work: Path, seeds: list[int], rounds: int = 10_000) -> 
             if (a, masking) in per_user and (b, masking) in per_user:
                 boot = ranking.paired_bootstrap(per_user[a, masking], per_user[b, masking], rounds=rounds)
                 pairs.append({"a": a, "b": b, "masking": masking, "ndcg@10_difference": boot})
-    return {"users": len(targets), "variants": variants, "paired": pairs}
+    ranks = {"users": users, "runs": runs}
+    return {"users": len(targets), "variants": variants, "paired": pairs, "target_ranks": ranks}
 
 
 def repo_path(path: Path) -> str:
@@ -199,6 +248,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--only", nargs="+", choices=[*FOUNDATION, *SASREC], default=None)
     ap.add_argument("--summarize", action="store_true", help="only write the record from the runs already done")
+    ap.add_argument(
+        "--keep-recorded",
+        action="store_true",
+        help="seeds the record at --json already holds count where their folders are not here (trained in "
+        "another session or on another machine; the record must be of the same config, protocol and overrides)",
+    )
     ap.add_argument("--config", type=Path, default=CONFIG, help="the foundation model's config (default: ML-100K's)")
     ap.add_argument("--protocol", default=None, help="the run's protocol (its history length and masking)")
     ap.add_argument(
@@ -224,14 +279,17 @@ def main(argv=None) -> int:
                 train_foundation(out, work, name, seed, rows, config, args.protocol, tuple(args.override))
             else:
                 train_sasrec(out, work, name, seed, offset_scale)
-    record = {
+    made_with = {
         "config": repo_path(args.config),
         "protocol": args.protocol,
         "overrides": args.override,
-        "machine": _machine(),
+        "seen_item_bias_scale": offset_scale,  # the foundation model's, given to sasrec_seen_offset
     }
-    record["seen_item_bias_scale"] = offset_scale  # the foundation model's, given to sasrec_seen_offset
-    record |= summarize(out, work, args.seeds)
+    kept = None
+    if args.keep_recorded and Path(args.json).exists():
+        kept = recorded_runs(json.loads(Path(args.json).read_text()), made_with, sorted(test_targets(out)))
+    here = _machine()
+    record = made_with | {"machine": here} | summarize(out, work, args.seeds, here, kept)
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))
     return 0

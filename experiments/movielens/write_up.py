@@ -228,6 +228,23 @@ MASKING = {"masked": "history masked", "unmasked": "history not masked"}
 """fairness.py's maskings, as the write-up names them."""
 
 
+def machine_words(ran: dict) -> str:
+    """A recorded machine in words: the backend, its device (a GPU) or CPU model and cores, and jax."""
+    if ran.get("backend") == "cpu":
+        where = f"{ran.get('cpu_model', '?')}, {ran.get('usable_cores', '?')} cores"
+    else:
+        where = ran.get("device", "?")
+    return f"{ran.get('backend', '?')} ({where}, jax {ran.get('jax', '?')})"
+
+
+def record_machines(fairness: dict) -> list[dict]:
+    """The distinct machines a fairness record's seeds were recorded on (each seed keeps its own since seeds can
+    be added from another machine), in order; a record from before that, the one machine it names."""
+    runs = fairness.get("target_ranks", {}).get("runs", {})
+    seen = [e["machine"] for by_seed in runs.values() for e in by_seed.values()] or [fairness.get("machine", {})]
+    return [m for i, m in enumerate(seen) if m not in seen[:i]]
+
+
 def paired_line(pair: dict) -> str:
     """One paired bootstrap of a fairness record: a minus b, NDCG@10, its mean and interval."""
     d = pair["ndcg@10_difference"]
@@ -247,10 +264,7 @@ def ablation_lines(
     the run.sh record above, set beside the steps the ablation trained (`config_steps`) when they differ."""
     cfg = foundation_config(fairness)
     variants, seeds = fairness["variants"], sorted({s for v in fairness["variants"].values() for s in v["seeds"]})
-    ran = fairness.get("machine", {})
-    where = ran.get("device", "?") if ran.get("backend") != "cpu" else f"{ran.get('cpu_model', '?')}, "
-    where = where if ran.get("backend") != "cpu" else where + f"{ran.get('usable_cores', '?')} cores"
-    ran = f"{ran.get('backend', '?')} ({where}, jax {ran.get('jax', '?')})"
+    ran = " and ".join(map(machine_words, record_machines(fairness)))
     spread = "one seed: no spread is measured" if len(seeds) == 1 else "mean +- standard error over seeds"
     own, other = ("masked", "unmasked") if masked else ("unmasked", "masked")
     offset = f"The seen-item offset (`seen_item_bias: {str(cfg['seen_item_bias']).lower()}`) " + (

@@ -184,7 +184,12 @@ def popularity_topk(train_item_counts, k: int, num_users: int, exclude=None) -> 
 def user_ndcg(topk, targets, k: int) -> np.ndarray:
     """float64 [U]: each user's NDCG@k (1 / log2(rank + 1) when its target ranks <= k, else 0): the per-user
     values `ranking_metrics` averages, for paired comparisons of two models on the same users."""
-    ranks = target_ranks(topk, targets)
+    return ndcg_from_ranks(target_ranks(topk, targets), k)
+
+
+def ndcg_from_ranks(ranks, k: int) -> np.ndarray:
+    """float64 [U]: NDCG@k of each user from its target's 1-based rank (`target_ranks`; 0 or -1: not ranked)."""
+    ranks = np.asarray(ranks)
     hit = (ranks > 0) & (ranks <= k)
     return np.where(hit, 1.0 / np.log2(np.maximum(ranks, 1) + 1.0), 0.0)
 
