@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from movielens_helpers import MOVIES, loo_targets, write_ml100k
@@ -145,6 +146,11 @@ def test_keep_recorded_adds_seeds_to_a_record_without_the_earlier_folders(tmp_pa
 
     refused = _summarize(tmp_path, part, "--seeds", "0", "--keep-recorded", "--override", "mesh.local=2")
     assert refused.returncode != 0 and "overrides" in refused.stderr
+    short = tmp_path / "fairness" / "foundation_seed0" / "topk_masked.parquet"  # a list file that lost a user
+    table = pq.read_table(short)
+    pq.write_table(table.filter(pc.not_equal(table["user_id"], table["user_id"][0])), short)
+    refused = _summarize(tmp_path, part, "--seeds", "0")
+    assert refused.returncode != 0 and "no list for 1 test users" in refused.stderr
     old = tmp_path / "old.json"
     old.write_text(json.dumps({k: v for k, v in want.items() if k != "target_ranks"}))
     refused = _summarize(tmp_path, old, "--seeds", "0", "--keep-recorded")

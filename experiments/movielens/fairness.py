@@ -133,8 +133,11 @@ def target_ranks(topk_file: Path, targets: dict) -> list[int]:
     for u, r, i in zip(t["user_id"], t["rank"], t["item_id"]):
         lists.setdefault(u, {})[r] = i
     users = sorted(targets)
-    k = max((r for items in lists.values() for r in items), default=1)
-    top = np.array([[lists.get(u, {}).get(r, -1) for r in range(1, k + 1)] for u in users])
+    missing = [u for u in users if u not in lists]
+    if missing:  # a list that lost users would score them as misses: refused, never counted
+        raise SystemExit(f"{topk_file} has no list for {len(missing)} test users (first: {missing[0]!r})")
+    k = max(r for items in lists.values() for r in items)
+    top = np.array([[lists[u].get(r, -1) for r in range(1, k + 1)] for u in users])
     return ranking.target_ranks(top, np.array([targets[u] for u in users])).tolist()
 
 
