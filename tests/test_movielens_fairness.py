@@ -151,6 +151,12 @@ def test_keep_recorded_adds_seeds_to_a_record_without_the_earlier_folders(tmp_pa
     pq.write_table(table.filter(pc.not_equal(table["user_id"], table["user_id"][0])), short)
     refused = _summarize(tmp_path, part, "--seeds", "0")
     assert refused.returncode != 0 and "no list for 1 test users" in refused.stderr
+    bad = tmp_path / "bad.json"  # an edited record: one seed's ranks a user short
+    cut = json.loads(full.read_text())
+    cut["target_ranks"]["runs"]["sasrec"]["1"]["masked"].pop()
+    bad.write_text(json.dumps(cut))
+    refused = _summarize(tmp_path, bad, "--seeds", "0", "--keep-recorded")
+    assert refused.returncode != 0 and "sasrec seed 1: masked ranks are not one int per user" in refused.stderr
     old = tmp_path / "old.json"
     old.write_text(json.dumps({k: v for k, v in want.items() if k != "target_ranks"}))
     refused = _summarize(tmp_path, old, "--seeds", "0", "--keep-recorded")

@@ -179,7 +179,14 @@ def recorded_runs(record: dict, expect: dict, users: list) -> dict:
         raise SystemExit("--keep-recorded: the record holds no per-user target ranks (made before they were kept)")
     if record["target_ranks"]["users"] != users:
         raise SystemExit("--keep-recorded: the record ranked other users than this store's test split")
-    return record["target_ranks"]["runs"]
+    runs = record["target_ranks"]["runs"]
+    for name, by_seed in runs.items():
+        for seed, entry in by_seed.items():
+            for masking in MASKINGS:
+                ranks = entry.get(masking)
+                if not isinstance(ranks, list) or len(ranks) != len(users) or not all(type(r) is int for r in ranks):
+                    raise SystemExit(f"--keep-recorded: {name} seed {seed}: {masking} ranks are not one int per user")
+    return runs
 
 
 def summarize(
