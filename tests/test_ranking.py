@@ -145,6 +145,14 @@ def test_user_ndcg_averages_to_ranking_metrics():
             assert per_user[u] == pytest.approx(1 / np.log2(hit[0] + 2) if hit else 0.0)
 
 
+def test_ndcg_from_ranks_counts_only_ranks_inside_k():
+    """The per-user NDCG a stored rank gives (fairness records keep ranks): 1 / log2(rank + 1) for ranks 1..k,
+    0 beyond k and for an unranked target (0, or -1)."""
+    got = ranking.ndcg_from_ranks([1, 0, 11, 3, -1, 10], 10)
+    np.testing.assert_allclose(got, [1.0, 0.0, 0.0, 0.5, 0.0, 1 / np.log2(11)])
+    assert ranking.ndcg_from_ranks(np.array([], np.int64), 10).shape == (0,)
+
+
 def test_paired_bootstrap_brackets_the_true_difference_and_keeps_pairs():
     rng = np.random.default_rng(0)
     base = rng.random(2000)
