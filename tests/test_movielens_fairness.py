@@ -157,6 +157,11 @@ def test_keep_recorded_adds_seeds_to_a_record_without_the_earlier_folders(tmp_pa
     bad.write_text(json.dumps(cut))
     refused = _summarize(tmp_path, bad, "--seeds", "0", "--keep-recorded")
     assert refused.returncode != 0 and "sasrec seed 1: masked ranks are not one int per user" in refused.stderr
+    del cut["target_ranks"]["runs"]["sasrec"]["1"]["masked"]  # ... and without SASRec's offset entry
+    cut["target_ranks"]["runs"]["sasrec"]["0"].pop("seen_offset")
+    bad.write_text(json.dumps(cut))
+    refused = _summarize(tmp_path, bad, "--seeds", "0", "--keep-recorded")
+    assert refused.returncode != 0 and "sasrec seed '0': not a seed number with machine, seen_offset" in refused.stderr
     old = tmp_path / "old.json"
     old.write_text(json.dumps({k: v for k, v in want.items() if k != "target_ranks"}))
     refused = _summarize(tmp_path, old, "--seeds", "0", "--keep-recorded")

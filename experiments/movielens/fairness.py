@@ -181,7 +181,12 @@ def recorded_runs(record: dict, expect: dict, users: list) -> dict:
         raise SystemExit("--keep-recorded: the record ranked other users than this store's test split")
     runs = record["target_ranks"]["runs"]
     for name, by_seed in runs.items():
+        if name not in (*FOUNDATION, *SASREC):
+            raise SystemExit(f"--keep-recorded: the record holds an unknown variant {name!r}")
         for seed, entry in by_seed.items():
+            needed = ["machine", *(["seen_offset"] if name in SASREC else [])]
+            if not seed.isdigit() or any(k not in entry for k in needed):
+                raise SystemExit(f"--keep-recorded: {name} seed {seed!r}: not a seed number with {', '.join(needed)}")
             for masking in MASKINGS:
                 ranks = entry.get(masking)
                 if not isinstance(ranks, list) or len(ranks) != len(users) or not all(type(r) is int for r in ranks):
