@@ -330,14 +330,22 @@ def _seeds(n: int) -> str:
     return f"{n} seed{'s' if n != 1 else ''}"
 
 
+def _behind(pairs: list) -> str:
+    """(variant, masking) pairs as the verdict names them."""
+    return ", ".join(f"{name} with {MASKING[masking]}" for name, masking in pairs)
+
+
 def seed_target_lines(fairness: dict, rescaled: bool = False) -> list[str]:
     """The ML-100K seed comparison: under each masking, the foundation model's mean test NDCG@10 against
-    SASRec's without and with the seen-item offset, each with the seeds it has, and the target's verdict
-    (`SEED_TARGET` seeds on every side; fewer is said, not read as met). `rescaled`: a re-recording at the
-    config's offset scale exists (`rescaled_lines`)."""
+    SASRec's without and with the seen-item offset, each with the seeds it has, and the target's verdict.
+    'met' needs `SEED_TARGET` seeds on every side; 'not met' needs them on the foundation model's side and on
+    one SASRec variant whose mean is above it (a side still short cannot undo that, and is named); anything
+    else is 'not established', never read as met. `rescaled`: a re-recording at the config's offset scale
+    exists (`rescaled_lines`)."""
     variants = fairness["variants"]
     sides = ["foundation", *SASREC_VARIANTS]
-    short = [n for n in sides if len(variants.get(n, {}).get("seeds", [])) < SEED_TARGET]
+    seeds = {n: len(variants.get(n, {}).get("seeds", [])) for n in sides}
+    short = [n for n in sides if seeds[n] < SEED_TARGET]
     lines, behind = ["- The seeds, side by side (mean test NDCG@10 +- standard error, seeds in brackets):"], []
     for masking in ("unmasked", "masked"):
         cells = []
@@ -347,17 +355,22 @@ def seed_target_lines(fairness: dict, rescaled: bool = False) -> list[str]:
             cells.append(f"{name} {e[masking]['mean']:.4f}{se} ({_seeds(len(e['seeds']))})")
             if name != "foundation" and "foundation" in variants:
                 if variants["foundation"][masking]["mean"] < e[masking]["mean"]:
-                    behind.append(f"{name} with {MASKING[masking]}")
+                    behind.append((name, masking))
         lines.append(f"  {MASKING[masking]}: {'; '.join(cells)}.")
-    if short:
-        have = ", ".join(f"{n} {_seeds(len(variants.get(n, {}).get('seeds', [])))}" for n in short)
+    have = ", ".join(f"{n} {_seeds(seeds[n])}" for n in short)
+    decided = [(n, m) for n, m in behind if "foundation" not in short and n not in short]
+    if decided:
+        verdict = f"not met (with {SEED_TARGET} seeds on both sides the foundation model's mean is below "
+        verdict += _behind(decided)
+        if short:
+            verdict += f"; this record also has {have}, which cannot change that"
+        rest = [b for b in behind if b not in decided]
+        verdict += f"; below {_behind(rest)} too, on fewer seeds)" if rest else ")"
+    elif short:
         verdict = f"not established: it needs {SEED_TARGET} seeds of each side, and this record has {have}"
-    else:
-        verdict = "met" if not behind else "not met"
-    if behind:
-        verdict += f" (the foundation model's mean is below {', '.join(behind)})"
-    elif not short:
-        verdict += " (the foundation model's mean is at or above both SASRec variants under both maskings)"
+        verdict += f" (the foundation model's mean is below {_behind(behind)})" if behind else ""
+    else:  # every side has its seeds, so nothing is behind (it would be decided)
+        verdict = "met (the foundation model's mean is at or above both SASRec variants under both maskings)"
     target = (
         f"- Target ({SEED_TARGET} seeds each; the foundation model's mean NDCG@10 >= SASRec's without and with the "
         f"seen-item offset, under each masking): {verdict}."
