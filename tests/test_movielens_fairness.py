@@ -2,6 +2,7 @@
 variant and masking, each seed's NDCG@10 and their mean +- s.e. equal a brute force over the raw ratings, and
 each paired bootstrap is centred on the difference of the two variants' per-user NDCG@10."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -168,6 +169,34 @@ def test_keep_recorded_adds_seeds_to_a_record_without_the_earlier_folders(tmp_pa
     assert refused.returncode != 0 and "target ranks" in refused.stderr
 
 
+def test_a_record_of_another_config_version_keeps_only_its_sasrec_seeds(tmp_path):
+    """The record names the config file's sha256; with --keep-recorded, a record made with another version of
+    that file keeps its SASRec seeds (they depend on it only through the offset scale, which must match) and
+    loses its foundation seeds, said on stderr. A foundation folder stamped with another version is refused."""
+    _finished_runs(tmp_path)
+    full = tmp_path / "full.json"
+    assert _summarize(tmp_path, full, "--seeds", "0", "1").returncode == 0
+    record = json.loads(full.read_text())
+    assert record["config_sha256"] == hashlib.sha256(CONFIG.read_bytes()).hexdigest()
+    for name in NAMES:  # seed 1 only in the record from here on
+        (tmp_path / "fairness" / f"{name}_seed1").rename(tmp_path / f"{name}_seed1")
+    (tmp_path / "same.json").write_text(full.read_text())
+    same = _summarize(tmp_path, tmp_path / "same.json", "--seeds", "0", "--keep-recorded")
+    full.write_text(json.dumps(record | {"config_sha256": "0" * 64}))
+    other = _summarize(tmp_path, full, "--seeds", "0", "--keep-recorded")
+    assert same.returncode == 0 and other.returncode == 0, other.stderr[-3000:]
+    assert "another version" not in same.stderr
+    assert "another version of jaxscale/configs/movielens_foundation.yaml" in other.stderr
+    assert "its seeds of foundation are not kept" in other.stderr
+    got = json.loads(full.read_text())["variants"]
+    assert got["foundation"]["seeds"] == [0] and got["sasrec"]["seeds"] == got["sasrec_seen_offset"]["seeds"] == [0, 1]
+    assert json.loads((tmp_path / "same.json").read_text())["variants"]["foundation"]["seeds"] == [0, 1]
+
+    (tmp_path / "fairness" / "foundation_seed0" / "config.sha256").write_text("f" * 64 + "\n")
+    refused = _summarize(tmp_path, tmp_path / "stamped.json", "--seeds", "0")
+    assert refused.returncode != 0 and "foundation_seed0 was trained with another version" in refused.stderr
+
+
 # In a process of its own (the script is run, never imported by the tests): train_foundation with _run recorded.
 _SHIM = """
 import importlib.util, json, sys
@@ -202,12 +231,18 @@ def test_an_interrupted_variant_is_resumed_never_scored_half_trained(tmp_path, r
     if record is not None:
         (run / "run.json").write_text(json.dumps(record))
     calls = _train_calls(tmp_path)
+    stamp = (run / "config.sha256").read_text().strip()  # what it is trained with, beside its checkpoints
+    assert stamp == hashlib.sha256(CONFIG.read_bytes() + b"[]").hexdigest()
     trains = [c for c in calls if "jaxscale.train" in c]
     assert len(trains) == 1 and "--resume" in trains[0] and f"train.workdir={run}" in trains[0]
     assert [c[2] for c in calls[1:]] == ["jaxscale.evaluate"] * 2  # then scored under both maskings
 
     (run / "run.json").write_text(json.dumps({"stop_reason": "early_stopping", "final_step": 60}))
     assert [c[2] for c in _train_calls(tmp_path)] == ["jaxscale.evaluate"] * 2
+    (run / "config.sha256").write_text("0" * 64)  # trained with another version: neither resumed nor scored
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        _train_calls(tmp_path)
+    assert "was trained with another version" in refused.value.stderr
 
 
 def test_sasrec_gets_the_foundation_models_offset_parametrisation(tmp_path):

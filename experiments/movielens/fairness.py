@@ -18,7 +18,9 @@ trained in another session or on another machine to the record without the earli
 cores: a recorded run, not CI. A variant's folder whose training finished (its `run.json` says so: an
 earlier invocation, or a link to run.sh's own run of that seed, `ln -s OUT/runs/foundation
 OUT/fairness/foundation_seed0`) is evaluated, not trained again; one whose training was killed is resumed
-from its last checkpoint, never scored half-trained.
+from its last checkpoint, never scored half-trained. Each foundation folder it trains carries a stamp of
+the config file's version and the overrides (`config.sha256`): a folder stamped with another is refused,
+and a record made with another version of the config file (`config_sha256`) keeps only its SASRec seeds.
 
     python experiments/movielens/fairness.py OUT --json experiments/results/movielens_fairness.json \\
         [--seeds 0 1 2] [--only foundation sasrec ...] [--config YAML --protocol NAME]
@@ -30,6 +32,7 @@ from its last checkpoint, never scored half-trained.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -69,6 +72,26 @@ PAIRS = (
 )
 
 
+CONFIG_STAMP = "config.sha256"
+"""In each foundation seed folder fairness.py trains: `config_digest` of what it was trained with."""
+
+
+def config_digest(config: Path, overrides=()) -> str:
+    """sha256 of the config file's bytes and the overrides: which version of the foundation config a record
+    or a seed folder was made with (the path alone names every version of the file)."""
+    digest = hashlib.sha256(Path(config).read_bytes())
+    digest.update(json.dumps(list(overrides)).encode())
+    return digest.hexdigest()
+
+
+def check_stamp(run: Path, digest: str) -> None:
+    """Refuses a foundation seed folder stamped with another config version than `digest` (this invocation's):
+    its runs would be scored, or resumed, as if trained with this one."""
+    stamp = run / CONFIG_STAMP
+    if stamp.exists() and stamp.read_text().strip() != digest:
+        raise SystemExit(f"{run} was trained with another version of the config or other overrides: move it away")
+
+
 def _run(cmd: list[str], log: Path) -> None:
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -94,6 +117,11 @@ def train_foundation(
     args = [*data, f"model.foundation.item_rows={rows}", f"train.seed={seed}", f"data.seed={seed}", *FOUNDATION[name]]
     args += overrides
     py = sys.executable
+    digest, stamp = config_digest(config, overrides), run / CONFIG_STAMP
+    check_stamp(run, digest)
+    run.mkdir(parents=True, exist_ok=True)
+    if not stamp.exists():  # a folder without a stamp: trained here now, or linked (run.sh's own seed)
+        stamp.write_text(digest + "\n")
     if finished_run(run) is None:  # not trained, or interrupted: --resume goes on from its last checkpoint
         _run([py, "-m", "jaxscale.train", "--config", str(config), "--no-progress", "--resume",
               f"train.workdir={run}", *args], work / f"{name}_seed{seed}.log")  # fmt: skip
@@ -171,8 +199,13 @@ def seed_run(work: Path, name: str, seed: int, targets: dict, here: dict) -> dic
 
 def recorded_runs(record: dict, expect: dict, users: list) -> dict:
     """The variant seeds an earlier record holds ({name: {seed: entry}}), refused unless that record was made
-    with the same config, protocol, overrides and offset scale (`expect`) and ranked the same users."""
+    with the same config, protocol, overrides and offset scale (`expect`) and ranked the same users. A record
+    made with another version of the config file (its `config_sha256`; absent: made before it was kept) keeps
+    its SASRec seeds, which depend on that file only through the offset scale (compared), and loses its
+    foundation seeds, said on stderr: they are trained again."""
     for key, value in expect.items():
+        if key == "config_sha256":
+            continue
         if record.get(key) != value:
             raise SystemExit(f"--keep-recorded: the record's {key} is {record.get(key)!r}, this run's {value!r}")
     if "target_ranks" not in record:
@@ -191,22 +224,40 @@ def recorded_runs(record: dict, expect: dict, users: list) -> dict:
                 ranks = entry.get(masking)
                 if not isinstance(ranks, list) or len(ranks) != len(users) or not all(type(r) is int for r in ranks):
                     raise SystemExit(f"--keep-recorded: {name} seed {seed}: {masking} ranks are not one int per user")
+    if record.get("config_sha256") != expect["config_sha256"]:
+        stale = sorted(n for n in runs if n in FOUNDATION)
+        if stale:
+            print(
+                f"--keep-recorded: the record was made with another version of {expect['config']} (sha256 "
+                f"{record.get('config_sha256')}): its seeds of {', '.join(stale)} are not kept",
+                file=sys.stderr,
+            )
+        runs = {n: by_seed for n, by_seed in runs.items() if n not in FOUNDATION}
     return runs
 
 
 def summarize(
-    out: Path, work: Path, seeds: list[int], here: dict, recorded: dict | None = None, rounds: int = 10_000
+    out: Path,
+    work: Path,
+    seeds: list[int],
+    here: dict,
+    recorded: dict | None = None,
+    rounds: int = 10_000,
+    digest: str | None = None,
 ) -> dict:
     """The record: per variant and masking, per-seed metrics and their mean +- s.e.; paired bootstraps; and
     every seed's per-user target ranks (what the rest is computed from, so a later run can add seeds). A seed
     whose folder is not in `work` is taken from `recorded` ({name: {seed: entry}}) when it holds it, and every
-    seed `recorded` holds counts; `here`: the machine this runs on, kept with each seed found in `work`."""
+    seed `recorded` holds counts; `here`: the machine this runs on, kept with each seed found in `work`;
+    `digest`: this invocation's `config_digest`, which a stamped foundation folder must carry."""
     targets = test_targets(out)
     users = sorted(targets)
     runs: dict = {}
     for name in [*FOUNDATION, *SASREC]:
         kept = (recorded or {}).get(name, {})
         for s in sorted({*seeds, *map(int, kept)}):
+            if digest is not None and name in FOUNDATION:
+                check_stamp(work / f"{name}_seed{s}", digest)
             entry = seed_run(work, name, s, targets, here) or kept.get(str(s))
             if entry is not None:
                 runs.setdefault(name, {})[str(s)] = entry
@@ -296,6 +347,7 @@ def main(argv=None) -> int:
                 train_sasrec(out, work, name, seed, offset_scale)
     made_with = {
         "config": repo_path(args.config),
+        "config_sha256": hashlib.sha256(args.config.read_bytes()).hexdigest(),  # which version of the file
         "protocol": args.protocol,
         "overrides": args.override,
         "seen_item_bias_scale": offset_scale,  # the foundation model's, given to sasrec_seen_offset
@@ -304,7 +356,8 @@ def main(argv=None) -> int:
     if args.keep_recorded and Path(args.json).exists():
         kept = recorded_runs(json.loads(Path(args.json).read_text()), made_with, sorted(test_targets(out)))
     here = _machine()
-    record = made_with | {"machine": here} | summarize(out, work, args.seeds, here, kept)
+    digest = config_digest(args.config, args.override)
+    record = made_with | {"machine": here} | summarize(out, work, args.seeds, here, kept, digest=digest)
     atomic.write_json(args.json, record)
     print(json.dumps({k: {m: v[m]["mean"] for m in MASKINGS} for k, v in record["variants"].items()}))
     return 0
