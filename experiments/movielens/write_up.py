@@ -21,6 +21,7 @@ wall-clock time). The published numbers are the papers' own (sources in `PUBLISH
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -407,7 +408,18 @@ def offset_lines(fairness: dict, rescaled: bool = False) -> list[str]:
             f"config's (run.sh's row above is)"
             + ("; its re-recording at that scale follows." if rescaled else " and it has not been re-recorded with it.")
         )
+    elif not same_config_version(fairness):
+        lines.append(
+            f"- This record's foundation rows were trained with another version of {fairness['config']} than the "
+            "shipped one (the record's `config_sha256` is not the file's, or it predates the field): they are not "
+            "the shipped config's."
+        )
     return lines
+
+
+def same_config_version(fairness: dict) -> bool:
+    """Whether the record was made with the config file as it is now (fairness.py keeps its sha256)."""
+    return fairness.get("config_sha256") == hashlib.sha256((ROOT / fairness["config"]).read_bytes()).hexdigest()
 
 
 def rescaled_lines(rescaled: dict) -> list[str]:
