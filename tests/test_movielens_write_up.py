@@ -4,6 +4,7 @@ its ML-1M verdicts follow the numbers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -178,11 +179,15 @@ def test_the_offsets_parametrisation_is_said_for_both_sides(tmp_path):
     config = "jaxscale/configs/movielens_foundation.yaml"
     shipped = yaml.safe_load((ROOT / config).read_text())["model"]["foundation"]["seen_item_bias_scale"]
 
-    def render(scales: list | None, record_scale: float | None) -> str:
+    sha = hashlib.sha256((ROOT / config).read_bytes()).hexdigest()
+
+    def render(scales: list | None, record_scale: float | None, config_sha256: str | None = sha) -> str:
         offset = {"scale": scales, "learned": [-6.04, -5.5][: len(scales)]} if scales else None
         variants = {"foundation": base, "sasrec": base | {"seen_offset": None}}
         variants["sasrec_seen_offset"] = base | ({"seen_offset": offset} if scales else {})
         record = {"config": config, "machine": {}, "variants": variants, "paired": []}
+        if config_sha256 is not None:
+            record["config_sha256"] = config_sha256
         if record_scale is not None:
             record["seen_item_bias_scale"] = record_scale
         (results / "movielens_fairness.json").write_text(json.dumps(record))
@@ -192,6 +197,10 @@ def test_the_offsets_parametrisation_is_said_for_both_sides(tmp_path):
     text = render([float(shipped)], shipped)
     assert both + " seed is -6.04." in text
     assert "The foundation config now sets" not in text  # the record is the shipped config's
+    assert "trained with another version of" not in text
+    other = f"- This record's foundation rows were trained with another version of {config} than the shipped one"
+    for config_sha256 in ("0" * 64, None):  # another version of the file, or a record made before the field
+        assert other in render([float(shipped)], shipped, config_sha256)
     text = render([1.0, float(shipped)], shipped)
     assert f"not the foundation model's (1, {shipped:g}) for sasrec_seen_offset, whose learned offset per seed is " \
         "-6.04, -5.50" in text  # fmt: skip
@@ -256,3 +265,21 @@ def test_a_record_whose_seeds_ran_on_two_machines_names_both(tmp_path):
     (results / "movielens_fairness.json").write_text(json.dumps(record))
     text = render_write_up(tmp_path, results)
     assert "run on cpu (Xeon X, 2 cores, jax 0.10.2) and gpu (NVIDIA H200, jax 0.11.2);" in text
+
+
+def test_the_tied_item_space_claim_follows_the_tuning_record():
+    """docs/movielens.md ("The item space"): the runs with `item_space=tied` (J, K, L) are above run F at every
+    evaluation step both have, and each one's best is above runs F and G's; run J changes nothing else."""
+    runs = {r["name"]: r for r in json.loads((RESULTS / "movielens_tuning.json").read_text())["runs"]}
+    tied = [r for r in runs.values() if "model.foundation.item_space=tied" in r["overrides"]]
+    assert [r["name"] for r in tied] == ["J", "K", "L"]
+    f = dict(runs["F"]["curve"])
+    for r in tied:
+        assert all(v > f[step] for step, v in r["curve"] if step in f), r["name"]
+        assert r["best"] > max(runs["F"]["best"], runs["G"]["best"]), r["name"]
+    assert runs["J"]["overrides"] == ["mesh.local=2", "model.foundation.item_space=tied"]
+    config = yaml.safe_load((ROOT / "jaxscale/configs/movielens_foundation.yaml").read_text())
+    assert config["model"]["foundation"]["item_space"] == "tied" and config["mesh"]["local"] == 8
+    doc = " ".join((ROOT / "docs/movielens.md").read_text().split())
+    claim = "was above run F at every evaluation step both runs have, and each run's best was above runs F and G's"
+    assert claim in doc
