@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from movielens_helpers import render_write_up
 
@@ -283,3 +286,46 @@ def test_the_tied_item_space_claim_follows_the_tuning_record():
     doc = " ".join((ROOT / "docs/movielens.md").read_text().split())
     claim = "was above run F at every evaluation step both runs have, and each run's best was above runs F and G's"
     assert claim in doc
+
+
+def test_the_item_space_lines_are_the_two_records_per_user_difference(tmp_path):
+    """The tied-space record beside its projected-space recording: each side's mean as recorded and the paired
+    difference computed from both records' per-user ranks (NDCG@10 averaged over seeds, then over users)."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "movielens_metrics.json", results)
+    users = list(range(1, 7))
+    config = "jaxscale/configs/movielens_foundation.yaml"
+
+    def record(ranks: dict) -> dict:
+        runs = {str(s): {"unmasked": r, "masked": [min(x, 3) for x in r], "machine": {}} for s, r in ranks.items()}
+        ndcg = {m: [sum(1 / math.log2(x + 1) for x in run[m] if 0 < x <= 10) / 6 for run in runs.values()]
+                for m in ("unmasked", "masked")}  # fmt: skip
+        foundation = seed_entry(ndcg["unmasked"], ndcg["masked"])
+        return {"config": config, "machine": {}, "overrides": ["mesh.local=2"], "seen_item_bias_scale": 10.0,
+                "variants": {"foundation": foundation}, "paired": [],
+                "target_ranks": {"users": users, "runs": {"foundation": runs}}}  # fmt: skip
+
+    tied = record({0: [1, 2, 0, 4, 11, 1], 1: [1, 1, 5, 0, 2, 3]})
+    projected = record({0: [3, 0, 0, 9, 1, 2], 1: [2, 8, 0, 0, 12, 1]})
+    (results / "movielens_fairness_config_scale.json").write_text(json.dumps(tied))
+    (results / "movielens_fairness_config_scale_projected.json").write_text(json.dumps(projected))
+    text = render_write_up(tmp_path, results)
+
+    def per_user(rec, masking):
+        runs = rec["target_ranks"]["runs"]["foundation"].values()
+        return [sum(1 / math.log2(r[masking][u] + 1) if 0 < r[masking][u] <= 10 else 0 for r in runs) / 2
+                for u in range(6)]  # fmt: skip
+
+    for masking, label in (("unmasked", "history not masked"), ("masked", "history masked")):
+        t, p = tied["variants"]["foundation"][masking]["mean"], projected["variants"]["foundation"][masking]["mean"]
+        diff = sum(a - b for a, b in zip(per_user(tied, masking), per_user(projected, masking))) / 6
+        assert f"  {label}: tied {t:.4f} (2 seeds), projected {p:.4f} (2 seeds); tied minus projected, NDCG@10 " \
+            f"with {label}: {diff:+.4f} (paired bootstrap over 6 users" in text  # fmt: skip
+
+    (results / "movielens_fairness_config_scale_projected.json").write_text(
+        json.dumps(projected | {"overrides": ["mesh.local=8"]})
+    )
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        render_write_up(tmp_path, results)
+    assert "the projected-space record has other overrides" in refused.value.stderr.decode()

@@ -26,9 +26,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from jaxscale.infra import atomic
+from jaxscale.training import ranking
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
@@ -187,7 +189,13 @@ def curve_png(m: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def render(metrics: dict, tuning: dict | None, fairness: dict | None = None, rescaled: dict | None = None) -> str:
+def render(
+    metrics: dict,
+    tuning: dict | None,
+    fairness: dict | None = None,
+    rescaled: dict | None = None,
+    projected: dict | None = None,
+) -> str:
     lines = [""]
     run = metrics.get("run", {})
     lines.append(
@@ -209,6 +217,8 @@ def render(metrics: dict, tuning: dict | None, fairness: dict | None = None, res
         lines += [*seed_target_lines(fairness, rescaled is not None), ""]
     if rescaled:
         lines += [*rescaled_lines(rescaled), ""]
+    if rescaled and projected:
+        lines += [*item_space_lines(rescaled, projected), ""]
     lines.append("![validation NDCG@10 against steps](../experiments/results/movielens_curve.png)")
     if tuning:
         lines += ["", "Tuning runs (validation split only; the test split was read once, by run.sh):", ""]
@@ -434,6 +444,37 @@ def rescaled_lines(rescaled: dict) -> list[str]:
     return [*lines, *map(paired_line, rescaled["paired"]), *seed_target_lines(rescaled)]
 
 
+def item_space_lines(tied: dict, projected: dict) -> list[str]:
+    """The item space's share of the foundation model's test NDCG@10: the config-scale record (the tied space)
+    against its earlier recording with the projected space (`movielens_fairness_config_scale_projected.json`),
+    same split, overrides and offset scale: each side's mean over its seeds and a paired bootstrap over users
+    of the per-user NDCG@10 averaged over seeds."""
+    for key in ("overrides", "seen_item_bias_scale"):
+        if tied.get(key) != projected.get(key):
+            raise ValueError(f"the projected-space record has other {key} than the config-scale record")
+    if tied["target_ranks"]["users"] != projected["target_ranks"]["users"]:
+        raise ValueError("the projected-space record ranked other users than the config-scale record")
+    lines = [
+        "- The item space (`movielens_fairness_config_scale_projected.json`: the same comparison recorded before "
+        "the config's `item_space: tied`, in the projected space; same split, overrides and offset scale):"
+    ]
+    for masking in ("unmasked", "masked"):
+        per_user = {}
+        for name, record in (("tied", tied), ("projected", projected)):
+            runs = record["target_ranks"]["runs"]["foundation"]
+            per_user[name] = np.mean([ranking.ndcg_from_ranks(r[masking], 10) for r in runs.values()], axis=0)
+        t, p = (rec["variants"]["foundation"][masking] for rec in (tied, projected))
+        lines.append(
+            f"  {MASKING[masking]}: tied {t['mean']:.4f} ({_seeds(len(t['ndcg@10']))}), projected {p['mean']:.4f} "
+            f"({_seeds(len(p['ndcg@10']))}); "
+            + paired_line(
+                {"a": "tied", "b": "projected", "masking": masking,
+                 "ndcg@10_difference": ranking.paired_bootstrap(per_user["tied"], per_user["projected"])}
+            ).removeprefix("- ")
+        )  # fmt: skip
+    return lines
+
+
 UNIT_SCALE = 1.0
 """`seen_item_bias_scale`'s default: a record without the field was made before the option existed, when every
 offset (the foundation model's and sasrec_seen_offset's) was the trained scalar itself."""
@@ -587,7 +628,8 @@ def main(argv=None) -> int:
     doc = Path(args.doc)
     tuning, fairness = recorded("movielens_tuning.json", args.tuning), recorded("movielens_fairness.json")
     rescaled = recorded("movielens_fairness_config_scale.json")
-    atomic.replace_between(doc, START, END, render(metrics, tuning, fairness, rescaled))
+    projected = recorded("movielens_fairness_config_scale_projected.json")
+    atomic.replace_between(doc, START, END, render(metrics, tuning, fairness, rescaled, projected))
     records = {p: r for p in ML1M_PROTOCOLS if (r := recorded(f"movielens_ml1m_{p}.json")) is not None}
     ablations = {p: [r for f in FAIRNESS[p] if (r := recorded(f)) is not None and r["protocol"] == p] for p in FAIRNESS}
     ml1m = ml1m_section(records, recorded("movielens_ml1m_tuning.json"), ablations)
