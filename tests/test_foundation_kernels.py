@@ -685,14 +685,21 @@ def one_device_run(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("nodes", "local", "topology", "parts"),
-    [(1, 8, "1d", ()), (2, 4, "2d_ar", ()), (4, 2, "2d_a2a", ()), (2, 4, "2d_a2a", TIED)],
+    [
+        (1, 8, "1d", ()),
+        (2, 4, "2d_ar", ()),
+        (4, 2, "2d_a2a", ()),
+        (2, 4, "2d_a2a", TIED),
+        (4, 2, "2d_ar", TIED),
+        (1, 8, "1d", TIED),
+    ],
 )
 def test_foundation_training_on_a_mesh_equals_one_device(one_device_run, tmp_path, nodes, local, topology, parts):
     """Three training steps of the foundation model with this pass's layers (2-D kernel gradients, the
     attention and layer-norm VJPs, the dropout words) on a mesh equal one device's: losses, every dense
     parameter after the updates and the item table after its row-wise updates. Each mesh shape and each
-    topology once (a claim about these three pairs), and the tied item space (the rows enter the
-    transformer as they are and the hidden state scores them) on 2x4 2d_a2a; the dropout masks do not
+    topology once (a claim about these three pairs), and the same for the tied item space (the rows enter
+    the transformer as they are and the hidden state scores them) in other pairs; the dropout masks do not
     depend on the sharding."""
     losses, dense, tables = _tiny_run(tmp_path, nodes, local, topology, parts=parts)
     want_losses, want_dense, want_tables = one_device_run(parts)
